@@ -1,0 +1,149 @@
+"""The settings around the kernels: two (or more) views, query/key/queue, and the distributed gather.
+
+A ContrastiveLoss subclass says only how to scale the similarities into logits and how to turn
+positive cosines and masked negative logits into per-anchor terms; this module builds those scores
+once per call, with one matrix product, and never materialises the same [M, K] matrix twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastkit.distributed import gather_with_grad
+from contrastkit.losses.functional import Terms, _compute_dtype
+
+
+def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True) -> None:
+    """Clear errors for the feature inputs of a loss module: type, dtype, rank, shape, device, values."""
+    first_name, first = next(iter(tensors.items()))
+    for arg, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: {arg} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: {arg} must be [N, D], got shape {tuple(t.shape)}")
+        if t.shape[0] == 0:
+            raise ValueError(f"{name}: {arg} is an empty batch (shape {tuple(t.shape)})")
+        if t.device != first.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but {first_name} is on {first.device}")
+        if same_shape and t.shape != first.shape:
+            raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}")
+        if t.shape[1] != first.shape[1]:
+            raise ValueError(f"{name}: {arg} has dimension {t.shape[1]} but {first_name} has {first.shape[1]}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: {arg} has non-finite values (inf or NaN)")
+
+
+class ContrastiveLoss(nn.Module):
+    """Base of the score-based objectives (infonce, dcl, dclw, eqco, cacr).
+
+    ``loss_fn(z1, z2)``: the two-view setting (SimCLR). Anchors are all 2N views; an anchor's positive
+    is the other view of its sample, its negatives the 2N - 2 views of the other samples. Extra views,
+    ``loss_fn(z1, z2, z3, ...)``, give each anchor the V - 1 other views of its sample as positives.
+    ``loss_fn.query_key(q, k, queue)``: the MoCo setting. Anchors are the queries, the positive is the
+    key of the same sample, the negatives the queue, or without a queue the other keys of the batch.
+
+    The loss is the mean over this process's anchors. With ``gather_distributed=True`` the negatives
+    come from every process (gathered with gradient), so that P processes (with DDP's gradient
+    averaging) match one process on the concatenated batch.
+    """
+
+    name = "contrastive"
+
+    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False):
+        super().__init__()
+        self.normalize = normalize
+        self.gather_distributed = gather_distributed
+
+    # Subclasses define these two.
+    def logit_scale(self) -> float:
+        raise NotImplementedError
+
+    def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: torch.Tensor | int) -> Terms:
+        """Per-anchor terms from positive cosines [M, P] and scaled, masked negative logits [M, K]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ settings
+
+    def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor, output_dict: bool = False):
+        views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
+        check_features(self.name, views)
+        with torch.autocast(z1.device.type, enabled=False):
+            pos, neg_logits, num_neg = self._view_scores(list(views.values()))
+            return self._reduce(self.terms(pos, neg_logits, num_neg), output_dict)
+
+    def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
+                  output_dict: bool = False):
+        """MoCo setting: query [N, D], key [N, D] (or [N, P, D] for P positives), queue [Q, D] or None."""
+        keys = key if key.dim() == 3 else key[:, None]
+        features = {"query": query, "key": keys.reshape(-1, keys.shape[-1]) if keys.dim() == 3 else keys}
+        if queue is not None:
+            features["queue"] = queue
+        check_features(self.name, features, same_shape=False)
+        if keys.shape[0] != query.shape[0]:
+            raise ValueError(f"{self.name}: query has {query.shape[0]} rows but key has {keys.shape[0]}")
+        with torch.autocast(query.device.type, enabled=False):
+            dtype = _compute_dtype(query, key)
+            q, k = self._unit(query, dtype), self._unit(keys, dtype)
+            pos = torch.einsum("nd,npd->np", q, k)
+            scaled_q = q * self.logit_scale()
+            if queue is not None:
+                return self._reduce(self.terms(pos, scaled_q @ self._unit(queue, dtype).T, queue.shape[0]),
+                                    output_dict)
+            n, p = k.shape[:2]
+            all_k, start = self._gather(k.reshape(n, -1))
+            total = all_k.shape[0]
+            if total < 2:
+                raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
+                                 "and a batch of 1 has none")
+            neg_logits = scaled_q @ all_k.reshape(total * p, -1).T
+            rows = torch.arange(n, device=q.device).repeat_interleave(p)
+            cols = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
+            neg_logits = neg_logits.index_put_((rows, cols.reshape(-1)), neg_logits.new_tensor(float("-inf")))
+            return self._reduce(self.terms(pos, neg_logits, (total - 1) * p), output_dict)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _unit(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x = x.to(dtype)
+        return F.normalize(x, dim=-1) if self.normalize else x
+
+    def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return gather_with_grad(x) if self.gather_distributed else (x, 0)
+
+    def _view_scores(self, views: list[torch.Tensor]):
+        v, n, d = len(views), views[0].shape[0], views[0].shape[1]
+        dtype = _compute_dtype(*views)
+        u = torch.stack([self._unit(z, dtype) for z in views])  # [V, n, D]
+        all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
+        total = all_u.shape[0]
+        if total < 2:
+            raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
+                             "the views of the other samples); use a batch of at least 2")
+        all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
+        anchors = u.reshape(v * n, d)
+
+        # Positives: the other views of the same sample, from local features (no gather needed).
+        others = [[w for w in range(v) if w != a] for a in range(v)]
+        gram = torch.einsum("and,bnd->nab", u, u)  # [n, V, V]
+        idx = torch.tensor(others, device=u.device)  # [V, V-1]
+        pos = gram.gather(2, idx[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
+
+        # Negatives: one product with every view of every sample, then the sample's own views masked.
+        neg_logits = (anchors * self.logit_scale()) @ all_u.T  # [V n, V N]
+        sample = start + torch.arange(n, device=u.device)
+        own_cols = (torch.arange(v, device=u.device)[:, None] * total + sample).T  # [n, V]
+        rows = torch.arange(v * n, device=u.device).repeat_interleave(v)
+        cols = own_cols.repeat(v, 1).reshape(-1)
+        neg_logits = neg_logits.index_put_((rows, cols), neg_logits.new_tensor(float("-inf")))
+        return pos, neg_logits, v * (total - 1)
+
+    def _reduce(self, terms: Terms, output_dict: bool):
+        loss = terms.loss.mean()
+        if not output_dict:
+            return loss
+        return {"loss": loss, "pos_term": terms.pos_term.mean(), "neg_term": terms.neg_term.mean(),
+                "npc_multiplier": terms.npc.mean()}

@@ -1,0 +1,39 @@
+"""Contrastive attraction and contrastive repulsion (CACR, Zheng et al., TMLR 2023)."""
+
+from __future__ import annotations
+
+from contrastkit.losses.base import ContrastiveLoss
+from contrastkit.losses.functional import Terms, _check_temperature, cacr_terms
+
+
+class CACRLoss(ContrastiveLoss):
+    """CACR (Sec. 3.2, Algorithm 3): within the positives, attraction weighted by softmax(t_pos c)
+    (detached), so distant positives pull harder; within the negatives, repulsion weighted by
+    softmax(-t_neg c) (with gradient), so close negatives push harder; c = squared Euclidean distance
+    between unit vectors. No temperature. Defaults: t_pos 1.0, t_neg 2.0 (Algorithm 3).
+
+    Several views per sample (``loss_fn(z1, z2, z3, z4)``) give each anchor several positives to weigh.
+
+    >>> loss_fn = CACRLoss(t_pos=1.0, t_neg=2.0)
+    >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128), torch.randn(32, 128))
+    """
+
+    name = "cacr"
+
+    def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, **options):
+        super().__init__(**options)
+        _check_temperature(self.name, t_pos, "t_pos")
+        _check_temperature(self.name, t_neg, "t_neg")
+        self.t_pos, self.t_neg = t_pos, t_neg
+
+    def logit_scale(self) -> float:
+        return 2.0 * self.t_neg  # softmax(-t_neg (2 - 2 s)) = softmax(2 t_neg s)
+
+    def terms(self, pos, neg_logits, num_neg) -> Terms:
+        return cacr_terms(pos, neg_logits, t_pos=self.t_pos, t_neg=self.t_neg)
+
+    def _reduce(self, terms, output_dict):
+        loss = terms.loss.mean()
+        if not output_dict:
+            return loss
+        return {"loss": loss, "attraction": terms.pos_term.mean(), "repulsion": terms.neg_term.mean()}

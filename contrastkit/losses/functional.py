@@ -1,0 +1,254 @@
+"""Score-level kernels: each objective written once, over similarity scores.
+
+Every setting (two views, query/queue, image-text, wav2vec 2.0 frames) only builds the scores:
+
+- ``pos``: [M] cosine similarity of each anchor with its positive, or [M, P] with P positives;
+- ``neg``: [M, K] cosine similarity of each anchor with its candidate negatives;
+- ``neg_mask``: optional [M, K] bool, True where a negative is valid.
+
+Each kernel returns the per-anchor loss [M] in float32 (float64 if given float64), computed in the
+log domain whatever the autocast dtype. With P positives the per-anchor loss is the mean over its
+positives of the single-positive loss (each positive contrasted with the same negatives).
+An anchor with no valid negative is an error, never a silent inf or NaN.
+
+>>> pos, neg = torch.rand(8), torch.rand(8, 14)
+>>> dcl(pos, neg, temperature=0.1).shape
+torch.Size([8])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights"]
+
+
+class Terms(NamedTuple):
+    """Per-anchor loss and its diagnostics ([M] each; diagnostics detached)."""
+
+    loss: torch.Tensor
+    pos_term: torch.Tensor
+    neg_term: torch.Tensor
+    npc: torch.Tensor  # q_B = 1 - softmax probability of the positive (DCL paper, Prop. 1)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_scores(pos, neg, neg_mask, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Validate the score inputs of a kernel; return pos as [M, P] and both in the compute dtype."""
+    for arg, t in (("pos", pos), ("neg", neg)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: {arg} must be a floating-point tensor, got dtype {t.dtype}")
+    if pos.dim() not in (1, 2):
+        raise ValueError(f"{name}: pos must be [M] or [M, P], got shape {tuple(pos.shape)}")
+    if neg.dim() != 2:
+        raise ValueError(f"{name}: neg must be [M, K], got shape {tuple(neg.shape)}")
+    if pos.shape[0] != neg.shape[0]:
+        raise ValueError(f"{name}: pos has {pos.shape[0]} anchors but neg has {neg.shape[0]} (shapes "
+                         f"{tuple(pos.shape)} and {tuple(neg.shape)})")
+    if pos.shape[0] == 0:
+        raise ValueError(f"{name}: no anchors (pos has shape {tuple(pos.shape)})")
+    if pos.dim() == 2 and pos.shape[1] == 0:
+        raise ValueError(f"{name}: pos has no positive per anchor (shape {tuple(pos.shape)})")
+    if pos.device != neg.device:
+        raise ValueError(f"{name}: pos is on {pos.device} but neg is on {neg.device}")
+    if neg_mask is not None:
+        if not isinstance(neg_mask, torch.Tensor) or neg_mask.dtype != torch.bool:
+            raise ValueError(f"{name}: neg_mask must be a bool tensor, got "
+                             f"{getattr(neg_mask, 'dtype', type(neg_mask).__name__)}")
+        if neg_mask.shape != neg.shape:
+            raise ValueError(f"{name}: neg_mask has shape {tuple(neg_mask.shape)}, neg has {tuple(neg.shape)}")
+        if neg_mask.device != neg.device:
+            raise ValueError(f"{name}: neg_mask is on {neg_mask.device} but neg is on {neg.device}")
+    if neg.shape[1] == 0:
+        raise ValueError(f"{name}: no negatives (neg has shape {tuple(neg.shape)}); every anchor needs at least one")
+    if neg_mask is not None:
+        empty = int((~neg_mask.any(dim=1)).sum())
+        if empty:
+            raise ValueError(f"{name}: {empty} of {neg.shape[0]} anchors have no valid negative in neg_mask; "
+                             "drop those anchors before calling the loss")
+    if not bool(torch.isfinite(pos).all()):
+        raise ValueError(f"{name}: pos has non-finite values (inf or NaN)")
+    bad = ~torch.isfinite(neg)
+    if neg_mask is not None:
+        bad &= neg_mask
+    if bool(bad.any()):
+        raise ValueError(f"{name}: neg has {int(bad.sum())} non-finite values (inf or NaN) among valid negatives")
+    dtype = _compute_dtype(pos, neg)
+    pos = pos.to(dtype)
+    return (pos if pos.dim() == 2 else pos[:, None]), neg.to(dtype), neg_mask
+
+
+def _check_temperature(name: str, value: float, what: str = "temperature") -> None:
+    if isinstance(value, torch.Tensor):
+        if bool((value <= 0).any()) or not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{name}: {what} must be positive and finite")
+    elif not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}: {what} must be positive and finite, got {value}")
+
+
+def _masked_logits(neg: torch.Tensor, neg_mask: torch.Tensor | None, scale) -> torch.Tensor:
+    logits = neg * scale
+    return logits if neg_mask is None else logits.masked_fill(~neg_mask, float("-inf"))
+
+
+def _valid_count(neg: torch.Tensor, neg_mask: torch.Tensor | None) -> torch.Tensor:
+    if neg_mask is None:
+        return torch.full((neg.shape[0],), neg.shape[1], dtype=neg.dtype, device=neg.device)
+    return neg_mask.sum(dim=1).to(neg.dtype)
+
+
+# ----------------------------------------------------------------------------- the terms
+# These take logits already scaled and masked (-inf where invalid); the nn.Modules call them
+# directly on the similarity matrix they build once, the public kernels below after validation.
+
+
+def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_positive: bool,
+                  pos_weight: torch.Tensor | None = None) -> Terms:
+    """InfoNCE-family per-anchor loss from positive logits [M, P] and the negatives' logsumexp [M].
+
+    keep_positive=True: InfoNCE, -p + log(e^p + sum_k e^n_k) = softplus(lse_n - p).
+    keep_positive=False: the decoupled loss (DCL paper, Prop. 2), -w p + lse_n.
+    """
+    gap = neg_lse[:, None] - pos_logits
+    npc = torch.sigmoid(gap).mean(dim=1).detach()
+    if keep_positive:
+        per_pos = F.softplus(gap)
+        neg_term = torch.logaddexp(pos_logits, neg_lse[:, None]).mean(dim=1)
+        return Terms(per_pos.mean(dim=1), (-pos_logits.mean(dim=1)).detach(), neg_term.detach(), npc)
+    weighted = pos_logits if pos_weight is None else pos_weight * pos_logits
+    pos_term = -weighted.mean(dim=1)
+    return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
+
+
+def dclw_weights(pos: torch.Tensor, sigma: float, all_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """DCLW's positive weights w = 2 - n softmax(pos / sigma) over all n positive pairs, detached.
+
+    DCL paper, Sec. 3 (negative von Mises-Fisher weighting); E[w] = 1, and w -> 1 as sigma grows.
+    all_pos: every pair the softmax runs over (e.g. all processes' pairs), pos by default. Pairs that
+    appear once per view (two-view setting) give the same weights as the N pairs once each.
+    """
+    scaled = pos.detach() / sigma
+    everyone = scaled.reshape(-1) if all_pos is None else all_pos.detach().reshape(-1) / sigma
+    return 2.0 - everyone.numel() * torch.exp(scaled - torch.logsumexp(everyone, dim=0))
+
+
+def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, t_neg: float) -> Terms:
+    """CACR per-anchor loss from positive cosines [M, P] and negative logits 2 t_neg s [M, K] (masked).
+
+    Cost c = ||u - v||^2 = 2 - 2 s for unit vectors. Attraction: sum_k softmax(t_pos c+)_k c+_k,
+    weights detached (the positives come from the momentum encoder in Algorithm 3). Repulsion:
+    -sum_j softmax(-t_neg c-)_j c-_j, weights keep their gradient. softmax(-t_neg c) is softmax(2 t_neg s),
+    so the repulsion is -2 + 2 E_pi[s] with pi = softmax(neg_logits).
+    """
+    pos_cost = 2.0 - 2.0 * pos
+    with torch.no_grad():
+        pos_w = torch.softmax(t_pos * pos_cost, dim=1)
+    attraction = (pos_w * pos_cost).sum(dim=1)
+    pi = torch.softmax(neg_logits, dim=1)
+    neg_cos = torch.where(torch.isinf(neg_logits), torch.zeros_like(neg_logits), neg_logits / (2.0 * t_neg))
+    repulsion = -2.0 + 2.0 * (pi * neg_cos).sum(dim=1)
+    zeros = torch.zeros_like(attraction)
+    return Terms(attraction + repulsion, attraction.detach(), repulsion.detach(), zeros)
+
+
+# ----------------------------------------------------------------------------- public kernels
+
+
+def infonce(pos, neg, *, temperature: float = 0.1, neg_mask=None) -> torch.Tensor:
+    """InfoNCE / NT-Xent: -s_p / tau + log(e^{s_p/tau} + sum_k e^{s_k/tau}) (DCL paper, Eq. 1)."""
+    return _softmax_kernel("infonce", pos, neg, neg_mask, temperature, keep_positive=True).loss
+
+
+def dcl(pos, neg, *, temperature: float = 0.1, neg_mask=None) -> torch.Tensor:
+    """Decoupled contrastive loss: the positive removed from the denominator (DCL paper, Eq. 6)."""
+    return _softmax_kernel("dcl", pos, neg, neg_mask, temperature, keep_positive=False).loss
+
+
+def dclw(pos, neg, *, temperature: float = 0.1, sigma: float = 0.5, neg_mask=None,
+         pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted DCL: the positive term scaled by w = 2 - n softmax(pos / sigma), detached (DCL paper, Eq. 7).
+
+    pos_weight overrides the weights (for example computed over all processes' pairs).
+    """
+    _check_temperature("dclw", sigma, "sigma")
+    if pos_weight is None:
+        pos_weight = dclw_weights(pos if pos.dim() == 2 else pos[:, None], sigma)
+    elif pos_weight.dim() == 1:
+        pos_weight = pos_weight[:, None]
+    return _softmax_kernel("dclw", pos, neg, neg_mask, temperature, keep_positive=False,
+                           pos_weight=pos_weight).loss
+
+
+def eqco(pos, neg, *, temperature: float = 0.1, alpha: float = 256.0, neg_mask=None) -> torch.Tensor:
+    """EqCo: InfoNCE with the margin m = tau log(alpha / K) on the positive (EqCo, Eq. 1 and 5).
+
+    K counts each anchor's valid negatives; alpha = K gives InfoNCE back exactly.
+    """
+    _check_temperature("eqco", alpha, "alpha")
+    return _softmax_kernel("eqco", pos, neg, neg_mask, temperature, keep_positive=True, alpha=alpha).loss
+
+
+def npc_multiplier(pos, neg, *, temperature: float = 0.1, neg_mask=None) -> torch.Tensor:
+    """q_B per anchor: 1 - the softmax probability InfoNCE gives the positive (DCL paper, Prop. 1)."""
+    return _softmax_kernel("npc_multiplier", pos, neg, neg_mask, temperature, keep_positive=True).npc
+
+
+def cacr(pos, neg, *, t_pos: float = 1.0, t_neg: float = 2.0, neg_mask=None) -> torch.Tensor:
+    """Contrastive attraction and contrastive repulsion (CACR, Sec. 3.2 and Algorithm 3)."""
+    _check_temperature("cacr", t_pos, "t_pos")
+    _check_temperature("cacr", t_neg, "t_neg")
+    pos, neg, neg_mask = check_scores(pos, neg, neg_mask, "cacr")
+    return cacr_terms(pos, _masked_logits(neg, neg_mask, 2.0 * t_neg), t_pos=t_pos, t_neg=t_neg).loss
+
+
+def unigrad(anchor, target, correlation, *, lam: float = 100.0, normalize: bool = True) -> torch.Tensor:
+    """UniGrad per-anchor loss -cos(u, t) + (lam / 2) u^T F u, target detached (UniGrad, Eq. 15).
+
+    Its gradient in u is -t + lam F u (Eq. 14). UniGrad has no negatives matrix: the repulsion goes
+    through the correlation matrix F [D, D] (a running average of target features' u u^T), so this
+    kernel takes features, anchor [M, D] and target [M, D], rather than scores.
+    """
+    for arg, t in (("anchor", anchor), ("target", target), ("correlation", correlation)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"unigrad: {arg} must be a floating-point tensor")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"unigrad: {arg} has non-finite values (inf or NaN)")
+    if anchor.dim() != 2 or anchor.shape != target.shape:
+        raise ValueError(f"unigrad: anchor and target must both be [M, D], got {tuple(anchor.shape)} "
+                         f"and {tuple(target.shape)}")
+    d = anchor.shape[1]
+    if correlation.shape != (d, d):
+        raise ValueError(f"unigrad: correlation must be [{d}, {d}], got {tuple(correlation.shape)}")
+    dtype = _compute_dtype(anchor, target)
+    u, t = anchor.to(dtype), target.detach().to(dtype)
+    if normalize:
+        u, t = F.normalize(u, dim=-1), F.normalize(t, dim=-1)
+    pos = (u * t).sum(dim=-1)
+    quad = ((u @ correlation.detach().to(dtype)) * u).sum(dim=-1)
+    return -pos + 0.5 * lam * quad
+
+
+def _softmax_kernel(name, pos, neg, neg_mask, temperature, *, keep_positive, pos_weight=None,
+                    alpha=None) -> Terms:
+    _check_temperature(name, temperature)
+    pos, neg, neg_mask = check_scores(pos, neg, neg_mask, name)
+    neg_lse = torch.logsumexp(_masked_logits(neg, neg_mask, 1.0 / temperature), dim=1)
+    if alpha is not None:
+        neg_lse = neg_lse + torch.log(alpha / _valid_count(neg, neg_mask))
+    if pos_weight is not None:
+        if pos_weight.shape != pos.shape:
+            raise ValueError(f"{name}: pos_weight has shape {tuple(pos_weight.shape)}, pos has {tuple(pos.shape)}")
+        pos_weight = pos_weight.detach().to(pos.dtype)
+    return softmax_terms(pos / temperature, neg_lse, keep_positive=keep_positive, pos_weight=pos_weight)

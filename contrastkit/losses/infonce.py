@@ -1,0 +1,56 @@
+"""InfoNCE (the baseline) and EqCo, its margin form that does not depend on the number of negatives."""
+
+from __future__ import annotations
+
+import torch
+
+from contrastkit.losses.base import ContrastiveLoss
+from contrastkit.losses.functional import Terms, _check_temperature, softmax_terms
+
+
+class InfoNCELoss(ContrastiveLoss):
+    """InfoNCE / NT-Xent (SimCLR; DCL paper, Eq. 1): -s_p / tau + log(e^{s_p/tau} + sum_k e^{s_k/tau}).
+
+    Default temperature 0.1.
+
+    >>> loss_fn = InfoNCELoss(temperature=0.1)
+    >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128))
+    """
+
+    name = "infonce"
+
+    def __init__(self, temperature: float = 0.1, **options):
+        super().__init__(**options)
+        _check_temperature(self.name, temperature)
+        self.temperature = temperature
+
+    def logit_scale(self) -> float:
+        return 1.0 / self.temperature
+
+    def terms(self, pos, neg_logits, num_neg) -> Terms:
+        return softmax_terms(pos * self.logit_scale(), torch.logsumexp(neg_logits, dim=1), keep_positive=True)
+
+
+class EqCoLoss(InfoNCELoss):
+    """EqCo (Zhu et al., Eq. 1 and 5): InfoNCE with the margin m = tau log(alpha / K) on the positive.
+
+    K is the number of negatives each anchor actually uses (2N - 2 in the two-view setting, the queue
+    length with a queue); with alpha = K this is InfoNCE exactly. Defaults: temperature 0.1, alpha 256
+    (the paper's SimCLR setting; it uses 65536 for MoCo).
+
+    >>> loss_fn = EqCoLoss(temperature=0.1, alpha=256)
+    >>> loss = loss_fn(torch.randn(16, 128), torch.randn(16, 128))  # 30 negatives, behaves like 256
+    """
+
+    name = "eqco"
+
+    def __init__(self, temperature: float = 0.1, alpha: float = 256.0, **options):
+        super().__init__(temperature, **options)
+        _check_temperature(self.name, alpha, "alpha")
+        self.alpha = alpha
+
+    def terms(self, pos, neg_logits, num_neg) -> Terms:
+        # exp((s_p - m) / tau) = exp(s_p / tau) K / alpha: the same as scaling the negatives' sum by alpha / K.
+        neg_lse = torch.logsumexp(neg_logits, dim=1) + torch.log(torch.as_tensor(self.alpha / num_neg,
+                                                                                   dtype=pos.dtype))
+        return softmax_terms(pos * self.logit_scale(), neg_lse, keep_positive=True)

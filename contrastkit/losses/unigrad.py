@@ -1,0 +1,84 @@
+"""UniGrad: one gradient form for contrastive, asymmetric and decorrelation methods (Tao et al., CVPR 2022)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastkit.distributed import all_reduce_sum
+from contrastkit.losses.base import check_features
+from contrastkit.losses.functional import _check_temperature, _compute_dtype
+
+
+class UniGradLoss(nn.Module):
+    """UniGrad (Eq. 14-15): per anchor -cos(u1, t2) + (lam / 2) u1^T F u1, whose gradient is -t2 + lam F u1.
+
+    t2 is the target of the other view: a momentum encoder's output when given (``target1``,
+    ``target2``), else the detached online view. F is a running average of the targets' correlation,
+    F = rho F + (1 - rho) (T1^T T1 + T2^T T2) / (2N), set from the first batch, kept in float32 in a
+    buffer (saved with the state dict) and averaged over processes. F is updated in training mode
+    only. The loss is symmetric over the views. Defaults: lam 100, rho 0.99.
+
+    >>> loss_fn = UniGradLoss(lam=100.0, rho=0.99)
+    >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128))
+    """
+
+    name = "unigrad"
+
+    def __init__(self, lam: float = 100.0, rho: float = 0.99, *, normalize: bool = True):
+        super().__init__()
+        _check_temperature(self.name, lam, "lam")
+        if not 0.0 <= rho < 1.0:
+            raise ValueError(f"unigrad: rho must be in [0, 1), got {rho}")
+        self.lam, self.rho, self.normalize = lam, rho, normalize
+        self.register_buffer("correlation", torch.zeros(0, 0))  # sized on the first batch
+
+    def forward(self, z1, z2, target1=None, target2=None, *, output_dict: bool = False):
+        features = {"z1": z1, "z2": z2}
+        if (target1 is None) != (target2 is None):
+            raise ValueError("unigrad: give both target1 and target2, or neither")
+        if target1 is not None:
+            features.update(target1=target1, target2=target2)
+        check_features(self.name, features)
+        with torch.autocast(z1.device.type, enabled=False):
+            dtype = _compute_dtype(z1, z2)
+            u1, u2 = self._unit(z1, dtype), self._unit(z2, dtype)
+            t1, t2 = (u1, u2) if target1 is None else (self._unit(target1, dtype), self._unit(target2, dtype))
+            t1, t2 = t1.detach(), t2.detach()
+            if self.training:
+                self._update_correlation(t1, t2)
+            elif self.correlation.numel() == 0:
+                raise RuntimeError("unigrad: the correlation matrix is empty; run one training-mode batch first")
+            corr = self.correlation.to(dtype)
+            pos = torch.cat([(u1 * t2).sum(-1), (u2 * t1).sum(-1)])
+            quad = torch.cat([((u1 @ corr) * u1).sum(-1), ((u2 @ corr) * u2).sum(-1)])
+            loss = (-pos + 0.5 * self.lam * quad).mean()
+        if not output_dict:
+            return loss
+        return {"loss": loss, "pos_term": -pos.detach().mean(), "neg_term": 0.5 * self.lam * quad.detach().mean()}
+
+    def _unit(self, x, dtype):
+        x = x.to(dtype)
+        return F.normalize(x, dim=-1) if self.normalize else x
+
+    @torch.no_grad()
+    def _update_correlation(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
+        dtype = torch.promote_types(t1.dtype, torch.float32)  # float32 under autocast, float64 if given
+        t1, t2 = t1.to(dtype), t2.to(dtype)
+        total = all_reduce_sum(t1.T @ t1 + t2.T @ t2)
+        count = all_reduce_sum(torch.tensor(2.0 * t1.shape[0], dtype=dtype, device=t1.device))
+        batch = total / count
+        if self.correlation.numel() == 0:
+            self.correlation = batch
+        elif self.correlation.shape != batch.shape:
+            raise ValueError(f"unigrad: features have dimension {batch.shape[0]} but the correlation matrix "
+                             f"was built for {self.correlation.shape[0]}")
+        else:
+            self.correlation.mul_(self.rho).add_(batch.to(self.correlation.dtype), alpha=1.0 - self.rho)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        saved = state_dict.get(prefix + "correlation")
+        if saved is not None and saved.shape != self.correlation.shape:
+            self.correlation = torch.empty_like(saved, device=self.correlation.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -1,0 +1,90 @@
+"""Float64 references written straight from the papers' formulas, one anchor at a time.
+
+Deliberately naive: explicit index lists, exp and log rather than logsumexp, squared distances from
+vectors rather than from cosines, so that they share nothing with the kernels under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def unit(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def view_pairs(num_views: int, n: int):
+    """For each anchor (view v, sample i): its index, its positives' indices, its negatives' indices,
+    in the stacked order [view 0 samples..., view 1 samples..., ...]."""
+    out = []
+    for v in range(num_views):
+        for i in range(n):
+            pos = [w * n + i for w in range(num_views) if w != v]
+            neg = [w * n + j for w in range(num_views) for j in range(n) if j != i]
+            out.append((v * n + i, pos, neg))
+    return out
+
+
+def per_anchor(z, kind, **p):
+    """Mean over anchors of the per-anchor loss of `kind`, views z: list of [N, D] float64 tensors."""
+    u = unit(torch.cat(z))
+    anchors = view_pairs(len(z), z[0].shape[0])
+    if kind == "dclw":
+        # w = 2 - exp(<z1,z2>/sigma) / E_i[exp(<z1,z2>/sigma)] over every (anchor, positive) pair, detached
+        pairs = torch.stack([(u[a] * u[b]).sum() for a, ps, _ in anchors for b in ps]).detach()
+        e = torch.exp(pairs / p["sigma"])
+        weights = iter(2 - e / e.mean())
+    losses = []
+    for a, ps, ns in anchors:
+        s_pos = [(u[a] * u[b]).sum() for b in ps]
+        s_neg = torch.stack([(u[a] * u[b]).sum() for b in ns])
+        terms = []
+        for sp in s_pos:
+            if kind in ("infonce", "eqco"):
+                t = p["tau"]
+                m = t * math.log(p["alpha"] / len(ns)) if kind == "eqco" else 0.0
+                num = torch.exp((sp - m) / t)
+                terms.append(-torch.log(num / (num + torch.exp(s_neg / t).sum())))
+            elif kind == "dcl":
+                t = p["tau"]
+                terms.append(-sp / t + torch.log(torch.exp(s_neg / t).sum()))
+            elif kind == "dclw":
+                t = p["tau"]
+                terms.append(-next(weights) * sp / t + torch.log(torch.exp(s_neg / t).sum()))
+        if kind == "cacr":
+            c_pos = torch.stack([((u[a] - u[b]) ** 2).sum() for b in ps])
+            c_neg = torch.stack([((u[a] - u[b]) ** 2).sum() for b in ns])
+            w_pos = (torch.exp(p["t_pos"] * c_pos) / torch.exp(p["t_pos"] * c_pos).sum()).detach()
+            w_neg = torch.exp(-p["t_neg"] * c_neg) / torch.exp(-p["t_neg"] * c_neg).sum()
+            losses.append((w_pos * c_pos).sum() - (w_neg * c_neg).sum())
+        else:
+            losses.append(torch.stack(terms).mean())
+    return torch.stack(losses).mean()
+
+
+def query_key(q, k, queue, kind, **p):
+    """MoCo setting: anchors are the queries, positive the key, negatives the queue rows."""
+    q, k, queue = unit(q), unit(k), unit(queue)
+    losses = []
+    for i in range(q.shape[0]):
+        sp = (q[i] * k[i]).sum()
+        s_neg = queue @ q[i]
+        t = p["tau"]
+        if kind == "infonce":
+            num = torch.exp(sp / t)
+            losses.append(-torch.log(num / (num + torch.exp(s_neg / t).sum())))
+        elif kind == "dcl":
+            losses.append(-sp / t + torch.log(torch.exp(s_neg / t).sum()))
+    return torch.stack(losses).mean()
+
+
+def unigrad(z1, z2, correlation, lam):
+    """Eq. 15, symmetric, target = the other view detached; correlation given (already updated)."""
+    u1, u2 = unit(z1), unit(z2)
+    losses = []
+    for a, t in ((u1, u2.detach()), (u2, u1.detach())):
+        for i in range(a.shape[0]):
+            losses.append(-(a[i] * t[i]).sum() + lam / 2 * a[i] @ correlation @ a[i])
+    return torch.stack(losses).mean()

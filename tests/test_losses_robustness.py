@@ -1,0 +1,154 @@
+"""Numerical safety under autocast and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contrastkit.losses import available_losses, build_loss, functional
+
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+
+
+def _project(seed=0, n=64, d_in=32, d=16):
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(d_in, d)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(d, d_in, generator=g) / d_in**0.5)
+        layer.bias.zero_()
+    x1, x2 = torch.randn(n, d_in, generator=g), torch.randn(n, d_in, generator=g)
+    x2 = x1 + 0.3 * x2  # correlated views, so the loss is not at its random value
+    return layer, x1, x2
+
+
+def _loss_and_grad(name, dtype, temperature=None, collapsed=False):
+    layer, x1, x2 = _project()
+    if collapsed:
+        x1 = x2 = torch.ones_like(x1)
+    opts = {"temperature": temperature} if temperature and name not in ("cacr", "unigrad") else {}
+    loss_fn = build_loss(name, **opts)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        z1, z2 = layer(x1), layer(x2)
+        assert z1.dtype == dtype
+        loss = loss_fn(z1, z2)
+    loss.backward()
+    return loss.detach(), layer.weight.grad
+
+
+@pytest.mark.parametrize("name", available_losses())
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_autocast_within_one_percent_of_float32(name, dtype):
+    full, full_grad = _loss_and_grad(name, torch.float32)
+    low, low_grad = _loss_and_grad(name, dtype)
+    assert low.dtype == torch.float32  # kernels compute in float32 whatever the autocast dtype
+    assert abs(float(low - full)) <= 0.01 * abs(float(full)) + 1e-3
+    assert torch.isfinite(low_grad).all()
+
+
+@pytest.mark.parametrize("name", available_losses())
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("temperature,collapsed", [(0.02, False), (0.02, True), (0.1, True)])
+def test_no_nan_at_low_temperature_or_collapse(name, dtype, temperature, collapsed):
+    loss, grad = _loss_and_grad(name, dtype, temperature, collapsed)
+    assert torch.isfinite(loss), f"{name} {dtype} loss {loss}"
+    assert torch.isfinite(grad).all(), f"{name} {dtype} grad"
+
+
+def test_collapsed_dcl_value_is_the_analytic_one():
+    """All embeddings equal: every similarity is 1, so DCL = -1/t + log(2N - 2) + 1/t = log(2N - 2)."""
+    z = torch.ones(8, 4)
+    torch.testing.assert_close(build_loss("dcl", temperature=0.02)(z, z), torch.log(torch.tensor(14.0)))
+    torch.testing.assert_close(build_loss("infonce", temperature=0.02)(z, z), torch.log(torch.tensor(15.0)))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("name", available_losses())
+def test_batch_of_one_is_an_error_that_says_why(name):
+    z = torch.randn(1, 8)
+    if name == "unigrad":  # no negatives: a batch of one is fine for UniGrad
+        assert torch.isfinite(build_loss(name)(z, z))
+        return
+    with pytest.raises(ValueError, match="batch of 1.*no negatives"):
+        build_loss(name)(z, torch.randn(1, 8))
+
+
+@pytest.mark.parametrize("name", available_losses())
+@pytest.mark.parametrize("case,match", [
+    ("shape", "z2 has shape \\(4, 6\\) but z1 has \\(4, 8\\)"),
+    ("rank", "must be \\[N, D\\], got shape \\(4,\\)"),
+    ("dtype", "floating-point.*torch.int64"),
+    ("nan", "non-finite"),
+    ("inf", "non-finite"),
+    ("empty", "empty batch"),
+])
+def test_bad_features(name, case, match):
+    z1 = torch.randn(4, 8)
+    z2 = {"shape": torch.randn(4, 6), "rank": torch.randn(4), "dtype": torch.ones(4, 8, dtype=torch.long),
+          "nan": z1.clone().index_fill_(0, torch.tensor([2]), float("nan")),
+          "inf": z1.clone().index_fill_(0, torch.tensor([1]), float("inf")), "empty": torch.randn(0, 8)}[case]
+    if case == "rank":
+        z1, z2 = z2, z1
+        match = match.replace("got", "got")  # z1 is the bad one here
+    if case == "empty":
+        z1 = z2
+    with pytest.raises(ValueError, match=match):
+        build_loss(name)(z1, z2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (runs where CUDA is present)")
+def test_mismatched_devices():
+    with pytest.raises(ValueError, match="is on cuda"):
+        build_loss("dcl")(torch.randn(4, 8), torch.randn(4, 8, device="cuda"))
+
+
+def test_mismatched_devices_meta():
+    """Device mismatch is caught before any computation (the meta device stands in for a second one)."""
+    with pytest.raises(ValueError, match="z2 is on meta but z1 is on cpu"):
+        build_loss("dcl")(torch.randn(4, 8), torch.empty(4, 8, device="meta"))
+
+
+@pytest.mark.parametrize("kernel", ["infonce", "dcl", "dclw", "eqco", "cacr"])
+def test_functional_bad_scores(kernel):
+    f = getattr(functional, kernel)
+    pos, neg = torch.rand(4), torch.rand(4, 6)
+    with pytest.raises(ValueError, match="pos has 4 anchors but neg has 3"):
+        f(pos, torch.rand(3, 6))
+    with pytest.raises(ValueError, match="no negatives"):
+        f(pos, torch.rand(4, 0))
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[2] = False
+    with pytest.raises(ValueError, match="1 of 4 anchors have no valid negative"):
+        f(pos, neg, neg_mask=mask)
+    with pytest.raises(ValueError, match="neg_mask must be a bool tensor"):
+        f(pos, neg, neg_mask=mask.float())
+    with pytest.raises(ValueError, match="neg has 1 non-finite"):
+        f(pos, neg.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("nan"))))
+    # a non-finite value where the mask says invalid is ignored
+    masked = neg.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("-inf")))
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[0, 0] = False
+    assert torch.isfinite(f(pos, masked, neg_mask=mask)).all()
+    with pytest.raises(ValueError, match="pos has non-finite"):
+        f(pos.index_fill(0, torch.tensor([1]), float("inf")), neg)
+    with pytest.raises(ValueError, match="floating-point.*torch.int64"):
+        f(pos, torch.ones(4, 6, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name,option", [("dcl", {"temperature": 0.0}), ("infonce", {"temperature": -1.0}),
+                                         ("dclw", {"sigma": 0.0}), ("eqco", {"alpha": 0}), ("cacr", {"t_neg": -2.0}),
+                                         ("unigrad", {"rho": 1.0})])
+def test_bad_options(name, option):
+    with pytest.raises(ValueError, match=next(iter(option))):
+        build_loss(name, **option)
+
+
+def test_masked_negatives_equal_dropped_negatives():
+    g = torch.Generator().manual_seed(0)
+    pos, neg = torch.rand(5, generator=g, dtype=torch.float64), torch.rand(5, 9, generator=g, dtype=torch.float64)
+    mask = torch.ones(5, 9, dtype=torch.bool)
+    mask[:, -3:] = False
+    for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):
+        f = getattr(functional, name)
+        torch.testing.assert_close(f(pos, neg, neg_mask=mask), f(pos, neg[:, :6]))
