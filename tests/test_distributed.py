@@ -43,8 +43,13 @@ def _run(rank, world, sizes, init_file, out_dir):
             loss = loss_fn(*views2)
             (weight * loss).backward()
             views = views2
-        results[name] = (float(loss) * weight, [v.grad for v in views],
+        results[name] = (float(loss.detach()) * weight, [v.grad for v in views],
                          getattr(loss_fn, "correlation", None))
+    for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):  # image-text
+        a, b = (x[lo:hi].clone().requires_grad_() for x in _batch(4, total)[:2])
+        loss = _make(name).cross_modal(a, b)
+        (sizes[rank] / total * loss).backward()
+        results[name + "/cross_modal"] = (float(loss) * sizes[rank] / total, [a.grad, b.grad], None)
     for name in ("dcl", "cacr"):  # several views and the query/key form without a queue
         z = [x[lo:hi].clone().requires_grad_() for x in _batch(2, total)[:3]]
         loss = _make(name)(*z)
@@ -71,6 +76,10 @@ def _single(sizes):
             loss = loss_fn(*views)
         grads = torch.autograd.grad(loss, views)
         expected[name] = (float(loss), grads, getattr(loss_fn, "correlation", None))
+    for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):
+        a, b = (x.clone().requires_grad_() for x in _batch(4, total)[:2])
+        loss = build_loss(name).double().cross_modal(a, b)
+        expected[name + "/cross_modal"] = (float(loss), torch.autograd.grad(loss, (a, b)), None)
     for name in ("dcl", "cacr"):
         z = [x.clone().requires_grad_() for x in _batch(2, total)[:3]]
         loss = build_loss(name).double()(*z)

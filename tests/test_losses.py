@@ -281,3 +281,30 @@ def test_temperature_matters():
     z = _views(15, 8, 8)
     assert not torch.allclose(DCLLoss(temperature=0.1)(*z), DCLLoss(temperature=0.5)(*z))
     assert math.isfinite(float(DCLLoss(temperature=0.01)(*z)))
+
+
+@pytest.mark.parametrize("kind", list(SCORE_LOSSES))
+def test_cross_modal_is_the_mean_of_both_directions(kind):
+    """Image-text: an image's negatives are the other captions and vice versa; the kernel on each side."""
+    cls, opts, _ = _params(kind, 0.1)
+    img, txt = _views(30, 7, 9)
+    got = cls(**opts).cross_modal(img, txt)
+    sims = reference.unit(img) @ reference.unit(txt).T
+    off = ~torch.eye(7, dtype=torch.bool)
+    kernel = getattr(functional, kind)
+    directions = [kernel(sims.diagonal(), s.masked_select(off).reshape(7, 6), **opts).mean() for s in (sims, sims.T)]
+    torch.testing.assert_close(got, sum(directions) / 2, rtol=1e-10, atol=1e-12)
+
+
+def test_cross_modal_infonce_is_clip_loss_and_scale_gets_gradient():
+    img, txt = _views(31, 8, 5)
+    scale = torch.tensor(14.0, dtype=torch.float64, requires_grad=True)
+    got = InfoNCELoss().cross_modal(img, txt, logit_scale=scale)
+    logits = scale * reference.unit(img) @ reference.unit(txt).T
+    labels = torch.arange(8)
+    expected = (torch.nn.functional.cross_entropy(logits, labels) + torch.nn.functional.cross_entropy(logits.T, labels)) / 2
+    torch.testing.assert_close(got, expected)
+    (g,) = torch.autograd.grad(got, scale)
+    (e,) = torch.autograd.grad(expected, scale)
+    torch.testing.assert_close(g, e)
+    assert float(g.abs()) > 0

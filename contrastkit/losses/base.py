@@ -62,8 +62,9 @@ class ContrastiveLoss(nn.Module):
     def logit_scale(self) -> float:
         raise NotImplementedError
 
-    def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: torch.Tensor | int) -> Terms:
-        """Per-anchor terms from positive cosines [M, P] and scaled, masked negative logits [M, K]."""
+    def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: int, scale) -> Terms:
+        """Per-anchor terms from positive cosines [M, P] and negative logits [M, K] (cosines times
+        ``scale``, -inf where masked); num_neg is the number of valid negatives per anchor."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ settings
@@ -73,7 +74,7 @@ class ContrastiveLoss(nn.Module):
         check_features(self.name, views)
         with torch.autocast(z1.device.type, enabled=False):
             pos, neg_logits, num_neg = self._view_scores(list(views.values()))
-            return self._reduce(self.terms(pos, neg_logits, num_neg), output_dict)
+            return self._reduce(self.terms(pos, neg_logits, num_neg, self.logit_scale()), output_dict)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
                   output_dict: bool = False):
@@ -89,9 +90,10 @@ class ContrastiveLoss(nn.Module):
             dtype = _compute_dtype(query, key)
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
-            scaled_q = q * self.logit_scale()
+            scale = self.logit_scale()
+            scaled_q = q * scale
             if queue is not None:
-                return self._reduce(self.terms(pos, scaled_q @ self._unit(queue, dtype).T, queue.shape[0]),
+                return self._reduce(self.terms(pos, scaled_q @ self._unit(queue, dtype).T, queue.shape[0], scale),
                                     output_dict)
             n, p = k.shape[:2]
             all_k, start = self._gather(k.reshape(n, -1))
@@ -103,7 +105,40 @@ class ContrastiveLoss(nn.Module):
             rows = torch.arange(n, device=q.device).repeat_interleave(p)
             cols = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
             neg_logits = neg_logits.index_put_((rows, cols.reshape(-1)), neg_logits.new_tensor(float("-inf")))
-            return self._reduce(self.terms(pos, neg_logits, (total - 1) * p), output_dict)
+            return self._reduce(self.terms(pos, neg_logits, (total - 1) * p, scale), output_dict)
+
+    def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
+                    output_dict: bool = False):
+        """Image-text setting (CLIP): anchors are the images and the texts; an image's positive is its
+        caption and its negatives the other captions, and vice versa; the loss is the mean of both
+        directions. ``logit_scale`` (e.g. CLIP's learnable exp(t), keeps its gradient) replaces the
+        loss's own scale (1 / temperature) when given."""
+        check_features(self.name, {"image": image, "text": text})
+        scale = self.logit_scale() if logit_scale is None else logit_scale
+        with torch.autocast(image.device.type, enabled=False):
+            dtype = _compute_dtype(image, text)
+            a, b = self._unit(image, dtype), self._unit(text, dtype)
+            if isinstance(scale, torch.Tensor):
+                scale = scale.to(dtype)
+            n = a.shape[0]
+            pos = (a * b).sum(-1, keepdim=True)
+            both, start = self._gather(torch.cat([a, b], dim=1))
+            total = both.shape[0]
+            if total < 2:
+                raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
+            all_a, all_b = both.split(a.shape[1], dim=1)
+            rows = torch.arange(n, device=a.device)
+            inf = a.new_tensor(float("-inf"))
+            if total == n:  # one process: one product serves both directions
+                logits = (a * scale) @ b.T
+                logits = logits.index_put_((rows, rows), inf)
+                image_logits, text_logits = logits, logits.T
+            else:
+                image_logits = ((a * scale) @ all_b.T).index_put_((rows, start + rows), inf)
+                text_logits = ((b * scale) @ all_a.T).index_put_((rows, start + rows), inf)
+            image_terms = self.terms(pos, image_logits, total - 1, scale)
+            text_terms = self.terms(pos, text_logits, total - 1, scale)
+            return self._reduce(Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms))), output_dict)
 
     # ------------------------------------------------------------------ helpers
 

@@ -29,8 +29,8 @@ class CACRLoss(ContrastiveLoss):
     def logit_scale(self) -> float:
         return 2.0 * self.t_neg  # softmax(-t_neg (2 - 2 s)) = softmax(2 t_neg s)
 
-    def terms(self, pos, neg_logits, num_neg) -> Terms:
-        return cacr_terms(pos, neg_logits, t_pos=self.t_pos, t_neg=self.t_neg)
+    def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
+        return cacr_terms(pos, neg_logits, t_pos=self.t_pos, neg_scale=scale)
 
     def _reduce(self, terms, output_dict):
         loss = terms.loss.mean()

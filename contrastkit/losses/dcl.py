@@ -33,8 +33,8 @@ class DCLLoss(ContrastiveLoss):
     def positive_weight(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
-    def terms(self, pos, neg_logits, num_neg) -> Terms:
-        return softmax_terms(pos * self.logit_scale(), torch.logsumexp(neg_logits, dim=1), keep_positive=False,
+    def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
+        return softmax_terms(pos * scale, torch.logsumexp(neg_logits, dim=1), keep_positive=False,
                              pos_weight=self.positive_weight(pos))
 
 

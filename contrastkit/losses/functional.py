@@ -144,8 +144,9 @@ def dclw_weights(pos: torch.Tensor, sigma: float, all_pos: torch.Tensor | None =
     return 2.0 - everyone.numel() * torch.exp(scaled - torch.logsumexp(everyone, dim=0))
 
 
-def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, t_neg: float) -> Terms:
-    """CACR per-anchor loss from positive cosines [M, P] and negative logits 2 t_neg s [M, K] (masked).
+def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, neg_scale) -> Terms:
+    """CACR per-anchor loss from positive cosines [M, P] and negative logits neg_scale * s [M, K] (masked),
+    neg_scale = 2 t_neg.
 
     Cost c = ||u - v||^2 = 2 - 2 s for unit vectors. Attraction: sum_k softmax(t_pos c+)_k c+_k,
     weights detached (the positives come from the momentum encoder in Algorithm 3). Repulsion:
@@ -157,7 +158,7 @@ def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, t_n
         pos_w = torch.softmax(t_pos * pos_cost, dim=1)
     attraction = (pos_w * pos_cost).sum(dim=1)
     pi = torch.softmax(neg_logits, dim=1)
-    neg_cos = torch.where(torch.isinf(neg_logits), torch.zeros_like(neg_logits), neg_logits / (2.0 * t_neg))
+    neg_cos = torch.where(torch.isinf(neg_logits), torch.zeros_like(neg_logits), neg_logits / neg_scale)
     repulsion = -2.0 + 2.0 * (pi * neg_cos).sum(dim=1)
     zeros = torch.zeros_like(attraction)
     return Terms(attraction + repulsion, attraction.detach(), repulsion.detach(), zeros)
@@ -210,7 +211,7 @@ def cacr(pos, neg, *, t_pos: float = 1.0, t_neg: float = 2.0, neg_mask=None) -> 
     _check_temperature("cacr", t_pos, "t_pos")
     _check_temperature("cacr", t_neg, "t_neg")
     pos, neg, neg_mask = check_scores(pos, neg, neg_mask, "cacr")
-    return cacr_terms(pos, _masked_logits(neg, neg_mask, 2.0 * t_neg), t_pos=t_pos, t_neg=t_neg).loss
+    return cacr_terms(pos, _masked_logits(neg, neg_mask, 2.0 * t_neg), t_pos=t_pos, neg_scale=2.0 * t_neg).loss
 
 
 def unigrad(anchor, target, correlation, *, lam: float = 100.0, normalize: bool = True) -> torch.Tensor:
