@@ -15,6 +15,7 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "hexagon", "diamond", "crescent")
@@ -79,9 +80,8 @@ def _outline(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
 def render(spec: ShapeSpec, size: int = 64, seed: int = 0) -> Image.Image:
     """Draw ``spec`` as an RGB image of ``size`` x ``size``; ``seed`` sets jitter, rotation and background."""
     rng = random.Random(seed)
-    base = rng.randint(20, 110)
-    noise = Image.effect_noise((size, size), rng.uniform(8, 30)).point(lambda v: max(0, min(255, v - 128 + base)))
-    image = Image.merge("RGB", [noise] * 3)
+    noise = np.random.default_rng(seed).normal(rng.randint(20, 110), rng.uniform(8, 30), (size, size))
+    image = Image.fromarray(np.clip(noise, 0, 255).astype(np.uint8)).convert("RGB")
     radius = size * (0.14 if spec.size == "small" else 0.27) * rng.uniform(0.9, 1.1)
     anchors = {"top left": (0.28, 0.28), "top right": (0.72, 0.28), "bottom left": (0.28, 0.72),
                "bottom right": (0.72, 0.72), "center": (0.5, 0.5)}
