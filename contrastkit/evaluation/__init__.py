@@ -1,0 +1,1 @@
+"""Evaluation logic (zero-shot, kNN, linear probe, speaker ID, intent); eval/ scripts are thin wrappers."""

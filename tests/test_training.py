@@ -1,0 +1,22 @@
+import json
+
+from contrastkit.training import MetricsLog, latest_checkpoint
+
+
+def test_metrics_log_plot_summary_and_resume(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in range(1, 6):
+        log.log(step, loss=1.0 / step, acc=None if step % 2 else 0.1 * step)
+    assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5]
+    assert log.plot(["loss", "acc", "missing"]).exists()
+    assert json.loads(log.summary({"top1": 0.5, "nan": float("nan")}).read_text()) == {"top1": 0.5, "nan": None}
+    resumed = MetricsLog(tmp_path, resume_step=3)
+    assert [r["step"] for r in resumed.records()] == [1, 2, 3]
+
+
+def test_latest_checkpoint(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    for step in (5, 40, 100, 7):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_x").mkdir()
+    assert latest_checkpoint(tmp_path).name == "step_100"
