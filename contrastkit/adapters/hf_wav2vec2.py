@@ -1,0 +1,157 @@
+"""Hugging Face wav2vec 2.0 pre-training with any contrastkit objective in place of its InfoNCE.
+
+>>> from contrastkit.adapters import hf_wav2vec2
+>>> handle = hf_wav2vec2.patch(model, loss="dcl")     # a model instance, a class, or None for all
+>>> out = model(input_values, mask_time_indices=m, sampled_negative_indices=n)   # out.loss uses DCL
+>>> handle.undo()                                      # or: with hf_wav2vec2.patch(...): ...
+
+What changes: the contrastive term L_m (wav2vec 2.0 paper, Eq. 3) of ``Wav2Vec2ForPreTraining`` and
+``Wav2Vec2ConformerForPreTraining``. The patched forward runs the model's own forward and recomputes
+L_m from its outputs with the same scores the model uses: cosine similarity (in float32) of each masked
+frame's projected context vector with its projected quantised target and with the distractors picked by
+``sampled_negative_indices``, a distractor equal to the target masked out; the temperature is
+``config.contrastive_logits_temperature`` unless given. The sum over masked frames (``reduction="sum"``)
+and ``loss = L_m + config.diversity_loss_weight * L_d`` are kept, so scripts that divide by the number
+of masked frames stay right; the output is the model's own output type (or its tuple).
+
+A masked frame whose distractors all equal its target has no valid negative: the model's InfoNCE
+gives it 0 and every objective here leaves it out of the sum (also 0); see FrameObjective.
+
+Without ``sampled_negative_indices`` the model computes no loss and the patched forward changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import torch
+
+from contrastkit.speech.objective import FrameObjective
+
+SUPPORTED = (
+    ("transformers.models.wav2vec2.modeling_wav2vec2", "Wav2Vec2ForPreTraining"),
+    ("transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer", "Wav2Vec2ConformerForPreTraining"),
+)
+
+
+def supported_classes() -> list[type]:
+    """The model classes ``patch(None)`` patches (those this transformers version has)."""
+    found = []
+    for module, name in SUPPORTED:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    if not found:
+        raise ImportError("no wav2vec 2.0 pre-training class found: is transformers installed?")
+    return found
+
+
+class Patch:
+    """What ``patch`` did; ``undo()`` (or leaving the ``with`` block) restores the original forwards."""
+
+    def __init__(self, targets: list, objective: FrameObjective):
+        self.targets, self.objective = targets, objective
+
+    def undo(self) -> None:
+        for target in self.targets:
+            unpatch(target)
+        self.targets = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+
+def patch(target=None, loss: str = "dcl", **options) -> Patch:
+    """Make ``target``'s forward use ``loss`` (infonce, dcl, dclw, eqco, cacr) with ``options``
+    (temperature, sigma, alpha, t_pos, t_neg) for its contrastive term.
+
+    target: a model instance, a model class, or None for every supported class. Patching again
+    replaces the objective; ``unpatch`` or the returned handle's ``undo()`` restores the original.
+    """
+    objective = FrameObjective(loss, **options)
+    targets = supported_classes() if target is None else [target]
+    for t in targets:
+        cls = t if isinstance(t, type) else type(t)
+        if not any(issubclass(cls, c) for c in supported_classes()):
+            raise TypeError(f"hf_wav2vec2.patch: {cls.__name__} is not a wav2vec 2.0 pre-training model; "
+                            f"supported: {', '.join(c.__name__ for c in supported_classes())}")
+        unpatch(t)
+        original = getattr(cls.forward, "__contrastkit_original__", cls.forward)
+        if isinstance(t, type):
+            t.forward = _patched_forward(original, objective)
+        else:  # an instance attribute shadows the class's method for this model only
+            t.forward = functools.partial(_patched_forward(original, objective), t)
+            t.forward.__contrastkit_objective__ = objective
+    return Patch(targets, objective)
+
+
+def unpatch(target=None) -> None:
+    """Restore the original forward of ``target`` (instance, class, or None for all supported classes)."""
+    for t in supported_classes() if target is None else [target]:
+        if isinstance(t, type):
+            forward = t.__dict__.get("forward")
+            if forward is not None and hasattr(forward, "__contrastkit_original__"):
+                t.forward = forward.__contrastkit_original__
+        elif "forward" in vars(t):
+            del t.forward
+
+
+def active_objective(model) -> FrameObjective | None:
+    """The objective ``model``'s forward uses, or None when it is unpatched."""
+    return getattr(model.forward, "__contrastkit_objective__", None)
+
+
+def contrastive_scores(projected_states: torch.Tensor, projected_quantized: torch.Tensor,
+                       sampled_negative_indices: torch.Tensor, mask_time_indices: torch.Tensor):
+    """The model's scores on its masked frames: pos [M], neg [M, K] cosines (float32) and valid [M, K].
+
+    Same construction as ``Wav2Vec2ForPreTraining.forward``: distractors gathered from the flattened
+    quantised states by ``sampled_negative_indices``; a distractor equal to the target is invalid.
+    """
+    b, t, h = projected_quantized.shape
+    negatives = projected_quantized.reshape(-1, h)[sampled_negative_indices.long().reshape(-1)].view(b, t, -1, h)
+    mask = mask_time_indices.bool()
+    context, target, negatives = projected_states[mask], projected_quantized[mask], negatives[mask]
+    pos = torch.cosine_similarity(context.float(), target.float(), dim=-1)
+    neg = torch.cosine_similarity(context.float()[:, None], negatives.float(), dim=-1)
+    valid = ~(target[:, None] == negatives).all(-1)
+    return pos, neg, valid
+
+
+def _patched_forward(original, objective: FrameObjective):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        negatives = arguments.get("sampled_negative_indices")
+        if negatives is None:
+            return original(*bound.args, **bound.kwargs)
+        mask = arguments.get("mask_time_indices")
+        if mask is None:
+            raise ValueError("sampled_negative_indices needs mask_time_indices (the frames to contrast)")
+        return_dict = arguments.get("return_dict")
+        return_dict = self.config.use_return_dict if return_dict is None else return_dict
+        arguments["return_dict"] = True
+        out = original(*bound.args, **bound.kwargs)
+        pos, neg, valid = contrastive_scores(out.projected_states, out.projected_quantized_states, negatives, mask)
+        contrastive, dropped = objective.summed(pos, neg, valid,
+                                                model_temperature=self.config.contrastive_logits_temperature)
+        self._contrastkit_dropped_frames = dropped
+        loss = contrastive + self.config.diversity_loss_weight * out.diversity_loss
+        out = type(out)(**{**out, "loss": loss, "contrastive_loss": contrastive})
+        if return_dict:
+            return out
+        extra = tuple(x for x in (out.hidden_states, out.attentions) if x is not None)
+        return (loss, out.projected_states, out.projected_quantized_states, out.codevector_perplexity) + extra
+
+    forward.__contrastkit_original__ = original
+    forward.__contrastkit_objective__ = objective
+    return forward

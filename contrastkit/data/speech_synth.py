@@ -1,0 +1,86 @@
+"""Offline speech synthesis with espeak-ng: the library shipped in the PyPI package espeakng-loader
+(through ctypes), or the ``espeak-ng`` program as a fallback. Returns float32 mono waveforms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import shutil
+import subprocess
+
+import numpy as np
+
+_AUDIO_OUTPUT_SYNCHRONOUS = 0x02
+_POS_CHARACTER, _CHARS_AUTO = 1, 0
+_RATE, _PITCH, _RANGE = 1, 3, 4
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+
+
+class _Library:
+    """libespeak-ng from espeakng-loader, initialised once for synchronous synthesis into memory."""
+
+    def __init__(self):
+        import espeakng_loader
+
+        self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
+        self.lib.espeak_Initialize.restype = ctypes.c_int
+        self.lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self.lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
+                                          ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+        self.lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.sample_rate = self.lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0,
+                                                      espeakng_loader.get_data_path().encode(), 0)
+        if self.sample_rate <= 0:
+            raise RuntimeError("espeak_Initialize failed")
+        self.chunks: list[np.ndarray] = []
+
+        def collect(wav, n, events):
+            if n > 0:
+                self.chunks.append(np.ctypeslib.as_array(wav, shape=(n,)).copy())
+            return 0
+
+        self.callback = _CALLBACK(collect)  # keep a reference: the library calls it
+        self.lib.espeak_SetSynthCallback(self.callback)
+
+    def synth(self, text: str, voice: str, rate: int, pitch: int, pitch_range: int) -> tuple[np.ndarray, int]:
+        if self.lib.espeak_SetVoiceByName(voice.encode()) != 0:
+            raise ValueError(f"espeak-ng has no voice {voice!r}")
+        for key, value in ((_RATE, rate), (_PITCH, pitch), (_RANGE, pitch_range)):
+            self.lib.espeak_SetParameter(key, value, 0)
+        self.chunks = []
+        data = text.encode() + b"\0"
+        if self.lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, _CHARS_AUTO, None, None) != 0:
+            raise RuntimeError(f"espeak_Synth failed on {text!r}")
+        self.lib.espeak_Synchronize()
+        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)
+        return audio.astype(np.float32) / 32768.0, self.sample_rate
+
+
+_LIBRARY: _Library | None = None
+
+
+def synthesize(text: str, *, voice: str = "en", rate: int = 160, pitch: int = 50,
+               pitch_range: int = 50) -> tuple[np.ndarray, int]:
+    """(waveform float32 [T], sample rate) of ``text`` spoken by espeak-ng ``voice`` (e.g. "en+f3")."""
+    global _LIBRARY
+    try:
+        if _LIBRARY is None:
+            _LIBRARY = _Library()
+        return _LIBRARY.synth(text, voice, rate, pitch, pitch_range)
+    except (ImportError, OSError):
+        return _synthesize_program(text, voice, rate, pitch, pitch_range)
+
+
+def _synthesize_program(text, voice, rate, pitch, pitch_range) -> tuple[np.ndarray, int]:
+    import soundfile
+
+    program = shutil.which("espeak-ng") or shutil.which("espeak")
+    if program is None:
+        raise RuntimeError("speech synthesis needs espeak-ng: `pip install espeakng-loader` (ships the library) "
+                           "or install the espeak-ng program (e.g. `apt-get install espeak-ng`)")
+    cmd = [program, "-v", voice, "-s", str(rate), "-p", str(pitch), "-a", "100", "--stdout", text]
+    wav = subprocess.run(cmd, check=True, capture_output=True).stdout
+    audio, sr = soundfile.read(io.BytesIO(wav), dtype="float32")
+    return audio, sr

@@ -1,0 +1,68 @@
+"""Small wav2vec 2.0 configurations (HF and fairseq2) that train on a CPU in minutes, and the masking /
+distractor sampling / gumbel-temperature schedule of the wav2vec 2.0 recipe.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# A tiny model: 2 conv layers (stride 320 overall would be too coarse for 1-2 s clips; 5 * 4 * 4 = 80,
+# i.e. 200 frames per second), 2 transformer layers of width 64.
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            conv_dim=(64, 64, 64), conv_stride=(5, 4, 4), conv_kernel=(10, 8, 4),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+            codevector_dim=32, proj_codevector_dim=32, num_codevectors_per_group=32, num_codevector_groups=2,
+            num_negatives=20, contrastive_logits_temperature=0.1, diversity_loss_weight=0.1,
+            mask_time_prob=0.5, mask_time_length=5, feat_extract_norm="group", do_stable_layer_norm=False,
+            hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+            feat_quantizer_dropout=0.0, final_dropout=0.0, layerdrop=0.0)
+
+
+def hf_config(conformer: bool = False, **overrides):
+    """A tiny ``Wav2Vec2Config`` (or ``Wav2Vec2ConformerConfig``), ``overrides`` on top."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ConformerConfig
+
+    options = {**TINY, **overrides}
+    if conformer:
+        options.setdefault("conv_depthwise_kernel_size", 7)
+        options.setdefault("position_embeddings_type", "relative")
+        return Wav2Vec2ConformerConfig(**options)
+    return Wav2Vec2Config(**options)
+
+
+def hf_model(conformer: bool = False, seed: int = 0, **overrides):
+    """A freshly initialised tiny ``Wav2Vec2ForPreTraining`` (or the Conformer variant)."""
+    from transformers import Wav2Vec2ConformerForPreTraining, Wav2Vec2ForPreTraining
+
+    torch.manual_seed(seed)
+    cls = Wav2Vec2ConformerForPreTraining if conformer else Wav2Vec2ForPreTraining
+    return cls(hf_config(conformer, **overrides))
+
+
+def hf_mask_and_negatives(model, batch_size: int, num_samples: int, rng: np.random.Generator,
+                          attention_mask: torch.Tensor | None = None):
+    """(mask_time_indices, sampled_negative_indices) for a batch, as the wav2vec 2.0 recipe draws them
+    (HF's own ``_compute_mask_indices`` / ``_sample_negative_indices``, driven by ``rng`` so a resumed
+    run draws the same). Padding frames are never masked nor used as distractors."""
+    from transformers.models.wav2vec2 import modeling_wav2vec2 as mw
+
+    frames = int(model._get_feat_extract_output_lengths(num_samples))
+    sub_mask = None
+    if attention_mask is not None:
+        sub_mask = model._get_feature_vector_attention_mask(frames, attention_mask)
+    state = np.random.get_state()
+    np.random.seed(int(rng.integers(2**31)))  # HF's helpers use the global numpy RNG
+    try:
+        cfg = model.config
+        mask = mw._compute_mask_indices((batch_size, frames), cfg.mask_time_prob, cfg.mask_time_length,
+                                        attention_mask=sub_mask, min_masks=2)
+        negatives = mw._sample_negative_indices((batch_size, frames), cfg.num_negatives, mask_time_indices=mask)
+    finally:
+        np.random.set_state(state)
+    return torch.from_numpy(mask), torch.from_numpy(negatives.astype(np.int64))
+
+
+def gumbel_temperature(step: int, max_temp: float = 2.0, min_temp: float = 0.5, decay: float = 0.999995) -> float:
+    """The wav2vec 2.0 recipe's gumbel-softmax temperature: max_temp * decay^step, floored at min_temp."""
+    return max(max_temp * decay**step, min_temp)
