@@ -1,0 +1,15 @@
+"""SimCLR, MoCo v2 or SiMo with any contrastkit objective; weighted kNN on the held-out split.
+
+    accelerate launch recipes/vision/train.py --method simclr --loss dcl --batch-size 32 --steps 200
+    accelerate launch --num_processes 2 --cpu recipes/vision/train.py --method moco --queue-size 1024 --loss eqco
+    python recipes/vision/train.py --data /data/imagenet --image-size 224 --backbone resnet50 --no-small-images ...
+
+Writes metrics.jsonl, metrics.png, summary.json, config.json, backbone.pt and checkpoints/ to --out-dir;
+--resume continues from the newest checkpoint there.
+"""
+
+from contrastkit.vision.train import VisionConfig, config_parser, train
+
+if __name__ == "__main__":
+    args = config_parser(__doc__.splitlines()[0]).parse_args()
+    train(VisionConfig(**vars(args)))
