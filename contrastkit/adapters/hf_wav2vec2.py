@@ -126,21 +126,25 @@ def contrastive_scores(projected_states: torch.Tensor, projected_quantized: torc
 
 def _patched_forward(original, objective: FrameObjective):
     signature = inspect.signature(original)
+    var_keyword = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        arguments = bound.arguments
+        # Every argument by name (transformers 5 takes return_dict through **kwargs, 4.x by name).
+        arguments = dict(signature.bind(self, *args, **kwargs).arguments)
+        arguments.pop("self")
+        for name in var_keyword:
+            arguments.update(arguments.pop(name, {}))
         negatives = arguments.get("sampled_negative_indices")
         if negatives is None:
-            return original(*bound.args, **bound.kwargs)
+            return original(self, **arguments)
         mask = arguments.get("mask_time_indices")
         if mask is None:
             raise ValueError("sampled_negative_indices needs mask_time_indices (the frames to contrast)")
-        return_dict = arguments.get("return_dict")
-        return_dict = self.config.use_return_dict if return_dict is None else return_dict
-        arguments["return_dict"] = True
-        out = original(*bound.args, **bound.kwargs)
+        return_dict = arguments.pop("return_dict", None)
+        if return_dict is None:  # the config's default (transformers 5 renamed use_return_dict to return_dict)
+            return_dict = getattr(self.config, "return_dict", True)
+        out = original(self, **arguments, return_dict=True)
         pos, neg, valid = contrastive_scores(out.projected_states, out.projected_quantized_states, negatives, mask)
         contrastive, dropped = objective.summed(pos, neg, valid,
                                                 model_temperature=self.config.contrastive_logits_temperature)

@@ -1,0 +1,236 @@
+"""The Hugging Face wav2vec 2.0 adapter: InfoNCE equals the model's own loss, the other objectives equal
+the core kernels on the model's logits, patch/unpatch, one import, frames without a valid distractor,
+2 processes equal 1, and (when a transformers 5 folder is given) the same checks on transformers 5."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from contrastkit.adapters import hf_wav2vec2
+from contrastkit.losses import functional as K
+from contrastkit.speech.models import hf_mask_and_negatives, hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _batch(model, seed=0, batch=3, samples=3200):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, samples, generator=g)
+    mask, neg = hf_mask_and_negatives(model, batch, samples, np.random.default_rng(seed))
+    return x, mask, neg
+
+
+def _run(model, x, mask, neg, seed=1, **kw):
+    torch.manual_seed(seed)  # the gumbel noise of the quantiser
+    return model(x, mask_time_indices=mask, sampled_negative_indices=neg, **kw)
+
+
+def _model_logits(model, out, neg_idx, mask):
+    """The logits exactly as the model builds them (its own compute_contrastive_logits and masking),
+    restricted to masked frames: [M, 1 + K], -inf where a distractor equals the target."""
+    q, c = out.projected_quantized_states, out.projected_states
+    b, t, h = q.shape
+    negs = q.reshape(-1, h)[neg_idx.reshape(-1)].view(b, t, -1, h).permute(2, 0, 1, 3)
+    logits = model.compute_contrastive_logits(q[None], negs, c, model.config.contrastive_logits_temperature)
+    neg_is_pos = (q == negs).all(-1)
+    logits[1:][neg_is_pos] = float("-inf")
+    return logits.permute(1, 2, 0)[mask.bool()]
+
+
+@pytest.mark.parametrize("conformer", [False, True])
+@pytest.mark.parametrize("codevectors", [32, 2])  # 2 codevectors: many distractors equal their target
+def test_infonce_equals_model_loss(conformer, codevectors):
+    model = hf_model(conformer, num_codevectors_per_group=codevectors, num_codevector_groups=1 if codevectors == 2 else 2)
+    model.train()
+    x, mask, neg = _batch(model)
+    own = _run(model, x, mask, neg)
+    with hf_wav2vec2.patch(model, loss="infonce"):
+        ours = _run(model, x, mask, neg)
+    assert type(ours) is type(own)
+    torch.testing.assert_close(ours.contrastive_loss, own.contrastive_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours.loss, own.loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours.diversity_loss, own.diversity_loss, rtol=0, atol=0)
+    # and the gradients
+    grads = []
+    for patched in (False, True):
+        model.zero_grad()
+        handle = hf_wav2vec2.patch(model, loss="infonce") if patched else None
+        _run(model, x, mask, neg).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        if handle:
+            handle.undo()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss,options", [("dcl", {}), ("dcl", {"temperature": 0.2}), ("dclw", {"sigma": 0.5}),
+                                          ("eqco", {"alpha": 64.0}), ("cacr", {})])
+def test_objectives_equal_core_kernels_on_model_logits(loss, options):
+    model = hf_model(num_codevectors_per_group=4, num_codevector_groups=1)  # some distractors masked
+    x, mask, neg = _batch(model, seed=3)
+    with hf_wav2vec2.patch(model, loss=loss, **options):
+        out = _run(model, x, mask, neg)
+    logits = _model_logits(model, out, neg, mask)
+    tau = model.config.contrastive_logits_temperature
+    pos, negs = logits[:, 0] * tau, logits[:, 1:] * tau  # back to cosines
+    valid = torch.isfinite(logits[:, 1:])
+    assert not bool(valid.all()), "the test wants some masked distractors"
+    keep = valid.any(1)
+    kernel = getattr(K, loss)
+    kw = dict(options)
+    if loss != "cacr":
+        kw.setdefault("temperature", tau)
+    expected = kernel(pos[keep], negs[keep].masked_fill(~valid[keep], 0.0), neg_mask=valid[keep], **kw).sum()
+    torch.testing.assert_close(out.contrastive_loss, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.loss, expected + model.config.diversity_loss_weight * out.diversity_loss,
+                               rtol=1e-5, atol=1e-4)
+    if loss == "dcl":  # DCL leaves the positive out of the denominator: below InfoNCE frame by frame
+        assert out.contrastive_loss < K.infonce(pos[keep], negs[keep].masked_fill(~valid[keep], 0.0),
+                                                neg_mask=valid[keep], temperature=kw["temperature"]).sum()
+
+
+def test_frames_without_valid_distractor():
+    """One codevector: every distractor equals its target. The model's InfoNCE is 0 for such frames;
+    the adapter leaves them out of the sum for every objective (0, never an error or NaN)."""
+    model = hf_model(num_codevectors_per_group=1, num_codevector_groups=1)
+    x, mask, neg = _batch(model)
+    own = _run(model, x, mask, neg)
+    assert float(own.contrastive_loss.detach()) == 0.0
+    for loss in ("infonce", "dcl", "dclw", "eqco", "cacr"):
+        with hf_wav2vec2.patch(model, loss=loss):
+            out = _run(model, x, mask, neg)
+            assert float(out.contrastive_loss.detach()) == 0.0
+            assert model._contrastkit_dropped_frames == int(mask.sum())
+            out.loss.backward()  # stays differentiable (the diversity term)
+
+
+def test_patch_targets_and_undo():
+    from transformers import Wav2Vec2ConformerForPreTraining, Wav2Vec2ForPreTraining
+
+    original = Wav2Vec2ForPreTraining.forward
+    a, b = hf_model(), hf_model()
+    x, mask, neg = _batch(a)
+    base = _run(a, x, mask, neg).loss
+
+    handle = hf_wav2vec2.patch(a, loss="dcl")  # one instance
+    assert hf_wav2vec2.active_objective(a).name == "dcl" and hf_wav2vec2.active_objective(b) is None
+    assert _run(a, x, mask, neg).loss < base
+    handle.undo()
+    torch.testing.assert_close(_run(a, x, mask, neg).loss, base)
+
+    with hf_wav2vec2.patch(Wav2Vec2ForPreTraining, loss="cacr"):  # a class: existing and new instances
+        assert hf_wav2vec2.active_objective(b).name == "cacr"
+        assert hf_wav2vec2.active_objective(hf_model(conformer=True)) is None
+    assert Wav2Vec2ForPreTraining.forward is original
+
+    with hf_wav2vec2.patch(None, loss="dclw", sigma=1.0) as h:  # every supported class
+        assert {type(t) for t in h.targets} == {type}
+        assert hf_wav2vec2.active_objective(hf_model(conformer=True)).options == {"sigma": 1.0}
+        hf_wav2vec2.patch(None, loss="eqco")  # patching again replaces the objective
+        assert hf_wav2vec2.active_objective(a).name == "eqco"
+        # return_dict=False keeps the model's own tuple layout
+        tup = _run(a, x, mask, neg, return_dict=False)
+        assert isinstance(tup, tuple) and len(tup) == 4
+    assert Wav2Vec2ForPreTraining.forward is original
+    assert "forward" not in Wav2Vec2ConformerForPreTraining.__dict__ or \
+        not hasattr(Wav2Vec2ConformerForPreTraining.forward, "__contrastkit_original__")
+    # no negatives: no loss, the model's own output
+    assert a(x).loss is None
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="UniGrad has no distractor form"):
+        hf_wav2vec2.patch(None, loss="unigrad")
+    with pytest.raises(ValueError, match="unknown"):
+        hf_wav2vec2.patch(None, loss="dcl", sigma=0.5)
+    with pytest.raises(TypeError, match="not a wav2vec 2.0 pre-training model"):
+        hf_wav2vec2.patch(torch.nn.Linear(2, 2))
+    model = hf_model()
+    x, mask, neg = _batch(model)
+    with hf_wav2vec2.patch(model), pytest.raises(ValueError, match="needs mask_time_indices"):
+        model(x, sampled_negative_indices=neg)
+
+
+def test_one_import_makes_an_unchanged_script_train_with_dcl(tmp_path):
+    script = (Path(__file__).parent / "scripts" / "hf_pretrain_unchanged.py").read_text()
+    with_import = tmp_path / "with_import.py"
+    with_import.write_text("import contrastkit.adapters.hf_wav2vec2_dcl  # noqa: F401\n" + script)
+    plain = tmp_path / "plain.py"
+    plain.write_text(script)
+
+    def run(path, **env):
+        out = tmp_path / f"{path.stem}-{len(env)}.json"
+        subprocess.run([sys.executable, str(path), str(out)], check=True, env={**os.environ, **env}, timeout=300)
+        return json.loads(out.read_text())
+
+    base, dcl = run(plain), run(with_import)
+    # the import switches the script to DCL: below InfoNCE on the same first batch, same output type
+    # (that the patched InfoNCE reproduces the model's loss is test_infonce_equals_model_loss)
+    assert dcl[0]["contrastive_loss"] < base[0]["contrastive_loss"] - 1e-3
+    assert dcl[0]["diversity_loss"] == pytest.approx(base[0]["diversity_loss"], rel=1e-6)
+    assert dcl[0]["type"] == base[0]["type"] == "Wav2Vec2ForPreTrainingOutput"
+
+
+# ----------------------------------------------------------------------------- 2 processes = 1 process
+
+
+def _grads(model, x, mask, neg, lo, hi, loss):
+    model.zero_grad()
+    with hf_wav2vec2.patch(model, loss=loss):
+        out = model(x[lo:hi], mask_time_indices=mask[lo:hi], sampled_negative_indices=neg[lo:hi] - lo * mask.shape[1])
+    out.contrastive_loss.backward()  # the diversity term is a batch statistic (perplexity), not per frame
+    return float(out.contrastive_loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = hf_model().eval()  # eval: no gumbel noise, so halves and the whole batch see the same codes
+    x, mask, neg = _batch(model, batch=4)
+    results = {}
+    for loss in ("dcl", "dclw"):
+        value, grads = _grads(model, x, mask, neg, 2 * rank, 2 * rank + 2, loss)
+        for g in grads.values():  # what DDP does: average the gradients
+            dist.all_reduce(g)
+            g.div_(world)
+        results[loss] = (value, grads)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_processes_match_one(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = hf_model().eval()
+    x, mask, neg = _batch(model, batch=4)
+    for loss in ("dcl", "dclw"):
+        total, grads = _grads(model, x, mask, neg, 0, 4, loss)
+        # summed contrastive losses: the halves add up; DDP averages, so 2 processes' gradient is half the sum's
+        assert parts[0][loss][0] + parts[1][loss][0] == pytest.approx(total, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(parts[0][loss][1][name] * 2, g, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- transformers 5
+
+
+@pytest.mark.skipif(not os.environ.get("CONTRASTKIT_TRANSFORMERS5_PATH"),
+                    reason="set CONTRASTKIT_TRANSFORMERS5_PATH to a `pip install --target` folder of transformers 5")
+def test_transformers5(tmp_path):
+    """The equality checks above, run in a subprocess that imports transformers 5 from the given folder."""
+    path = os.environ["CONTRASTKIT_TRANSFORMERS5_PATH"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(ROOT), str(ROOT / "tests")])}
+    code = ("import transformers, sys; assert transformers.__version__.startswith('5'), transformers.__version__; "
+            "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+            f"'{__file__}', '-k', 'infonce_equals or core_kernels or without_valid or patch_targets']))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
