@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import get_type_hints
@@ -141,6 +142,10 @@ def train(cfg: VisionConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world = accelerator.process_index, accelerator.num_processes
+    if int(os.environ.get("WORLD_SIZE", "1")) != world:
+        raise RuntimeError(f"launched as {os.environ['WORLD_SIZE']} processes but accelerate set up {world}: on a CPU "
+                           "launch with ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
+                           "(accelerate's --cpu flag alone starts one process)")
     check_setup(cfg.method, cfg.loss, cfg.batch_size, cfg.views, cfg.queue_size)
     if cfg.batch_size % world:
         raise ValueError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world} processes")

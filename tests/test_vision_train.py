@@ -1,0 +1,146 @@
+"""The vision recipe: every method with every objective trains; 2 processes equal 1; resume is exact; bad setups fail."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrastkit.losses import available_losses
+from contrastkit.vision.augment import MultiViewDataset, ShardedBatches, simclr_augment
+from contrastkit.vision.methods import check_setup
+from contrastkit.vision.train import VisionConfig, build_model, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(train_images=64, test_images=32, batch_size=8, width=8, proj_hidden=32, proj_dim=16, threads=1,
+            progress=False, log_every=1)
+COMBOS = [(m, loss) for m in ("simclr", "moco", "simo") for loss in available_losses()
+          if not (m == "moco" and loss == "unigrad")]
+
+
+def tiny(tmp_path, method, loss, **overrides):
+    options = {**TINY, "method": method, "loss": loss, "out_dir": str(tmp_path / f"{method}_{loss}"), "steps": 2,
+               "queue_size": 16 if method == "moco" else None, "views": 3 if loss == "cacr" else 2, **overrides}
+    return VisionConfig(**options)
+
+
+def records(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_model(out_dir):
+    return load_file(str(sorted((Path(out_dir) / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
+
+
+@pytest.mark.parametrize("method,loss", COMBOS)
+def test_every_method_trains_with_every_objective(tmp_path, method, loss):
+    cfg = tiny(tmp_path, method, loss)
+    summary = train(cfg)
+    assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["final_loss"]))
+    assert 0.0 <= summary["knn_top1"] <= 1.0
+    out = Path(cfg.out_dir)
+    for name in ("metrics.jsonl", "metrics.png", "summary.json", "config.json", "backbone.pt"):
+        assert (out / name).exists(), name
+    torch.manual_seed(cfg.seed)
+    initial = build_model(cfg).state_dict()
+    trained = final_model(out)
+    assert not torch.equal(initial["backbone.0.weight"], trained["backbone.0.weight"])  # gradients reached it
+    if method != "simclr" and loss != "unigrad":
+        assert not torch.equal(initial["momentum_backbone.0.weight"], trained["momentum_backbone.0.weight"])
+    if method == "moco":
+        assert not torch.equal(initial["queue"], trained["queue"]) and int(trained["queue_ptr"]) == 16 % 16
+    if loss == "unigrad":
+        assert trained["loss_fn.correlation"].shape == (16, 16)
+
+
+def launch(args, out_dir, processes=2):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(29600 + os.getpid() % 300), str(ROOT / "recipes/vision/train.py"), *args, "--out-dir", str(out_dir)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def as_flags(cfg: VisionConfig):
+    flags = []
+    for key, value in vars(cfg).items():
+        if key == "out_dir" or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        flags += [flag if value else "--no-" + key.replace("_", "-")] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+@pytest.mark.parametrize("method,loss", [("moco", "dclw"), ("simclr", "cacr"), ("simo", "unigrad")])
+def test_two_processes_match_one(tmp_path, method, loss):
+    cfg = tiny(tmp_path, method, loss, steps=4, queue_size=12 if method == "moco" else None)
+    train(cfg)
+    launch(as_flags(cfg), tmp_path / "two")
+    one, two = records(cfg.out_dir), records(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in a:
+            if isinstance(a[key], float):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["processes"] == 2
+    weights_one, weights_two = final_model(cfg.out_dir), final_model(tmp_path / "two")
+    for name, value in weights_one.items():
+        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("method,loss", [("moco", "eqco"), ("simo", "unigrad")])
+def test_resume_continues_exactly(tmp_path, method, loss):
+    straight = tiny(tmp_path / "straight", method, loss, steps=6)
+    train(straight)
+    interrupted = tiny(tmp_path / "interrupted", method, loss, steps=6, checkpoint_every=3)
+    train(interrupted)
+    shutil.rmtree(Path(interrupted.out_dir) / "checkpoints" / "step_6")  # as if the run had stopped after step 3
+    interrupted.resume = True
+    train(interrupted)
+    a, b = records(straight.out_dir), records(interrupted.out_dir)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra == pytest.approx(rb, rel=1e-6), ra["step"]
+    weights_a, weights_b = final_model(straight.out_dir), final_model(interrupted.out_dir)
+    for name, value in weights_a.items():
+        torch.testing.assert_close(weights_b[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_views_and_batches_depend_only_on_seed_epoch_index():
+    from contrastkit.data.images import ShapesImages
+
+    images = ShapesImages("train", size=16, num_images=24)
+    views = MultiViewDataset(images, simclr_augment(16), views=2, seed=3)
+    assert torch.equal(views[(1, 5)][0], views[(1, 5)][0])
+    assert not torch.equal(views[(1, 5)][0], views[(2, 5)][0])
+    whole = list(ShardedBatches(24, 8, num_steps=5))
+    halves = [list(ShardedBatches(24, 8, rank=r, world=2, num_steps=5)) for r in (0, 1)]
+    assert [a + b for a, b in zip(*halves)] == whole
+    assert list(ShardedBatches(24, 8, start_step=3, num_steps=5)) == whole[3:]
+    assert sorted(i for batch in whole[:3] for _, i in batch) == list(range(24))  # one epoch covers the data once
+
+
+def test_bad_setups_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match="unknown method 'byol'"):
+        check_setup("byol", "dcl", 32)
+    with pytest.raises(ValueError, match="unknown loss"):
+        check_setup("simclr", "ntxent", 32)
+    with pytest.raises(ValueError, match="batch-size 1 is too small for simclr with dcl"):
+        train(tiny(tmp_path, "simclr", "dcl", batch_size=1))
+    with pytest.raises(ValueError, match="too small for simo"):
+        check_setup("simo", "infonce", 1)
+    with pytest.raises(ValueError, match="unigrad has no queue form"):
+        check_setup("moco", "unigrad", 32, queue_size=64)
+    with pytest.raises(ValueError, match="moco needs a queue"):
+        check_setup("moco", "dcl", 32)
+    with pytest.raises(ValueError, match="simclr has no queue"):
+        check_setup("simclr", "dcl", 32, queue_size=64)
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        train(tiny(tmp_path, "simclr", "dcl", batch_size=128))
+    assert not (tmp_path / "simclr_dcl" / "checkpoints").exists()
