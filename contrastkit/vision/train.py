@@ -229,3 +229,39 @@ def train(cfg: VisionConfig) -> dict:
         accelerator.print(json.dumps(summary))
     accelerator.wait_for_everyone()
     return summary
+
+
+def load_backbone(run_dir: str | Path, checkpoint: str | Path | None = None):
+    """(backbone in eval mode, VisionConfig) of a recipe run: its ``backbone.pt`` (written at the end), or the
+    online backbone of ``checkpoint`` (a ``checkpoints/step_<n>`` folder), or of its newest checkpoint."""
+    from safetensors.torch import load_file
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise FileNotFoundError(f"{str(run_dir)!r} is not a vision recipe run (no config.json)")
+    cfg = VisionConfig(**json.loads((run_dir / "config.json").read_text()))
+    backbone, _ = build_backbone(cfg.backbone, cfg.small_images, cfg.width)
+    if checkpoint is None and (run_dir / "backbone.pt").exists():
+        state = torch.load(run_dir / "backbone.pt", map_location="cpu", weights_only=True)
+    else:
+        folder = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
+        if folder is None or not (folder / "model.safetensors").exists():
+            raise FileNotFoundError(f"no checkpoint with model.safetensors found for {str(run_dir)!r}")
+        state = {k[len("backbone."):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
+                 if k.startswith("backbone.")}
+    backbone.load_state_dict(state)
+    return backbone.eval(), cfg
+
+
+def frozen_features(backbone, cfg: VisionConfig, data: str | None = None, image_size: int | None = None,
+                    progress: bool = True):
+    """Features of the train and test splits of ``data`` (default: the run's own data) through ``backbone``."""
+    size = image_size or cfg.image_size
+    data = data if data is not None else cfg.data
+    same = data == cfg.data
+    train_images = load_images(data, "train", size, cfg.train_images if same else None)
+    test_images = load_images(data, "test", size, cfg.test_images if same else None,
+                              classes=getattr(train_images, "classes", None))
+    train = extract_features(backbone, train_images, plain_transform(), progress=progress, desc="train features")
+    test = extract_features(backbone, test_images, plain_transform(), progress=progress, desc="test features")
+    return train, test, list(train_images.classes)
