@@ -66,3 +66,44 @@ def hf_mask_and_negatives(model, batch_size: int, num_samples: int, rng: np.rand
 def gumbel_temperature(step: int, max_temp: float = 2.0, min_temp: float = 0.5, decay: float = 0.999995) -> float:
     """The wav2vec 2.0 recipe's gumbel-softmax temperature: max_temp * decay^step, floored at min_temp."""
     return max(max_temp * decay**step, min_temp)
+
+
+def fairseq2_config(**overrides):
+    """A tiny fairseq2 ``Wav2Vec2Config`` matching ``TINY`` (same conv stack, widths, codebooks).
+
+    overrides: fields of Wav2Vec2Config, or of its encoder config prefixed with ``encoder_``.
+    """
+    from fairseq2.models.wav2vec2 import Wav2Vec2Config, Wav2Vec2EncoderConfig
+
+    enc = dict(model_dim=TINY["hidden_size"], feature_dim=TINY["conv_dim"][-1],
+               feature_extractor_layer_descs=list(zip(TINY["conv_dim"], TINY["conv_kernel"], TINY["conv_stride"])),
+               pos_conv_kernel_size=TINY["num_conv_pos_embeddings"],
+               num_pos_conv_groups=TINY["num_conv_pos_embedding_groups"],
+               num_encoder_layers=TINY["num_hidden_layers"], num_encoder_attn_heads=TINY["num_attention_heads"],
+               ffn_inner_dim=TINY["intermediate_size"], dropout_p=0.0, attn_dropout_p=0.0, layer_drop_p=0.0,
+               max_seq_len=2048)
+    top = dict(final_dim=TINY["proj_codevector_dim"], quantized_dim=TINY["codevector_dim"],
+               num_codebooks=TINY["num_codevector_groups"], num_codebook_entries=TINY["num_codevectors_per_group"],
+               num_distractors=TINY["num_negatives"], logit_temp=TINY["contrastive_logits_temperature"],
+               temporal_mask_span_len=TINY["mask_time_length"], max_temporal_mask_prob=TINY["mask_time_prob"],
+               min_num_temporal_mask_spans=2)
+    for key, value in overrides.items():
+        if key.startswith("encoder_"):
+            enc[key[len("encoder_"):]] = value
+        else:
+            top[key] = value
+    return Wav2Vec2Config(encoder_config=Wav2Vec2EncoderConfig(**enc), **top)
+
+
+def fairseq2_model(seed: int = 0, eager: bool | None = None, **overrides):
+    """A freshly initialised tiny fairseq2 ``Wav2Vec2Model``; eager (default: when CUDA is unavailable)
+    runs its quantiser without torch.compile (see contrastkit.adapters.fairseq2_wav2vec2)."""
+    from fairseq2.models.wav2vec2 import create_wav2vec2_model
+
+    from contrastkit.adapters.fairseq2_wav2vec2 import eager_quantizer
+
+    torch.manual_seed(seed)
+    model = create_wav2vec2_model(fairseq2_config(**overrides))
+    if eager if eager is not None else not torch.cuda.is_available():
+        eager_quantizer(model)
+    return model
