@@ -1,0 +1,238 @@
+"""open_clip adapter: contrastkit objectives as drop-in replacements for open_clip's ClipLoss.
+
+Three ways in:
+
+- ``build_clip_loss("dcl", local_loss=..., gather_with_grad=..., rank=..., world_size=...)``: a module
+  called exactly like ``open_clip.ClipLoss`` (image_features, text_features, logit_scale, logit_bias=None,
+  output_dict=False), with the same distributed options.
+- ``patch("dcl")``: from then on ``open_clip.create_loss(args)`` returns that loss (also the copy that
+  ``open_clip_train.main`` imported by name), for people who keep their own training code.
+- ``python -m contrastkit.adapters.open_clip --loss dcl <open_clip_train arguments>``: runs open_clip's own
+  trainer with the loss swapped, on GPUs or on several CPU processes (torchrun with gloo).
+
+The learnable logit scale of the CLIP model stands in for 1/temperature (infonce, dcl, dclw, eqco) and
+keeps its gradient. CACR has no temperature: its repulsion weights are softmax(-t_neg c) with a fixed
+t_neg (Algorithm 3), because a learnable scale there is driven to 0 (uniform weights) by the repulsion
+itself; the model's scale stays in the graph with a zero gradient. UniGrad is not offered: it needs a
+single embedding space with a stop-gradient or momentum target and a running correlation of it, and
+the paper defines no image-text form.
+
+Supported open_clip: 3.x (3.3 has ``create_loss``; 4.x trains through CLIPTask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastkit.losses import build_loss
+
+SUPPORTED_OPEN_CLIP = (3,)  # major versions
+CLIP_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
+
+
+def check_open_clip_version(version: str | None = None) -> str:
+    """The installed open_clip version, or a clear error when it is one this adapter does not support."""
+    if version is None:
+        import open_clip
+
+        version = open_clip.__version__
+    major = int(version.split(".")[0])
+    if major not in SUPPORTED_OPEN_CLIP:
+        raise RuntimeError(f"contrastkit's open_clip adapter supports open_clip_torch 3.x, found {version}"
+                           + (" (4.x trains through CLIPTask, not create_loss)" if major >= 4 else ""))
+    return version
+
+
+class ContrastkitClipLoss(nn.Module):
+    """A contrastkit objective with open_clip ClipLoss's call and distributed options.
+
+    On P processes the four open_clip modes are reproduced: without ``local_loss`` every process computes
+    the loss of the whole gathered batch (gathered with gradient, or without it except for its own slice);
+    with ``local_loss`` and ``gather_with_grad`` each process computes its own anchors against all
+    (contrastkit's ``gather_distributed``, equal to one process on the concatenated batch after DDP's
+    averaging); with ``local_loss`` alone the gathered features carry no gradient, as in ClipLoss.
+    """
+
+    def __init__(self, name: str, *, local_loss: bool = False, gather_with_grad: bool = False,
+                 cache_labels: bool = False, rank: int = 0, world_size: int = 1, use_horovod: bool = False,
+                 **loss_options):
+        super().__init__()
+        if name.lower() == "unigrad":
+            raise ValueError("unigrad has no image-text form: it needs one embedding space with a momentum or "
+                             f"stop-gradient target; choose one of {', '.join(CLIP_LOSSES)}")
+        if name.lower() not in CLIP_LOSSES:
+            raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(CLIP_LOSSES)}")
+        if use_horovod and world_size > 1:
+            raise ValueError("contrastkit's open_clip losses gather with torch.distributed; horovod is not supported")
+        self.name = name.lower()
+        self.local_loss, self.gather_with_grad = local_loss, gather_with_grad
+        self.rank, self.world_size = rank, world_size
+        # cache_labels is accepted for ClipLoss compatibility: there are no labels to cache here.
+        self.loss = build_loss(self.name, gather_distributed=world_size > 1 and local_loss, **loss_options)
+
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale,
+                logit_bias=None, output_dict: bool = False):
+        # A constant bias added to every logit cancels in the softmax-form losses (as it does in ClipLoss);
+        # CACR ignores the scale (see the module docstring). Both stay in the graph so DDP sees them used.
+        unused = 0.0
+        if logit_bias is not None and isinstance(logit_bias, torch.Tensor):
+            unused = unused + 0.0 * logit_bias.sum()
+        scale = logit_scale
+        if self.name == "cacr":
+            if isinstance(logit_scale, torch.Tensor):
+                unused = unused + 0.0 * logit_scale.sum()
+            scale = None
+        elif isinstance(scale, torch.Tensor) and scale.numel() != 1:
+            raise ValueError(f"{self.name}: logit_scale must be a scalar, got shape {tuple(scale.shape)}")
+
+        if self.world_size > 1 and not self.local_loss:
+            from open_clip.loss import gather_features
+
+            image_features, text_features = gather_features(
+                image_features, text_features, local_loss=False, gather_with_grad=self.gather_with_grad,
+                rank=self.rank, world_size=self.world_size)
+            loss = self.loss.cross_modal(image_features, text_features, logit_scale=scale)
+        elif self.world_size > 1 and not self.gather_with_grad:
+            loss = self._local_loss_detached(image_features, text_features, scale)
+        else:
+            loss = self.loss.cross_modal(image_features, text_features, logit_scale=scale)
+        loss = loss + unused
+        return {"contrastive_loss": loss} if output_dict else loss
+
+    def _local_loss_detached(self, image: torch.Tensor, text: torch.Tensor, scale) -> torch.Tensor:
+        """open_clip's local_loss without gather_with_grad: this process's anchors against every process's
+        features, the gathered features (its own included) detached."""
+        from open_clip.loss import gather_features
+
+        from contrastkit.losses.base import check_features
+        from contrastkit.losses.functional import Terms
+
+        check_features(self.name, {"image": image, "text": text})
+        all_image, all_text = gather_features(image, text, local_loss=True, gather_with_grad=False,
+                                              rank=self.rank, world_size=self.world_size)
+        if scale is None:
+            scale = self.loss.logit_scale()
+        dtype = torch.float64 if image.dtype == torch.float64 else torch.float32
+        with torch.autocast(image.device.type, enabled=False):
+            a, b = (F.normalize(x.to(dtype), dim=-1) for x in (image, text))
+            all_a, all_b = (F.normalize(x.to(dtype), dim=-1) for x in (all_image, all_text))
+            if isinstance(scale, torch.Tensor):
+                scale = scale.to(dtype)
+            n, total = a.shape[0], all_a.shape[0]
+            rows = torch.arange(n, device=a.device)
+            cols = self.rank * n + rows  # ClipLoss's labels: equal batch sizes on every process
+            inf = a.new_tensor(float("-inf"))
+            terms = []
+            for anchor, others in ((a, all_b), (b, all_a)):
+                pos = (anchor * others[cols]).sum(-1, keepdim=True)
+                logits = ((anchor * scale) @ others.T).index_put_((rows, cols), inf)
+                terms.append(self.loss.terms(pos, logits, total - 1, scale))
+            return Terms(*(torch.cat(pair) for pair in zip(*terms))).loss.mean()
+
+
+def build_clip_loss(name: str, **options) -> ContrastkitClipLoss:
+    """A ClipLoss-compatible contrastkit loss: ``name`` one of infonce, dcl, dclw, eqco, cacr; options are
+    open_clip's (local_loss, gather_with_grad, cache_labels, rank, world_size, use_horovod) and the loss's
+    own (temperature for the fixed-scale use, sigma, alpha, t_pos, t_neg)."""
+    return ContrastkitClipLoss(name, **options)
+
+
+def patch(name: str = "dcl", **loss_options):
+    """Make ``open_clip.create_loss(args)`` return the contrastkit loss ``name`` built from args' distributed
+    options (also in ``open_clip_train.main``, which imported it by name). Returns a function that undoes it.
+
+    Only plain CLIP training is patched: CoCa, distillation and SigLIP runs get a clear error.
+    """
+    check_open_clip_version()
+    import open_clip
+    import open_clip.factory
+
+    build_clip_loss(name, **loss_options)  # fail now on a bad name or option, not at the first step
+
+    def create_loss(args):
+        model = str(getattr(args, "model", ""))
+        if getattr(args, "distill", False) or "coca" in model.lower() or getattr(args, "siglip", False):
+            raise ValueError(f"contrastkit --loss {name} replaces ClipLoss only; this run uses "
+                             f"{'distillation' if getattr(args, 'distill', False) else 'SigLIP' if getattr(args, 'siglip', False) else 'CoCa'}")
+        loss = build_clip_loss(name, local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
+                               cache_labels=True, rank=args.rank, world_size=args.world_size,
+                               use_horovod=getattr(args, "horovod", False), **loss_options)
+        logging.info(f"contrastkit loss {name} replaces open_clip's ClipLoss (local_loss={args.local_loss}, "
+                     f"gather_with_grad={args.gather_with_grad}, options {loss_options})")
+        return loss
+
+    modules = [open_clip, open_clip.factory]
+    if "open_clip_train.main" in sys.modules:
+        modules.append(sys.modules["open_clip_train.main"])
+    originals = [(m, m.create_loss) for m in modules]
+    for m in modules:
+        m.create_loss = create_loss
+
+    def undo():
+        for m, original in originals:
+            m.create_loss = original
+
+    return undo
+
+
+@contextmanager
+def cpu_ddp():
+    """Let open_clip_train wrap the model in DDP on CPU: it passes ``device_ids=[cpu device]``, which torch
+    rejects for CPU modules; drop device_ids when they are all CPU devices."""
+    original = torch.nn.parallel.DistributedDataParallel
+
+    class DistributedDataParallel(original):
+        def __init__(self, module, device_ids=None, *args, **kwargs):
+            if device_ids is not None and all(torch.device(d).type == "cpu" for d in device_ids):
+                device_ids = None
+            super().__init__(module, device_ids, *args, **kwargs)
+
+    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+    try:
+        yield
+    finally:
+        torch.nn.parallel.DistributedDataParallel = original
+
+
+def _option(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--loss-option takes key=value, got {text!r}")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--loss-option {key}: {value!r} is not a number") from None
+
+
+def main(argv: list[str] | None = None):
+    """``python -m contrastkit.adapters.open_clip --loss dcl [--loss-option sigma=0.5] <open_clip_train args>``"""
+    parser = argparse.ArgumentParser(
+        prog="python -m contrastkit.adapters.open_clip",
+        description="Run open_clip_train with a contrastkit loss; all other arguments go to open_clip_train.")
+    parser.add_argument("--loss", required=True, help=f"one of {', '.join(CLIP_LOSSES)}")
+    parser.add_argument("--loss-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), t_neg=2 (cacr)")
+    ours, rest = parser.parse_known_args(argv)
+    check_open_clip_version()
+    import open_clip_train.main
+
+    from contrastkit.clip_train import register_configs
+
+    register_configs()  # contrastkit's small configs (contrastkit-tiny) join open_clip's
+    undo = patch(ours.loss, **dict(ours.loss_option))
+    try:
+        with cpu_ddp():
+            return open_clip_train.main.main(rest)
+    finally:
+        undo()
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)

@@ -1,0 +1,85 @@
+"""Zero-shot classification of a CLIP model on an ImageNet-layout folder (``<root>/<class>/<image>``).
+
+CLIP_benchmark's conventions: each class's text embedding is the mean of its normalised template
+embeddings, normalised again (open_clip's ``build_zero_shot_classifier``); images are classified by
+cosine similarity; reported are top-1, top-5 and the mean per-class recall (balanced accuracy).
+
+Class names and templates come from, in order: a ``classes.json`` in the folder (``{"templates": [...],
+"classnames": {folder: name}}``, as the embedded shapes set has); ImageNet's class names and the 80
+OpenAI templates from open_clip's metadata when the folder holds the 1000 WordNet-id folders of ImageNet;
+otherwise the folder names themselves with the template "a photo of a {}.".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+WNID = re.compile(r"n\d{8}")
+
+
+def zeroshot_classes(root: str | Path) -> tuple[list[str], list[str], list[str]]:
+    """(folder names in ImageFolder order, class names, templates) for the folder ``root``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"zero-shot folder not found: {root}")
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if not folders:
+        raise ValueError(f"{root}: no class folders (expected ImageNet layout, <root>/<class>/<image>)")
+    meta = root / "classes.json"
+    if meta.exists():
+        spec = json.loads(meta.read_text())
+        names = spec.get("classnames", {})
+        return folders, [names.get(f, f) for f in folders], list(spec["templates"])
+    if all(WNID.fullmatch(f) for f in folders):
+        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+
+        if len(folders) != len(IMAGENET_CLASSNAMES):
+            raise ValueError(f"{root}: {len(folders)} WordNet-id folders, but ImageNet's class names need all "
+                             f"{len(IMAGENET_CLASSNAMES)} (the sorted wnids give their order)")
+        return folders, list(IMAGENET_CLASSNAMES), [t("{}") if callable(t) else t for t in OPENAI_IMAGENET_TEMPLATES]
+    return folders, [f.replace("_", " ") for f in folders], ["a photo of a {}."]
+
+
+def zeroshot_metrics(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> dict[str, float]:
+    """top-1, top-5 (top-k with k = min(5, classes)) and mean per-class recall from logits [N, C]."""
+    k = min(5, num_classes)
+    topk = logits.topk(k, dim=1).indices
+    top1 = (topk[:, 0] == targets).float().mean().item()
+    top5 = (topk == targets[:, None]).any(dim=1).float().mean().item()
+    correct = (topk[:, 0] == targets).float()
+    present = torch.bincount(targets, minlength=num_classes) > 0
+    hits = torch.bincount(targets, weights=correct, minlength=num_classes)
+    recall = (hits[present] / torch.bincount(targets, minlength=num_classes)[present]).mean().item()
+    return {"top1": top1, "top5": top5, "mean_per_class_recall": recall}
+
+
+@torch.no_grad()
+def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_size: int = 256, device="cpu",
+                      workers: int = 0, progress: bool = False) -> dict:
+    """Zero-shot metrics of an open_clip ``model`` on the folder ``root`` (see the module docstring)."""
+    from open_clip import build_zero_shot_classifier
+    from torchvision.datasets import ImageFolder
+    from tqdm import tqdm
+
+    folders, classnames, templates = zeroshot_classes(root)
+    dataset = ImageFolder(str(root), transform=preprocess)
+    if len(dataset) == 0:
+        raise ValueError(f"{root}: the class folders hold no images")
+    was_training = model.training
+    model.eval()
+    try:
+        classifier = build_zero_shot_classifier(model, tokenizer, classnames, templates, device=device)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+        logits, targets = [], []
+        for images, labels in tqdm(loader, desc="zero-shot", disable=not progress):
+            features = model.encode_image(images.to(device), normalize=True)
+            logits.append(features.float() @ classifier.float())
+            targets.append(labels)
+    finally:
+        model.train(was_training)
+    metrics = zeroshot_metrics(torch.cat(logits).cpu(), torch.cat(targets), len(classnames))
+    return {**metrics, "num_images": len(dataset), "num_classes": len(classnames), "chance": 1.0 / len(classnames)}
