@@ -1,0 +1,101 @@
+"""The sweep behind the papers' vision claims, small enough for a CPU.
+
+- DCL paper Fig. 3: SimCLR with InfoNCE, DCL and DCLW at several batch sizes -> kNN top-1 vs batch size.
+- EqCo Fig. 3: MoCo v2 with InfoNCE and EqCo (alpha fixed) at several queue sizes, plus SiMo (no queue)
+  -> kNN top-1 vs the number of negatives per query.
+
+Every run sees the same number of samples (``samples``), so batch sizes compare at equal data and
+compute. Runs whose summary.json already exists are not repeated, so an interrupted sweep continues.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from contrastkit.vision.train import VisionConfig, train
+
+
+def sweep_configs(base: VisionConfig, out_dir: Path, batch_sizes, simclr_losses, queue_sizes, moco_losses,
+                  moco_batch: int, simo_losses) -> list[tuple[str, VisionConfig]]:
+    """(name, config) of every run: the SimCLR batch-size grid, the MoCo queue grid and SiMo."""
+    runs = []
+    for loss in simclr_losses:
+        for b in batch_sizes:
+            runs.append((f"simclr-{loss}-b{b}", replace(base, method="simclr", loss=loss, batch_size=b)))
+    for loss in moco_losses:
+        for q in queue_sizes:
+            runs.append((f"moco-{loss}-q{q}", replace(base, method="moco", loss=loss, batch_size=moco_batch,
+                                                      queue_size=q)))
+    for loss in simo_losses:
+        runs.append((f"simo-{loss}-b{moco_batch}", replace(base, method="simo", loss=loss, batch_size=moco_batch)))
+    return [(name, replace(cfg, out_dir=str(out_dir / name))) for name, cfg in runs]
+
+
+def negatives(cfg: VisionConfig) -> int:
+    """Negatives per anchor: 2B - 2 views (SimCLR), the queue (MoCo), the other B - 1 keys (SiMo)."""
+    return {"simclr": 2 * cfg.batch_size - 2, "moco": cfg.queue_size or 0, "simo": cfg.batch_size - 1}[cfg.method]
+
+
+def run_sweep(runs: list[tuple[str, VisionConfig]], out_dir: Path) -> list[dict]:
+    rows = []
+    for i, (name, cfg) in enumerate(runs, 1):
+        done = Path(cfg.out_dir) / "summary.json"
+        if done.exists():
+            summary = json.loads(done.read_text())
+        else:
+            print(f"[{i}/{len(runs)}] {name}", flush=True)
+            summary = train(cfg)
+        rows.append({"name": name, "method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size,
+                     "queue_size": cfg.queue_size, "negatives": negatives(cfg), "samples": summary["samples_seen"],
+                     "steps": summary["steps"], "final_loss": summary["final_loss"], "knn_top1": summary["knn_top1"],
+                     "train_seconds": summary["train_seconds"]})
+        (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | method | loss | batch | queue | negatives | steps | final loss | kNN top-1 | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['method']} | {r['loss']} | {r['batch_size']} | {r['queue_size'] or '-'} | "
+                     f"{r['negatives']} | {r['steps']} | {r['final_loss']:.3f} | {100 * r['knn_top1']:.1f} | "
+                     f"{r['train_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out_dir: Path, chance: float) -> list[Path]:
+    """batch_size.png (SimCLR, DCL Fig. 3) and negatives.png (MoCo / SiMo, EqCo Fig. 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for filename, methods, x_key, xlabel, title in (
+            ("batch_size.png", ("simclr",), "batch_size", "batch size", "SimCLR: kNN top-1 vs batch size"),
+            ("negatives.png", ("moco", "simo"), "negatives", "negatives per query (queue size; SiMo: B - 1)",
+             "MoCo v2 / SiMo: kNN top-1 vs negatives")):
+        chosen = [r for r in rows if r["method"] in methods]
+        if not chosen:
+            continue
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for method in methods:
+            for loss in dict.fromkeys(r["loss"] for r in chosen if r["method"] == method):
+                points = sorted((r[x_key], 100 * r["knn_top1"]) for r in chosen
+                                if r["method"] == method and r["loss"] == loss)
+                style = "o-" if method != "simo" else "s"
+                ax.plot(*zip(*points), style, label=f"{method} {loss}" if len(methods) > 1 else loss, markersize=6)
+        ax.axhline(100 * chance, color="gray", linestyle=":", label="chance")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("kNN top-1 (%)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / filename, dpi=120)
+        plt.close(fig)
+        paths.append(out_dir / filename)
+    return paths
