@@ -23,4 +23,5 @@ def test_sweep_grid_negatives_table_and_plots(tmp_path):
     assert (Path(chosen[0][1].out_dir) / "summary.json").stat().st_mtime == mtime
     text = table(rows)
     assert text.count("\n") == 6 and "| simo-eqco-b8 | simo | eqco | 8 | - | 7 |" in text
+    assert all(0 <= r["probe_top1"] <= 1 for r in rows)
     assert [p.name for p in plot(rows, tmp_path, chance=1 / 8)] == ["batch_size.png", "negatives.png"]

@@ -14,7 +14,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from contrastkit.vision.train import VisionConfig, train
+from contrastkit.evaluation.linear_probe import logistic_regression_lbfgs
+from contrastkit.vision.train import VisionConfig, frozen_features, load_backbone, train
 
 
 def sweep_configs(base: VisionConfig, out_dir: Path, batch_sizes, simclr_losses, queue_sizes, moco_losses,
@@ -38,6 +39,18 @@ def negatives(cfg: VisionConfig) -> int:
     return {"simclr": 2 * cfg.batch_size - 2, "moco": cfg.queue_size or 0, "simo": cfg.batch_size - 1}[cfg.method]
 
 
+def probe(cfg: VisionConfig) -> float:
+    """L-BFGS logistic regression on the run's frozen backbone features (test top-1): on the small
+    budgets of the sweep it moves before kNN does."""
+    done = Path(cfg.out_dir) / "probe.json"
+    if not done.exists():
+        backbone, _ = load_backbone(cfg.out_dir)
+        (train_x, train_y), (test_x, test_y), classes = frozen_features(backbone, cfg, progress=False)
+        result = logistic_regression_lbfgs(train_x, train_y, test_x, test_y, num_classes=len(classes))
+        done.write_text(json.dumps(result) + "\n")
+    return json.loads(done.read_text())["test_top1"]
+
+
 def run_sweep(runs: list[tuple[str, VisionConfig]], out_dir: Path) -> list[dict]:
     rows = []
     for i, (name, cfg) in enumerate(runs, 1):
@@ -47,20 +60,22 @@ def run_sweep(runs: list[tuple[str, VisionConfig]], out_dir: Path) -> list[dict]
         else:
             print(f"[{i}/{len(runs)}] {name}", flush=True)
             summary = train(cfg)
+        summary["probe_top1"] = probe(cfg)
         rows.append({"name": name, "method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size,
                      "queue_size": cfg.queue_size, "negatives": negatives(cfg), "samples": summary["samples_seen"],
                      "steps": summary["steps"], "final_loss": summary["final_loss"], "knn_top1": summary["knn_top1"],
-                     "train_seconds": summary["train_seconds"]})
+                     "probe_top1": summary["probe_top1"], "train_seconds": summary["train_seconds"]})
         (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | method | loss | batch | queue | negatives | steps | final loss | kNN top-1 | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | method | loss | batch | queue | negatives | steps | final loss | kNN top-1 | probe top-1 | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['method']} | {r['loss']} | {r['batch_size']} | {r['queue_size'] or '-'} | "
                      f"{r['negatives']} | {r['steps']} | {r['final_loss']:.3f} | {100 * r['knn_top1']:.1f} | "
+                     f"{100 * r['probe_top1']:.1f} | "
                      f"{r['train_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -80,20 +95,22 @@ def plot(rows: list[dict], out_dir: Path, chance: float) -> list[Path]:
         chosen = [r for r in rows if r["method"] in methods]
         if not chosen:
             continue
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        for method in methods:
-            for loss in dict.fromkeys(r["loss"] for r in chosen if r["method"] == method):
-                points = sorted((r[x_key], 100 * r["knn_top1"]) for r in chosen
-                                if r["method"] == method and r["loss"] == loss)
-                style = "o-" if method != "simo" else "s"
-                ax.plot(*zip(*points), style, label=f"{method} {loss}" if len(methods) > 1 else loss, markersize=6)
-        ax.axhline(100 * chance, color="gray", linestyle=":", label="chance")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("kNN top-1 (%)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for ax, metric, label in zip(axes, ("knn_top1", "probe_top1"), ("kNN top-1 (%)", "linear probe top-1 (%)")):
+            for method in methods:
+                for loss in dict.fromkeys(r["loss"] for r in chosen if r["method"] == method):
+                    points = sorted((r[x_key], 100 * r[metric]) for r in chosen
+                                    if r["method"] == method and r["loss"] == loss)
+                    style = "o-" if method != "simo" else "s"
+                    ax.plot(*zip(*points), style, label=f"{method} {loss}" if len(methods) > 1 else loss,
+                            markersize=6)
+            ax.axhline(100 * chance, color="gray", linestyle=":", label="chance")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(out_dir / filename, dpi=120)
         plt.close(fig)

@@ -2,7 +2,7 @@
 
     python recipes/vision/sweep.py --out-dir runs/vision-sweep          # the default grid, ~25 min on 2 CPU cores
 
-Every run sees --samples images; writes sweep.json, sweep.md (table), batch_size.png and negatives.png.
+Every run sees --samples images and is judged by weighted kNN and an L-BFGS linear probe; writes sweep.json, sweep.md (table), batch_size.png and negatives.png.
 Re-running continues where it stopped (finished runs are kept).
 """
 
@@ -35,9 +35,10 @@ if __name__ == "__main__":
     parser.add_argument("--train-images", type=int, default=2000)
     parser.add_argument("--test-images", type=int, default=800)
     parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--crop-min", type=float, default=0.3)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--crop-min", type=float, default=0.5)
     parser.add_argument("--blur", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--temperature", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -45,6 +46,7 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     base = VisionConfig(samples=args.samples, train_images=args.train_images, test_images=args.test_images,
                         width=args.width, lr=args.lr, crop_min=args.crop_min, blur=args.blur, alpha=args.alpha,
+                        temperature=args.temperature,
                         seed=args.seed, threads=1, progress=False, log_every=10)
     runs = sweep_configs(base, out, args.batch_sizes, args.simclr_losses, args.queue_sizes, args.moco_losses,
                          args.moco_batch, args.simo_losses)
