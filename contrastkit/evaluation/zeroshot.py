@@ -44,8 +44,10 @@ def zeroshot_classes(root: str | Path) -> tuple[list[str], list[str], list[str]]
     return folders, [f.replace("_", " ") for f in folders], ["a photo of a {}."]
 
 
-def zeroshot_metrics(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> dict[str, float]:
-    """top-1, top-5 (top-k with k = min(5, classes)) and mean per-class recall from logits [N, C]."""
+def zeroshot_metrics(logits: torch.Tensor, targets: torch.Tensor, num_classes: int,
+                     per_class: bool = False) -> dict:
+    """top-1, top-5 (top-k with k = min(5, classes)) and mean per-class recall from logits [N, C];
+    ``per_class`` adds the list of recalls (None for a class without images)."""
     k = min(5, num_classes)
     topk = logits.topk(k, dim=1).indices
     top1 = (topk[:, 0] == targets).float().mean().item()
@@ -53,13 +55,17 @@ def zeroshot_metrics(logits: torch.Tensor, targets: torch.Tensor, num_classes: i
     correct = (topk[:, 0] == targets).float()
     present = torch.bincount(targets, minlength=num_classes) > 0
     hits = torch.bincount(targets, weights=correct, minlength=num_classes)
-    recall = (hits[present] / torch.bincount(targets, minlength=num_classes)[present]).mean().item()
-    return {"top1": top1, "top5": top5, "mean_per_class_recall": recall}
+    counts = torch.bincount(targets, minlength=num_classes)
+    recalls = hits / counts.clamp(min=1)
+    result = {"top1": top1, "top5": top5, "mean_per_class_recall": recalls[present].mean().item()}
+    if per_class:
+        result["per_class_recall"] = [r.item() if p else None for r, p in zip(recalls, present)]
+    return result
 
 
 @torch.no_grad()
 def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_size: int = 256, device="cpu",
-                      workers: int = 0, progress: bool = False) -> dict:
+                      workers: int = 0, progress: bool = False, per_class: bool = False) -> dict:
     """Zero-shot metrics of an open_clip ``model`` on the folder ``root`` (see the module docstring)."""
     from open_clip import build_zero_shot_classifier
     from torchvision.datasets import ImageFolder
@@ -81,5 +87,52 @@ def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_s
             targets.append(labels)
     finally:
         model.train(was_training)
-    metrics = zeroshot_metrics(torch.cat(logits).cpu(), torch.cat(targets), len(classnames))
+    metrics = zeroshot_metrics(torch.cat(logits).cpu(), torch.cat(targets), len(classnames), per_class)
+    if per_class:
+        metrics["classnames"] = classnames
     return {**metrics, "num_images": len(dataset), "num_classes": len(classnames), "chance": 1.0 / len(classnames)}
+
+
+def load_clip_checkpoint(model, path: str | Path) -> None:
+    """Load weights into an open_clip model from an accelerate checkpoint folder (model.safetensors), a
+    .safetensors file, or a torch file (open_clip_train's epoch_N.pt with "state_dict", DDP's "module."
+    prefixes removed). Missing or unexpected keys are an error naming them."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit this model: missing {list(missing)[:5]}, unexpected "
+                         f"{list(unexpected)[:5]} (is --model the config it was trained with?)")
+
+
+def plot_per_class(result: dict, path: str | Path, max_classes: int = 60) -> Path:
+    """A bar chart of the per-class recalls (the lowest ``max_classes`` when there are more)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [(r, c) for r, c in zip(result["per_class_recall"], result["classnames"]) if r is not None]
+    pairs = sorted(pairs)[:max_classes] if len(pairs) > max_classes else pairs
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.3 * len(pairs) + 2), 3.6))
+    ax.bar(range(len(pairs)), [r for r, _ in pairs])
+    ax.set_xticks(range(len(pairs)), [c for _, c in pairs], rotation=60, ha="right", fontsize=8)
+    ax.axhline(result["chance"], color="grey", ls="--", label="chance")
+    ax.set_ylabel("recall")
+    ax.set_title(f"zero-shot top-1 {result['top1']:.3f}, mean per-class recall {result['mean_per_class_recall']:.3f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

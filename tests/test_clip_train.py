@@ -1,0 +1,183 @@
+"""The CLIP recipe: exact resume, 2 accelerate processes equal 1, the eval script reproduces the
+recipe's zero-shot numbers, and bad input fails clearly (or warns and goes on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("open_clip")
+pytest.importorskip("accelerate")
+
+from contrastkit.clip_train import ClipTrainConfig, StepBatches, create_clip, train  # noqa: E402
+from contrastkit.data.image_text import make_shapes_clip  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clipdata")
+    make_shapes_clip(d, num_train=64, progress=False)
+    return d
+
+
+def _cfg(out, data_dir, **kw):
+    values = dict(loss="dcl", data_dir=str(data_dir), num_train=64, batch_size=8, steps=6, warmup=2, log_every=1,
+                  eval_every=3, save_every=3, out_dir=str(out), progress=False)
+    values.update(kw)
+    return ClipTrainConfig(**values)
+
+
+def _state(checkpoint: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors")), torch.load(checkpoint / "optimizer.bin",
+                                                                        weights_only=False)
+
+
+def _losses(out: Path):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def test_resume_continues_to_the_same_state(data_dir, tmp_path):
+    straight = tmp_path / "straight"
+    summary = train(_cfg(straight, data_dir))
+    assert summary["steps"] == 6 and 0.0 <= summary["zeroshot_top1"] <= 1.0
+    assert (straight / "metrics.png").exists() and (straight / "summary.json").exists()
+
+    # Interrupted after step 3: only that checkpoint (and the log written so far, with later lines) survive.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
+    train(_cfg(resumed, data_dir, resume=True))
+
+    model_a, opt_a = _state(straight / "checkpoints" / "step_6")
+    model_b, opt_b = _state(resumed / "checkpoints" / "step_6")
+    assert model_a.keys() == model_b.keys()
+    for key in model_a:
+        assert torch.equal(model_a[key], model_b[key]), key
+    for key, value in opt_a["state"].items():
+        for name in value:
+            assert torch.equal(value[name], opt_b["state"][key][name]), (key, name)
+    assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 6
+
+    # The eval script on the final checkpoint gives the recipe's own zero-shot numbers.
+    done = subprocess.run([sys.executable, "eval/zeroshot.py", "--checkpoint", str(straight / "checkpoints" / "step_6"),
+                           "--data", str(Path(summary["zeroshot_data"])), "--out-dir", str(tmp_path / "eval")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "eval" / "zeroshot.json").read_text())
+    assert result["top1"] == pytest.approx(summary["zeroshot_top1"], abs=1e-6)
+    assert (tmp_path / "eval" / "zeroshot.png").exists() and len(result["per_class_recall"]) == 8
+
+
+def test_two_accelerate_processes_equal_one(data_dir, tmp_path):
+    args = ["--loss", "dclw", "--data-dir", str(data_dir), "--num-train", "64", "--batch-size", "8", "--steps", "2",
+            "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+           "recipes/clip/train.py", *args, "--out-dir", str(tmp_path / "two")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "zero-shot top-1" in done.stdout
+    train(_cfg(tmp_path / "one", data_dir, loss="dclw", steps=2, warmup=1, eval_every=0, save_every=0))
+    two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(two) == len(one) == 2
+    assert two == pytest.approx(one, rel=1e-5)  # step 2's loss follows step 1's update: same gradients
+
+
+def test_step_batches_split_each_global_batch_and_cover_the_epoch():
+    one = list(StepBatches(20, 8, 0, 1, seed=3, start=0, stop=4))
+    two = [list(StepBatches(20, 8, r, 2, seed=3, start=0, stop=4)) for r in range(2)]
+    assert [a + b for a, b in zip(*two)] == one
+    assert sorted(one[0] + one[1]) == sorted(set(one[0] + one[1]))  # an epoch has no repeats
+    assert list(StepBatches(20, 8, 0, 1, seed=3, start=2, stop=4)) == one[2:]  # resume mid-run
+    with pytest.raises(ValueError, match="divisible by the number of processes 3"):
+        StepBatches(20, 8, 0, 3, seed=0, start=0, stop=1)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _csv(tmp_path, n=20, corrupt=0, header="filepath\ttitle"):
+    from contrastkit.data.shapes import SHAPES, ShapeSpec, caption, render
+
+    lines = [header]
+    for i in range(n):
+        spec = ShapeSpec(SHAPES[i % 8], "red", "large", "center", "plain")
+        path = tmp_path / f"img{i}.png"
+        if i < corrupt:
+            path.write_bytes(b"not an image")
+        else:
+            render(spec, size=32, seed=i).save(path)
+        lines.append(f"{path.name}\t{caption(spec)}")
+    (tmp_path / "pairs.tsv").write_text("\n".join(lines) + "\n")
+    return tmp_path / "pairs.tsv"
+
+
+def test_missing_data_path_and_columns(tmp_path):
+    from contrastkit.data.image_text import load_image_text
+
+    with pytest.raises(FileNotFoundError, match="data path does not exist"):
+        load_image_text(tmp_path / "nope.tsv")
+    path = _csv(tmp_path, n=4, header="filepath\tcaption")
+    with pytest.raises(KeyError, match="no caption column 'title'; the columns are \\['filepath', 'caption'\\]"):
+        load_image_text(path)
+    assert len(load_image_text(path, caption_key="caption")) == 4
+    with pytest.raises(FileNotFoundError, match="data path does not exist"):
+        train(ClipTrainConfig(data=str(tmp_path / "missing"), out_dir=str(tmp_path / "o"), progress=False))
+
+
+def test_unreadable_images_warn_with_a_count_or_fail_when_too_many(tmp_path):
+    from contrastkit.data.image_text import load_image_text
+
+    (tmp_path / "few").mkdir()
+    with pytest.warns(UserWarning, match="1 of 20 images are unreadable.*img0.png.*skipping them"):
+        dataset = load_image_text(_csv(tmp_path / "few", n=20, corrupt=1))
+    assert len(dataset) == 19
+    (tmp_path / "many").mkdir()
+    with pytest.raises(ValueError, match="5 of 20 images are unreadable.*more than 10%"):
+        load_image_text(_csv(tmp_path / "many", n=20, corrupt=5))
+
+
+def test_training_on_user_csv_goes_on_past_an_unreadable_image(tmp_path):
+    path = _csv(tmp_path, n=20, corrupt=1)
+    with pytest.warns(UserWarning, match="1 of 20 images are unreadable"):
+        summary = train(ClipTrainConfig(data=str(path), out_dir=str(tmp_path / "run"), batch_size=8, steps=2,
+                                        warmup=1, log_every=1, eval_every=0, save_every=0, progress=False))
+    assert summary["steps"] == 2 and summary["train_pairs"] == 19 and "zeroshot_top1" not in summary
+
+
+def test_unknown_model_and_loss(tmp_path):
+    with pytest.raises(ValueError, match="unknown open_clip model config 'ViT-Nope'"):
+        create_clip("ViT-Nope")
+    with pytest.raises(ValueError, match="unknown loss 'nce'"):
+        train(ClipTrainConfig(loss="nce", out_dir=str(tmp_path), progress=False))
+
+
+def test_hf_image_folder_with_captions(tmp_path):
+    from contrastkit.data.image_text import load_image_text
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _csv(folder, n=6)
+    rows = (folder / "pairs.tsv").read_text().splitlines()[1:]
+    (folder / "pairs.tsv").unlink()
+    (folder / "metadata.csv").write_text("file_name,text\n" + "".join(f"{r.split(chr(9))[0]},{r.split(chr(9))[1]}\n"
+                                                                    for r in rows))
+    model, preprocess, tokenizer = create_clip("contrastkit-tiny")
+    dataset = load_image_text(folder, preprocess, tokenizer)
+    image, tokens = dataset[0]
+    assert len(dataset) == 6 and image.shape == (3, 32, 32) and tokens.shape == (16,)
+    with pytest.raises(KeyError, match="no caption column 'caption'"):
+        load_image_text(folder, caption_key="caption")
