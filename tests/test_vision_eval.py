@@ -103,6 +103,12 @@ def test_eval_scripts_on_a_recipe_run(tmp_path):
     from_ckpt = knn_script.main(["--run", str(run), "--k", "10", "--no-progress", "--out", str(tmp_path / "c.json"),
                                  "--checkpoint", str(run / "checkpoints" / "step_2")])
     assert from_ckpt["knn_top1"] == report["knn_top1"]
+    # The same backbone judged on other data: an ImageFolder with train/ and val/.
+    write_folder(tmp_path / "folder" / "train", ["a", "b", "c"], per_class=4)
+    write_folder(tmp_path / "folder" / "val", ["a", "b", "c"], per_class=2)
+    other = knn_script.main(["--run", str(run), "--data", str(tmp_path / "folder"), "--image-size", "16", "--k", "3",
+                             "--no-progress", "--out", str(tmp_path / "folder.json")])
+    assert other["classes"] == 3 and other["train_size"] == 12 and other["test_size"] == 6
 
 
 def write_folder(root, classes, per_class=2, size=12):
@@ -110,6 +116,19 @@ def write_folder(root, classes, per_class=2, size=12):
         (root / name).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             Image.new("RGB", (size + i, size), (40 * c, 20 * i, 100)).save(root / name / f"{i}.png")
+
+
+def test_recipe_trains_on_an_image_folder_with_a_broken_file(tmp_path):
+    write_folder(tmp_path / "data" / "train", ["cat", "dog"], per_class=4, size=20)
+    write_folder(tmp_path / "data" / "val", ["cat", "dog"], per_class=2, size=20)
+    (tmp_path / "data" / "train" / "dog" / "broken.jpg").write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable file\(s\) of 9"):
+        summary = train(VisionConfig(method="simo", loss="dcl", data=str(tmp_path / "data"), image_size=16,
+                                     out_dir=str(tmp_path / "run"), batch_size=4, steps=2, width=4, proj_hidden=16,
+                                     proj_dim=8, threads=1, progress=False))
+    assert summary["steps"] == 2 and 0 <= summary["knn_top1"] <= 1
+    with pytest.raises(FileNotFoundError, match="dataset path .* does not exist"):
+        train(VisionConfig(data=str(tmp_path / "missing"), out_dir=str(tmp_path / "run2"), steps=1, progress=False))
 
 
 def test_image_folder_reads_and_resizes(tmp_path):
