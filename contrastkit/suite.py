@@ -1,0 +1,373 @@
+"""The cross-domain suite: train (or take) one model per domain, objective and seed, run every evaluation
+that fits, and write one report (JSON, Markdown, plots).
+
+A *cell* is (domain, objective, seed, variant). Each cell runs the domain's recipe and eval scripts as
+subprocesses, exactly the commands a person would type, and stores its numbers in ``cell.json``; a
+cell whose ``cell.json`` exists is not run again, so an interrupted suite picks up where it stopped
+(and the recipes' own ``--resume`` continues an interrupted training run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: recipes/ and eval/ live beside the package
+
+# Columns of the report: (domain, metric key in cell.json, column title).
+COLUMNS = [
+    ("image_text", "zeroshot_top1", "image zero-shot top-1"),
+    ("vision", "linear_probe_top1", "image linear probe"),
+    ("vision", "knn_top1", "image kNN"),
+    ("speech", "speaker_id_accuracy", "speaker ID"),
+    ("speech", "intent_accuracy", "intent"),
+]
+
+# The papers' numbers, with the setting they were measured in: shown only where a run matches it.
+PAPER_REFERENCES = {
+    ("speech", "speaker_id_accuracy"): {
+        "infonce": 74.9, "dcl": 75.2,
+        "setting": "wav2vec 2.0 Base pre-trained on LibriSpeech, VoxCeleb1 identification, mean-pooled features "
+                   "and a linear layer (DCL paper, appendix Table 7)"},
+    ("speech", "intent_accuracy"): {
+        "infonce": 92.3, "dcl": 92.5,
+        "setting": "wav2vec 2.0 Base pre-trained on LibriSpeech, Fluent Speech Commands intent "
+                   "(DCL paper, appendix Table 7)"},
+}
+
+DEFAULT_CONFIG = {
+    "output_dir": "runs/suite",
+    "objectives": ["infonce", "dcl", "dclw"],
+    "seeds": [0, 1],
+    "domains": {
+        "vision": {"data": None, "checkpoints": {}, "train": {"method": "simclr", "batch-size": 32, "steps": 150},
+                   "evals": ["knn", "linear_probe"]},
+        "image_text": {"data": None, "zeroshot": None, "checkpoints": {}, "train": {"batch-size": 32, "steps": 150},
+                       "evals": ["zeroshot"]},
+        "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 60},
+                   "evals": ["speaker_id", "intent"]},
+    },
+    "sweep": {"domain": "vision", "batch_sizes": [8, 64], "objectives": ["infonce", "dcl"]},
+}
+
+
+@dataclass
+class Cell:
+    domain: str
+    objective: str
+    seed: int
+    variant: str = ""  # e.g. "bs8" in the batch-size sweep
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return "/".join(x for x in (self.domain + (f"-{self.variant}" if self.variant else ""), self.objective,
+                                    f"seed{self.seed}"))
+
+
+def load_config(path: str | Path | None) -> dict:
+    """The default suite, updated by a YAML or TOML file (domains merge key by key)."""
+    config = json.loads(json.dumps(DEFAULT_CONFIG))
+    if path is None:
+        return config
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"suite config {path} does not exist")
+    if path.suffix == ".toml":
+        import tomllib
+
+        user = tomllib.loads(path.read_text())
+    else:
+        import yaml
+
+        user = yaml.safe_load(path.read_text()) or {}
+    unknown = set(user) - set(config)
+    if unknown:
+        raise ValueError(f"suite config {path}: unknown keys {sorted(unknown)}; expected {sorted(config)}")
+    for key, value in user.items():
+        if key == "domains":
+            unknown = set(value) - set(config["domains"])
+            if unknown:
+                raise ValueError(f"suite config {path}: unknown domains {sorted(unknown)}; "
+                                 f"expected {sorted(config['domains'])}")
+            config["domains"] = {name: {**config["domains"][name], **(value.get(name) or {})}
+                                 for name in config["domains"] if name in value}
+        else:
+            config[key] = value
+    return config
+
+
+def plan(config: dict) -> list[Cell]:
+    """Every cell of the suite: each domain x objective x seed, plus the batch-size sweep."""
+    cells = [Cell(domain, objective, seed) for domain in config["domains"] for objective in config["objectives"]
+             for seed in config["seeds"]]
+    sweep = config.get("sweep") or {}
+    if sweep.get("domain") in config["domains"]:
+        for batch in sweep.get("batch_sizes", []):
+            for objective in sweep.get("objectives", config["objectives"]):
+                for seed in config["seeds"]:
+                    cells.append(Cell(sweep["domain"], objective, seed, f"bs{batch}", {"batch-size": batch}))
+    return cells
+
+
+def missing_data(domain: str, settings: dict) -> str | None:
+    """Why a domain cannot run (a data path that does not exist), or None."""
+    for key in DATA_KEYS[domain]:
+        value = settings.get(key)
+        if value and not Path(value).exists():
+            return f"{domain}: {key} path {value} does not exist; domain skipped"
+    for objective, checkpoint in (settings.get("checkpoints") or {}).items():
+        if checkpoint and not Path(checkpoint).exists():
+            return f"{domain}: checkpoint for {objective} ({checkpoint}) does not exist; domain skipped"
+    return None
+
+
+def _run(argv: list[str], log_path: Path) -> None:
+    with log_path.open("a") as log:
+        log.write("$ " + shlex.join(argv) + "\n")
+        log.flush()
+        done = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"command failed ({done.returncode}): {shlex.join(argv)}\n{tail}")
+
+
+def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
+    """Train (unless a checkpoint is given) and evaluate one cell; the result is cached in cell.json."""
+    cell_dir = out_dir / "cells" / cell.name
+    result_path = cell_dir / "cell.json"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    settings = config["domains"][cell.domain]
+    started = time.time()
+    commands = COMMANDS[cell.domain](cell, settings, cell_dir)
+    metrics = {}
+    for name, argv, output in commands:
+        _run([sys.executable, *argv], cell_dir / "log.txt")
+        if output is not None:
+            metrics.update(READERS[name](json.loads(Path(output).read_text())))
+    result = {"domain": cell.domain, "objective": cell.objective, "seed": cell.seed, "variant": cell.variant,
+              "metrics": metrics, "settings": {**settings.get("train", {}), **cell.overrides},
+              "commands": [shlex.join(argv) for _, argv, _ in commands], "seconds": round(time.time() - started, 1)}
+    result_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def run_suite(config: dict, *, progress: bool = True) -> dict:
+    """Run every cell not yet done, then write report.json, report.md and the plots to output_dir."""
+    from tqdm.auto import tqdm
+
+    out_dir = Path(config["output_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    skipped = {d: why for d, s in config["domains"].items() if (why := missing_data(d, s))}
+    results, failures = [], {}
+    cells = [c for c in plan(config) if c.domain not in skipped]
+    for cell in tqdm(cells, desc="suite", unit="cell", disable=not progress):
+        try:
+            results.append(run_cell(cell, config, out_dir))
+        except RuntimeError as err:
+            failures[cell.name] = str(err)
+    report = build_report(config, results, skipped, failures)
+    write_report(report, out_dir)
+    return report
+
+
+def _stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values), "values": values}
+
+
+def build_report(config: dict, results: list[dict], skipped: dict, failures: dict) -> dict:
+    """Every number with its settings; per objective and column: mean, spread (sample std) and seeds."""
+    table = {}
+    for objective in config["objectives"]:
+        row = {}
+        for domain, key, title in COLUMNS:
+            values = [r["metrics"][key] for r in results
+                      if r["domain"] == domain and r["objective"] == objective and not r["variant"]
+                      and r["metrics"].get(key) is not None]
+            if values:
+                row[title] = _stats(values)
+        table[objective] = row
+    sweep = {}
+    for r in results:
+        if r["variant"].startswith("bs"):
+            batch = int(r["variant"][2:])
+            sweep.setdefault(r["objective"], {}).setdefault(batch, []).append(r["metrics"].get("knn_top1"))
+    sweep = {o: {b: _stats([v for v in vs if v is not None]) for b, vs in sorted(per.items()) if any(
+        v is not None for v in vs)} for o, per in sweep.items()}
+    references = []
+    for (domain, key), ref in PAPER_REFERENCES.items():
+        if domain not in config["domains"]:
+            continue
+        real = domain in config["domains"] and not _uses_embedded_data(domain, config["domains"][domain])
+        references.append({"domain": domain, "metric": key, "setting": ref["setting"],
+                           "paper": {o: v for o, v in ref.items() if o != "setting"},
+                           "matches_this_run": False, "why": "this run uses the user's data; check the setting"
+                           if real else "this run uses the embedded default data, not the paper's"})
+    return {"config": config, "table": table, "sweep": sweep, "skipped": skipped, "failures": failures,
+            "references": references, "cells": results}
+
+
+def _uses_embedded_data(domain: str, settings: dict) -> bool:
+    return not any(settings.get(key) for key in DATA_KEYS[domain])
+
+
+def _fmt(stat: dict | None, scale: float = 100.0) -> str:
+    if not stat:
+        return "-"
+    text = f"{scale * stat['mean']:.1f}"
+    return text + (f" ± {scale * stat['std']:.1f}" if stat["n"] > 1 else "") + f" (n={stat['n']})"
+
+
+def markdown(report: dict) -> str:
+    config = report["config"]
+    titles = [title for _, _, title in COLUMNS]
+    lines = ["# contrastkit cross-domain suite", "",
+             f"Objectives {', '.join(config['objectives'])}; seeds {config['seeds']}. Accuracy in %, "
+             "mean ± sample standard deviation over seeds (n = number of seeds).", "",
+             "| objective | " + " | ".join(titles) + " |", "|---" * (len(titles) + 1) + "|"]
+    for objective, row in report["table"].items():
+        lines.append(f"| {objective} | " + " | ".join(_fmt(row.get(t)) for t in titles) + " |")
+    for domain, settings in config["domains"].items():
+        data = "embedded default" if _uses_embedded_data(domain, settings) else ", ".join(
+            f"{k}={settings[k]}" for k in DATA_KEYS[domain] if settings.get(k))
+        lines.append(f"\n- {domain}: data {data}; training {json.dumps(settings.get('train', {}))}"
+                     + (f"; checkpoints {settings['checkpoints']}" if settings.get("checkpoints") else ""))
+    for domain, why in report["skipped"].items():
+        lines.append(f"- **skipped** {why}")
+    for name, error in report["failures"].items():
+        lines.append(f"- **failed** {name}: {error.splitlines()[0]}")
+    if report["sweep"]:
+        batches = sorted({b for per in report["sweep"].values() for b in per})
+        lines += ["", "## kNN accuracy vs batch size", "", "| objective | " + " | ".join(f"batch {b}" for b in batches)
+                  + " |", "|---" * (len(batches) + 1) + "|"]
+        for objective, per in report["sweep"].items():
+            lines.append(f"| {objective} | " + " | ".join(_fmt(per.get(b)) for b in batches) + " |")
+    lines += ["", "## Papers' numbers", "", "| domain | metric | InfoNCE | DCL | setting | comparable here |",
+              "|---|---|---|---|---|---|"]
+    for ref in report["references"]:
+        lines.append(f"| {ref['domain']} | {ref['metric']} | {ref['paper'].get('infonce', '-')} | "
+                     f"{ref['paper'].get('dcl', '-')} | {ref['setting']} | no: {ref['why']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out_dir: Path) -> None:
+    """report.json, report.md, and the plots beside them."""
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown(report))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = [t for _, _, t in COLUMNS if any(t in row for row in report["table"].values())]
+    if titles:
+        fig, axes = plt.subplots(1, len(titles), figsize=(3.6 * len(titles), 3.4), squeeze=False)
+        objectives = list(report["table"])
+        for ax, title in zip(axes[0], titles):
+            stats = [report["table"][o].get(title) for o in objectives]
+            ax.bar(range(len(objectives)), [100 * s["mean"] if s else math.nan for s in stats],
+                   yerr=[100 * s["std"] if s else 0 for s in stats], capsize=4, color="tab:blue", alpha=0.8)
+            ax.set_xticks(range(len(objectives)), objectives)
+            ax.set_title(title)
+            ax.set_ylabel("accuracy (%)")
+            ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "report_domains.png", dpi=120)
+        plt.close(fig)
+    if report["sweep"]:
+        fig, ax = plt.subplots(figsize=(4.8, 3.6))
+        for objective, per in report["sweep"].items():
+            batches = sorted(per)
+            ax.errorbar(batches, [100 * per[b]["mean"] for b in batches], yerr=[100 * per[b]["std"] for b in batches],
+                        marker="o", capsize=3, label=objective)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("kNN accuracy (%)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "report_batch_size.png", dpi=120)
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the domains
+# Each builder returns the commands of one cell: (name, argv after the Python executable, JSON output or
+# None). They are the commands of the README, so a number in the report can be reproduced by hand.
+
+DATA_KEYS = {"vision": ("data",), "image_text": ("data", "zeroshot"), "speech": ("fsc", "voxceleb")}
+
+
+def _flags(options: dict) -> list[str]:
+    argv = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _checkpoint(settings: dict, cell: Cell) -> str | None:
+    return None if cell.variant else (settings.get("checkpoints") or {}).get(cell.objective)
+
+
+def vision_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
+    run = _checkpoint(settings, cell)
+    commands = []
+    if run is None:
+        run = str(cell_dir / "train")
+        options = {**settings.get("train", {}), **cell.overrides, "loss": cell.objective, "seed": cell.seed,
+                   "out-dir": run, "data": settings.get("data")}
+        argv = ["recipes/vision/train.py", *_flags(options), "--no-progress"]
+        if (Path(run) / "checkpoints").exists():
+            argv.append("--resume")  # an interrupted cell continues its training run
+        commands.append(("train", argv, None))
+    evals = ["knn"] if cell.variant else settings.get("evals", ["knn", "linear_probe"])
+    data = _flags({"data": settings.get("data")})
+    if "knn" in evals:
+        out = cell_dir / "knn.json"
+        commands.append(("knn", ["eval/knn.py", "--run", run, *data, "--out", str(out), "--no-progress"], out))
+    if "linear_probe" in evals:
+        out = cell_dir / "linear_probe.json"
+        commands.append(("linear_probe", ["eval/linear_probe.py", "--run", run, *data, "--classifier", "sgd",
+                                          "--out", str(out), "--no-progress"], out))
+    return commands
+
+
+def speech_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
+    run = _checkpoint(settings, cell)
+    commands = []
+    if run is None:
+        run = str(cell_dir / "train")
+        options = {**settings.get("train", {}), **cell.overrides, "loss": cell.objective, "seed": cell.seed,
+                   "out": run, "data": settings.get("fsc")}
+        commands.append(("train", ["recipes/wav2vec2/train.py", *_flags(options)], None))
+    for task, key in (("speaker_id", "voxceleb"), ("intent", "fsc")):
+        if task in settings.get("evals", ["speaker_id", "intent"]):
+            out_dir = cell_dir / "eval"
+            argv = [f"eval/{task}.py", "--upstream", run, *_flags({"data": settings.get(key)}), "--out", str(out_dir),
+                    "--seed", str(cell.seed)]
+            commands.append((task, argv, out_dir / f"{task}.json"))
+    return commands
+
+
+COMMANDS = {"vision": vision_commands, "speech": speech_commands}
+
+READERS = {
+    "knn": lambda r: {"knn_top1": r["knn_top1"]},
+    "linear_probe": lambda r: {"linear_probe_top1": r["sgd"]["test_top1"]},
+    "speaker_id": lambda r: {"speaker_id_accuracy": r["test_accuracy"]},
+    "intent": lambda r: {"intent_accuracy": r["test_accuracy"]},
+}

@@ -1,0 +1,90 @@
+"""The cross-domain suite on a tiny vision config: report, resumption, agreement with the eval scripts
+run by hand, and a missing data path skipping its domain."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contrastkit.suite import ROOT, load_config, markdown, plan, run_suite
+
+TINY_VISION = {"train": {"method": "simclr", "batch-size": 16, "steps": 3, "train-images": 120, "test-images": 60,
+                         "threads": 1}, "evals": ["knn", "linear_probe"]}
+
+
+def _config(tmp_path, **extra):
+    config = load_config(None)
+    config.update(output_dir=str(tmp_path / "suite"), objectives=["dcl"], seeds=[0], sweep={})
+    config["domains"] = {"vision": {**config["domains"]["vision"], **TINY_VISION}}
+    config.update(extra)
+    return config
+
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("suite")
+    config = _config(tmp_path)
+    return config, run_suite(config, progress=False)
+
+
+def test_report_has_every_number_and_its_settings(tiny_suite):
+    config, report = tiny_suite
+    row = report["table"]["dcl"]
+    assert set(row) == {"image linear probe", "image kNN"}
+    assert 0.0 <= row["image kNN"]["mean"] <= 1.0 and row["image kNN"]["n"] == 1
+    (cell,) = report["cells"]
+    assert cell["settings"]["steps"] == 3 and cell["objective"] == "dcl"
+    base = Path(config["output_dir"])
+    assert json.loads((base / "report.json").read_text())["table"] == json.loads(json.dumps(report["table"]))
+    assert "| dcl |" in (base / "report.md").read_text()
+    assert (base / "report_domains.png").stat().st_size > 0
+
+
+def test_numbers_agree_with_the_eval_scripts_run_by_hand(tiny_suite, tmp_path):
+    config, report = tiny_suite
+    run = report["cells"][0]["commands"][0].split("--out-dir ")[1].split()[0]
+    knn = subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
+                          "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert json.loads((tmp_path / "knn.json").read_text())["knn_top1"] == report["table"]["dcl"]["image kNN"]["mean"]
+    subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--out",
+                    str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True, capture_output=True)
+    by_hand = json.loads((tmp_path / "lp.json").read_text())["sgd"]["test_top1"]
+    assert by_hand == report["table"]["dcl"]["image linear probe"]["mean"]
+    assert knn.returncode == 0
+
+
+def test_finished_cells_are_not_redone(tiny_suite):
+    config, report = tiny_suite
+    log = Path(config["output_dir"]) / "cells" / "vision" / "dcl" / "seed0" / "log.txt"
+    before = log.read_text()
+    again = run_suite(config, progress=False)
+    assert log.read_text() == before
+    assert again["table"] == report["table"]
+
+
+def test_missing_data_path_skips_the_domain_with_a_clear_line(tmp_path):
+    config = _config(tmp_path)
+    config["domains"]["vision"]["data"] = str(tmp_path / "no-such-imagenet")
+    report = run_suite(config, progress=False)
+    assert "vision" in report["skipped"] and "does not exist" in report["skipped"]["vision"]
+    assert "**skipped** vision: data path" in markdown(report)
+    assert report["cells"] == []
+
+
+def test_config_files_and_plan(tmp_path):
+    path = tmp_path / "suite.yaml"
+    path.write_text("objectives: [infonce, dcl]\nseeds: [0, 1, 2]\ndomains:\n  speech: {evals: [intent]}\n"
+                    "sweep: {domain: vision}\n")
+    config = load_config(path)
+    assert list(config["domains"]) == ["speech"] and config["domains"]["speech"]["evals"] == ["intent"]
+    assert len(plan(config)) == 6  # the sweep's domain is not in this suite
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("domains:\n  audio: {}\n")
+    with pytest.raises(ValueError, match="unknown domains \\['audio'\\]"):
+        load_config(bad)
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.toml")
