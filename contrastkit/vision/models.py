@@ -34,7 +34,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             return super().forward(x)
         c = x.shape[1]
         dims = [0, *range(2, x.dim())]
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 under autocast, float64 if given
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), xf.new_tensor([x.numel() / c])])
         total = gather_with_grad(local[None])[0].sum(0)
         count = total[-1]
@@ -43,8 +43,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                self.running_mean.lerp_(mean.detach(), self.momentum)
-                self.running_var.lerp_(var.detach() * count / (count - 1).clamp_min(1), self.momentum)
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+                self.running_var.lerp_((var.detach() * count / (count - 1).clamp_min(1)).to(self.running_var.dtype),
+                                      self.momentum)
         shape = [1, c] + [1] * (x.dim() - 2)
         y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
