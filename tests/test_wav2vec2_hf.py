@@ -23,7 +23,16 @@ from contrastkit.speech.models import hf_mask_and_negatives, hf_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _batch(model, seed=0, batch=3, samples=3200):
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The CI machine has 2 cores shared with other tests: intra-op threads only oversubscribe them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _batch(model, seed=0, batch=3, samples=6400):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, samples, generator=g)
     mask, neg = hf_mask_and_negatives(model, batch, samples, np.random.default_rng(seed))
@@ -170,7 +179,8 @@ def test_one_import_makes_an_unchanged_script_train_with_dcl(tmp_path):
 
     def run(path, **env):
         out = tmp_path / f"{path.stem}-{len(env)}.json"
-        subprocess.run([sys.executable, str(path), str(out)], check=True, env={**os.environ, **env}, timeout=300)
+        subprocess.run([sys.executable, str(path), str(out)], check=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **env})
         return json.loads(out.read_text())
 
     base, dcl = run(plain), run(with_import)
@@ -193,6 +203,7 @@ def _grads(model, x, mask, neg, lo, hi, loss):
 
 
 def _worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     model = hf_model().eval()  # eval: no gumbel noise, so halves and the whole batch see the same codes
     x, mask, neg = _batch(model, batch=4)
@@ -228,7 +239,7 @@ def test_two_processes_match_one(tmp_path):
 def test_transformers5(tmp_path):
     """The equality checks above, run in a subprocess that imports transformers 5 from the given folder."""
     path = os.environ["CONTRASTKIT_TRANSFORMERS5_PATH"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([path, str(ROOT), str(ROOT / "tests")])}
     code = ("import transformers, sys; assert transformers.__version__.startswith('5'), transformers.__version__; "
             "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
             f"'{__file__}', '-k', 'infonce_equals or core_kernels or without_valid or patch_targets']))")

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# A tiny model: 2 conv layers (stride 320 overall would be too coarse for 1-2 s clips; 5 * 4 * 4 = 80,
-# i.e. 200 frames per second), 2 transformer layers of width 64.
+# A tiny model: 4 conv layers of total stride 160 (100 frames per second; wav2vec 2.0 base has 320, 50 per
+# second, too coarse for 1 s clips), 2 transformer layers of width 64; masks of 10 frames (100 ms).
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            conv_dim=(64, 64, 64), conv_stride=(5, 4, 4), conv_kernel=(10, 8, 4),
+            conv_dim=(64, 64, 64, 64), conv_stride=(5, 4, 4, 2), conv_kernel=(10, 8, 4, 4),
             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
             codevector_dim=32, proj_codevector_dim=32, num_codevectors_per_group=32, num_codevector_groups=2,
             num_negatives=20, contrastive_logits_temperature=0.1, diversity_loss_weight=0.1,
-            mask_time_prob=0.5, mask_time_length=5, feat_extract_norm="group", do_stable_layer_norm=False,
+            mask_time_prob=0.5, mask_time_length=10, feat_extract_norm="group", do_stable_layer_norm=False,
             hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
             feat_quantizer_dropout=0.0, final_dropout=0.0, layerdrop=0.0)
 

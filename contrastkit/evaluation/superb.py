@@ -1,0 +1,229 @@
+"""SUPERB-style downstream evaluation of a frozen wav2vec 2.0 upstream: speaker identification
+(VoxCeleb1) and intent classification (Fluent Speech Commands).
+
+The protocol of the DCL paper's speech results (appendix, Table 7) and SUPERB (Yang et al., 2021): the
+upstream is frozen; the downstream is a learnable softmax-weighted sum of all hidden layers, a linear
+projection, mean pooling over frames and a linear classifier (for intent, one per slot: action,
+object, location; an utterance is right only when all three are), trained with Adam on the train split;
+the epoch with the best dev accuracy is the one tested.
+
+Upstreams load from: a recipe run folder (``<run>/upstream``), a Hugging Face wav2vec 2.0 folder
+(``save_pretrained``; pre-training or plain models, Conformer too), or a fairseq2 export
+(``fairseq2_wav2vec2.pt``: {"config", "state_dict"} as ``contrastkit.speech.pretrain.export_upstream``
+writes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastkit.data import speech as data
+
+
+# ----------------------------------------------------------------------------- upstream
+
+
+class Upstream:
+    """A frozen upstream: ``hidden_states(wave [T]) -> [L + 1, frames, dim]`` (input of layer 1 .. output of L)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if (path / "upstream").is_dir():
+            path = path / "upstream"
+        if not path.exists():
+            raise FileNotFoundError(f"upstream {path} not found")
+        self.path = path
+        f2 = path if path.is_file() else path / "fairseq2_wav2vec2.pt"
+        if f2.is_file():
+            self.backend, self.model = "fairseq2", _load_fairseq2(f2)
+        elif (path / "config.json").is_file():
+            from transformers import AutoModel
+
+            self.backend, self.model = "hf", AutoModel.from_pretrained(str(path))
+        else:
+            raise ValueError(f"{path}: neither a Hugging Face model folder (config.json) nor a fairseq2 export "
+                             "(fairseq2_wav2vec2.pt) nor a recipe run folder (upstream/)")
+        self.model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def hidden_states(self, wave: torch.Tensor) -> torch.Tensor:
+        x = ((wave - wave.mean()) / (wave.std() + 1e-7))[None]
+        if self.backend == "hf":
+            return torch.stack(self.model(x, output_hidden_states=True).hidden_states)[:, 0]
+        from fairseq2.nn import BatchLayout
+
+        layout = BatchLayout.of(x)
+        seqs, layout = self.model.encoder_frontend(x, layout)
+        layers = [seqs]
+        handle = self.model.encoder.register_layer_hook(lambda i, out, lay, n: layers.append(out) or True)
+        try:
+            self.model.encoder(seqs, layout)
+        finally:
+            handle.remove()
+        return torch.stack(layers)[:, 0]
+
+
+def _load_fairseq2(path: Path):
+    from fairseq2.models.wav2vec2 import Wav2Vec2Config, Wav2Vec2EncoderConfig, create_wav2vec2_model
+
+    from contrastkit.adapters.fairseq2_wav2vec2 import eager_quantizer
+
+    saved = torch.load(path, map_location="cpu", weights_only=False)  # our own export: a config dataclass dict
+    if not isinstance(saved, dict) or {"config", "state_dict"} - set(saved):
+        raise ValueError(f"{path}: expected a dict with 'config' and 'state_dict' (contrastkit's fairseq2 export)")
+    config = dict(saved["config"])
+    config["encoder_config"] = Wav2Vec2EncoderConfig(**config["encoder_config"])
+    model = create_wav2vec2_model(Wav2Vec2Config(**config))
+    model.load_state_dict(saved["state_dict"])
+    if not torch.cuda.is_available():
+        eager_quantizer(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- downstream
+
+
+class Downstream(nn.Module):
+    """Softmax-weighted sum of layers -> linear -> mean pooling -> one linear classifier per task."""
+
+    def __init__(self, num_layers: int, dim: int, classes: dict[str, int], proj: int = 128):
+        super().__init__()
+        self.layer_logits = nn.Parameter(torch.zeros(num_layers))
+        self.proj = nn.Linear(dim, proj)
+        self.heads = nn.ModuleDict({k: nn.Linear(proj, n) for k, n in classes.items()})
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        # feats [B, L, T, D] zero-padded in T; lengths [B]
+        x = torch.einsum("l,bltd->btd", torch.softmax(self.layer_logits, 0), feats)
+        x = self.proj(x)
+        valid = (torch.arange(x.shape[1])[None] < lengths[:, None]).to(x.dtype)
+        pooled = (x * valid[..., None]).sum(1) / lengths[:, None].to(x.dtype)
+        return {k: head(pooled) for k, head in self.heads.items()}
+
+
+@dataclasses.dataclass
+class DownstreamConfig:
+    epochs: int = 40
+    batch_size: int = 32
+    lr: float = 1e-3
+    proj: int = 128
+    seed: int = 0
+
+
+def _features(upstream: Upstream, records: list[dict], desc: str) -> tuple[list[torch.Tensor], list[dict]]:
+    from tqdm import tqdm
+
+    waves, kept = data.load_waveforms(records)
+    return [upstream.hidden_states(w) for w in tqdm(waves, desc=desc, leave=False)], kept
+
+
+def _stack(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([f.shape[1] for f in feats])
+    out = feats[0].new_zeros(len(feats), feats[0].shape[0], int(lengths.max()), feats[0].shape[2])
+    for i, f in enumerate(feats):
+        out[i, :, : f.shape[1]] = f
+    return out, lengths
+
+
+def _labels(records: list[dict], tasks: list[str], vocab: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Class indices per task; a label the train split never had is -1 (never predicted right)."""
+    index = {t: {v: i for i, v in enumerate(vocab[t])} for t in tasks}
+    return {t: torch.tensor([index[t].get(r[t], -1) for r in records]) for t in tasks}
+
+
+def _accuracy(model: Downstream, feats, lengths, labels, batch_size: int) -> float:
+    model.eval()
+    right = torch.ones(len(lengths), dtype=torch.bool)
+    with torch.no_grad():
+        for s in range(0, len(lengths), batch_size):
+            logits = model(feats[s:s + batch_size], lengths[s:s + batch_size])
+            for t, y in labels.items():
+                right[s:s + batch_size] &= logits[t].argmax(-1) == y[s:s + batch_size]
+    return float(right.float().mean())
+
+
+def run_downstream(upstream: Upstream, splits: dict[str, list[dict]], tasks: list[str], cfg: DownstreamConfig,
+                   name: str) -> dict:
+    """Train on splits["train"], pick the epoch by splits["dev"] accuracy, report splits["test"] accuracy."""
+    feats = {s: _features(upstream, recs, f"{name}: upstream features ({s})") for s, recs in splits.items()}
+    vocab = {t: sorted({r[t] for r in feats["train"][1]}) for t in tasks}
+    if any(len(v) < 2 for v in vocab.values()):
+        raise ValueError(f"{name}: the train split needs at least 2 classes per task, got "
+                         f"{ {t: len(v) for t, v in vocab.items()} }")
+    tensors = {s: (*_stack(f), _labels(recs, tasks, vocab)) for s, (f, recs) in feats.items()}
+    num_layers, _, dim = feats["train"][0][0].shape
+    torch.manual_seed(cfg.seed)
+    model = Downstream(num_layers, dim, {t: len(v) for t, v in vocab.items()}, cfg.proj)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    x, lengths, y = tensors["train"]
+    rng = np.random.default_rng(cfg.seed)
+    history, best = [], (-1.0, None)
+    for epoch in range(1, cfg.epochs + 1):
+        model.train()
+        order = torch.from_numpy(rng.permutation(len(lengths)))
+        for s in range(0, len(order), cfg.batch_size):
+            idx = order[s:s + cfg.batch_size]
+            logits = model(x[idx], lengths[idx])
+            loss = sum(F.cross_entropy(logits[t], y[t][idx]) for t in tasks)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        dev = _accuracy(model, *tensors["dev"], cfg.batch_size)
+        history.append({"epoch": epoch, "train_loss": float(loss), "dev_accuracy": dev})
+        if dev > best[0]:
+            best = (dev, {k: v.clone() for k, v in model.state_dict().items()}, epoch)
+    model.load_state_dict(best[1])
+    return {"task": name, "upstream": str(upstream.path), "backend": upstream.backend,
+            "test_accuracy": _accuracy(model, *tensors["test"], cfg.batch_size), "dev_accuracy": best[0],
+            "best_epoch": best[2], "classes": {t: len(v) for t, v in vocab.items()},
+            "utterances": {s: len(t[1]) for s, t in tensors.items()},
+            "layer_weights": torch.softmax(model.layer_logits.detach(), 0).tolist(),
+            "config": dataclasses.asdict(cfg), "history": history}
+
+
+def speaker_id(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None) -> dict:
+    """VoxCeleb1 speaker identification accuracy (iden_split.txt: 1 train, 2 dev, 3 test)."""
+    root = Path(data_root) if data_root else data.default_speech_data() / "voxceleb1"
+    splits = {s: data.read_voxceleb_iden(root, s) for s in ("train", "dev", "test")}
+    return run_downstream(Upstream(upstream), splits, ["speaker"], cfg or DownstreamConfig(), "speaker_id")
+
+
+def intent(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None) -> dict:
+    """Fluent Speech Commands intent accuracy (right only when action, object and location all are)."""
+    root = Path(data_root) if data_root else data.default_speech_data() / "fsc"
+    splits = {"train": data.read_fsc(root, "train"), "dev": data.read_fsc(root, "valid"),
+              "test": data.read_fsc(root, "test")}
+    return run_downstream(Upstream(upstream), splits, ["action", "object", "location"], cfg or DownstreamConfig(),
+                          "intent")
+
+
+def write_report(result: dict, out_dir: str | Path) -> Path:
+    """``<task>.json`` and ``<task>.png`` (dev accuracy by epoch, learned layer weights) in out_dir."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{result['task']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.plot([h["epoch"] for h in result["history"]], [h["dev_accuracy"] for h in result["history"]])
+    a.set_xlabel("epoch")
+    a.set_title(f"{result['task']}: dev accuracy (test {result['test_accuracy']:.3f})")
+    a.grid(alpha=0.3)
+    b.bar(range(len(result["layer_weights"])), result["layer_weights"])
+    b.set_xlabel("layer (0 = CNN features)")
+    b.set_title("learned layer weights")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{result['task']}.png", dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,231 @@
+"""wav2vec 2.0 pre-training with accelerate, for both backends (Hugging Face, fairseq2), any objective.
+
+Follows the wav2vec 2.0 recipe at a small scale: utterances of a batch cropped at random to the
+shortest one (no padding), normalised to zero mean and unit variance; masks of ``mask_time_length``
+frames started with probability ``mask_time_prob``, distractors from the masked frames of the same
+utterance; gumbel temperature max_temp * decay^update floored at min_temp (2, 0.5; by default the decay
+reaches the floor at 80% of the run); AdamW with linear warm-up then linear decay; the summed loss
+divided by the number of masked frames over all processes.
+
+Resume is exact: every random draw of a step (data order, crops, masks, distractors, gumbel noise) is
+seeded from (seed, step, rank), and accelerate's checkpoint holds model, optimizer, scheduler and the
+registered ``TrainState`` (step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from contrastkit.data import speech as data
+from contrastkit.speech import models
+
+
+@dataclasses.dataclass
+class PretrainConfig:
+    backend: str = "hf"  # or "fairseq2"
+    loss: str = "dcl"
+    temperature: float | None = None  # None: the model's (0.1)
+    data: str | None = None  # FSC root, VoxCeleb1 root or a folder of audio files; None: embedded default
+    out_dir: str = "runs/wav2vec2"
+    steps: int = 200
+    batch_size: int = 8  # per process
+    lr: float = 5e-4
+    warmup: float = 0.08
+    max_seconds: float = 2.0
+    gumbel: tuple[float, float] = (2.0, 0.5)
+    save_every: int = 100
+    log_every: int = 10
+    seed: int = 0
+    conformer: bool = False  # HF only: Wav2Vec2ConformerForPreTraining
+
+
+class TrainState:
+    """The step, registered with accelerate so that a checkpoint restores it."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
+def pretraining_records(path: str | None) -> list[dict]:
+    """The audio to pre-train on: FSC train split, VoxCeleb1 train split, or every audio file under a folder."""
+    if path is None:
+        return data.read_fsc(data.default_speech_data() / "fsc", "train")
+    root = Path(path)
+    if (root / "data" / "train_data.csv").is_file():
+        return data.read_fsc(root, "train")
+    if (root / "iden_split.txt").is_file() or (root / "meta" / "iden_split.txt").is_file():
+        return data.read_voxceleb_iden(root, "train")
+    if not root.is_dir():
+        raise FileNotFoundError(f"pre-training data {root} not found")
+    files = sorted(p for ext in ("wav", "flac", "ogg") for p in root.rglob(f"*.{ext}"))
+    if not files:
+        raise ValueError(f"no audio files (.wav, .flac, .ogg) under {root}")
+    return [{"path": str(p)} for p in files]
+
+
+def gumbel_decay(cfg: PretrainConfig) -> float:
+    """Per-update decay reaching the floor at 80% of the run (wav2vec 2.0: 0.999995 over 400k updates)."""
+    max_t, min_t = cfg.gumbel
+    return (min_t / max_t) ** (1.0 / max(1, int(0.8 * cfg.steps)))
+
+
+def build_model(cfg: PretrainConfig):
+    if cfg.backend == "hf":
+        from contrastkit.adapters import hf_wav2vec2
+
+        model = models.hf_model(cfg.conformer, seed=cfg.seed)
+        options = {} if cfg.temperature is None else {"temperature": cfg.temperature}
+        hf_wav2vec2.patch(model, loss=cfg.loss, **options)
+        return model
+    if cfg.backend == "fairseq2":
+        from contrastkit.adapters import fairseq2_wav2vec2
+
+        model = models.fairseq2_model(seed=cfg.seed,
+                                      codebook_sampling_temperature=(*cfg.gumbel, gumbel_decay(cfg)))
+        options = {} if cfg.temperature is None else {"temperature": cfg.temperature}
+        fairseq2_wav2vec2.patch(model, loss=cfg.loss, **options)
+        return model
+    raise ValueError(f"unknown backend {cfg.backend!r}; choose hf or fairseq2")
+
+
+def make_batch(waves: list[torch.Tensor], cfg: PretrainConfig, step: int, rank: int, world: int) -> torch.Tensor:
+    """This process's batch of step ``step``: the global batch is drawn from a per-epoch permutation,
+    each process takes its slice; crops to the shortest utterance (at most max_seconds), normalised."""
+    global_batch = cfg.batch_size * world
+    per_epoch = max(1, len(waves) // global_batch)
+    epoch, index = divmod(step, per_epoch)
+    order = np.random.default_rng([cfg.seed, epoch]).permutation(len(waves))
+    picked = order[index * global_batch:(index + 1) * global_batch][rank * cfg.batch_size:(rank + 1) * cfg.batch_size]
+    rng = np.random.default_rng([cfg.seed, step, rank, 1])
+    length = min(min(len(waves[i]) for i in picked), int(cfg.max_seconds * data.SAMPLE_RATE))
+    crops = []
+    for i in picked:
+        start = int(rng.integers(0, len(waves[i]) - length + 1))
+        w = waves[i][start:start + length]
+        crops.append((w - w.mean()) / (w.std() + 1e-7))
+    return torch.stack(crops)
+
+
+def forward_loss(model, batch: torch.Tensor, cfg: PretrainConfig, step: int, rank: int):
+    """(summed loss, its parts as floats, number of masked frames) for one batch."""
+    unwrapped = getattr(model, "module", model)
+    if cfg.backend == "hf":
+        unwrapped.set_gumbel_temperature(models.gumbel_temperature(step, *cfg.gumbel, gumbel_decay(cfg)))
+        mask, negatives = models.hf_mask_and_negatives(unwrapped, batch.shape[0], batch.shape[1],
+                                                       np.random.default_rng([cfg.seed, step, rank, 2]))
+        out = model(batch, mask_time_indices=mask.to(batch.device),
+                    sampled_negative_indices=negatives.to(batch.device))
+        parts = {"contrastive": out.contrastive_loss, "diversity": out.diversity_loss,
+                 "perplexity": out.codevector_perplexity}
+        return out.loss, parts, int(mask.sum())
+    from fairseq2.nn import BatchLayout
+
+    loss, out = model(batch, BatchLayout.of(batch))
+    parts = {"contrastive": loss.contrastive, "diversity": loss.diversity,
+             "perplexity": out.quantizer_output.prob_perplexity}
+    return loss.aggregate, parts, int(out.num_targets)
+
+
+def pretrain(cfg: PretrainConfig, resume: bool = True, stop_at: int | None = None) -> dict:
+    """Train, checkpoint, export the upstream to ``out_dir/upstream``; returns the summary.
+
+    stop_at: leave after that step, as an interrupted run would (the tests resume from there).
+    """
+    from accelerate import Accelerator
+    from tqdm import tqdm
+
+    from contrastkit.training import MetricsLog, latest_checkpoint, save_checkpoint
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world = accelerator.process_index, accelerator.num_processes
+    out_dir = Path(cfg.out_dir)
+    waves, _ = data.load_waveforms(pretraining_records(cfg.data))
+    if len(waves) < cfg.batch_size * world:
+        raise ValueError(f"{len(waves)} utterances cannot fill a batch of {cfg.batch_size} x {world} processes")
+
+    model = build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = max(1, int(cfg.warmup * cfg.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (cfg.steps - s) / max(1, cfg.steps - warmup))))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    checkpoint = latest_checkpoint(out_dir) if resume else None
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
+    log = MetricsLog(out_dir, enabled=accelerator.is_main_process,
+                     resume_step=state.step if checkpoint is not None else None)
+    if accelerator.is_main_process:
+        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=state.step, desc=f"wav2vec2 {cfg.backend} {cfg.loss}",
+               disable=not accelerator.is_local_main_process)
+    while state.step < cfg.steps:
+        step = state.step
+        torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)  # gumbel noise, fairseq2's masks
+        batch = make_batch(waves, cfg, step, rank, world).to(accelerator.device)
+        loss, parts, masked = forward_loss(model, batch, cfg, step, rank)
+        total_masked = accelerator.reduce(torch.tensor(float(masked), device=accelerator.device), "sum")
+        # DDP averages gradients over processes: scale so the result is the global sum / global count
+        accelerator.backward(loss * world / total_masked.clamp(min=1.0))
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), 10.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        state.step += 1
+        bar.update(1)
+        if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+            values = {k: float(v.detach()) / (masked if k != "perplexity" else 1) for k, v in parts.items()}
+            values = {("contrastive_per_frame" if k == "contrastive" else "diversity_per_frame" if k == "diversity"
+                       else k): v for k, v in values.items()}
+            log.log(state.step, loss=float(loss.detach()) / max(masked, 1), lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm), **values)
+            bar.set_postfix(loss=f"{float(loss.detach()) / max(masked, 1):.3f}")
+        if state.step % cfg.save_every == 0 or state.step == cfg.steps:
+            save_checkpoint(accelerator, out_dir, state.step)
+        if stop_at is not None and state.step >= stop_at:
+            bar.close()
+            accelerator.end_training()
+            return {}
+    bar.close()
+
+    summary = {}
+    if accelerator.is_main_process:
+        export_upstream(accelerator.unwrap_model(model), cfg, out_dir / "upstream")
+        records = log.records()
+        summary = {"backend": cfg.backend, "loss": cfg.loss, "steps": cfg.steps, "processes": world,
+                   "final_loss_per_frame": records[-1]["loss"] if records else math.nan,
+                   "upstream": str(out_dir / "upstream")}
+        log.plot(["loss", "contrastive_per_frame", "perplexity", "lr"], title=f"wav2vec 2.0 {cfg.backend} {cfg.loss}")
+        log.summary(summary)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def export_upstream(model, cfg: PretrainConfig, path: Path) -> None:
+    """HF: ``save_pretrained`` (loads with Wav2Vec2Model.from_pretrained); fairseq2: config + state dict."""
+    path.mkdir(parents=True, exist_ok=True)
+    if cfg.backend == "hf":
+        model.save_pretrained(str(path))
+    else:
+        torch.save({"config": dataclasses.asdict(models.fairseq2_config(
+            codebook_sampling_temperature=(*cfg.gumbel, gumbel_decay(cfg)))), "state_dict": model.state_dict()},
+            path / "fairseq2_wav2vec2.pt")
+    (path / "contrastkit.json").write_text(json.dumps({"backend": cfg.backend, "loss": cfg.loss}) + "\n")
