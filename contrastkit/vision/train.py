@@ -48,6 +48,7 @@ class VisionConfig:
     batch_size: int = 64  # global
     steps: int | None = None
     samples: int | None = None  # alternative to steps: steps = samples // batch_size
+    epochs: int = 5  # used when neither steps nor samples is given
     optimizer: str = "adamw"
     lr: float = 1e-3
     weight_decay: float = 1e-4
@@ -72,10 +73,14 @@ class VisionConfig:
     resume: bool = False
     progress: bool = True
 
-    def total_steps(self) -> int:
-        if (self.steps is None) == (self.samples is None):
-            raise ValueError("give exactly one of steps and samples")
-        steps = self.steps if self.steps is not None else self.samples // self.batch_size
+    def total_steps(self, num_images: int) -> int:
+        if self.steps is not None and self.samples is not None:
+            raise ValueError("give --steps or --samples, not both")
+        if self.steps is not None:
+            steps = self.steps
+        else:
+            samples = self.samples if self.samples is not None else self.epochs * num_images
+            steps = samples // self.batch_size
         if steps < 1:
             raise ValueError(f"the run would take {steps} steps; raise --steps or --samples")
         return steps
@@ -149,11 +154,11 @@ def train(cfg: VisionConfig) -> dict:
     check_setup(cfg.method, cfg.loss, cfg.batch_size, cfg.views, cfg.queue_size)
     if cfg.batch_size % world:
         raise ValueError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world} processes")
-    total = cfg.total_steps()
     out = Path(cfg.out_dir)
 
     set_seed(cfg.seed)
     train_images = load_images(cfg.data, "train", cfg.image_size, cfg.train_images)
+    total = cfg.total_steps(len(train_images))
     test_images = load_images(cfg.data, "test", cfg.image_size, cfg.test_images,
                               classes=getattr(train_images, "classes", None))
     model = build_model(cfg)
