@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from contrastkit.distributed import gather_with_grad
+from contrastkit.losses.chunked import negative_stats
 from contrastkit.losses.functional import Terms, _compute_dtype
+
+# Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (small enough to stay in
+# cache); a matrix of up to KEEP_MAX_ELEMENTS logits is kept for backward, a larger one recomputed
+# block by block (benchmarks/losses.py measured both).
+BLOCK_ELEMENTS = 2**18
+KEEP_MAX_ELEMENTS = 2**24
 
 
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True) -> None:
@@ -53,19 +60,32 @@ class ContrastiveLoss(nn.Module):
 
     name = "contrastive"
 
-    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False):
+    needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
+
+    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False, chunk_size: int | None = None):
         super().__init__()
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 0):
+            raise ValueError(f"{self.name}: chunk_size must be None (automatic), 0 (dense) or a positive number "
+                             f"of anchors per block, got {chunk_size!r}")
         self.normalize = normalize
         self.gather_distributed = gather_distributed
+        self.chunk_size = chunk_size
 
     # Subclasses define these two.
     def logit_scale(self) -> float:
         raise NotImplementedError
 
+    def stat_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
+                   scale) -> Terms:
+        """Per-anchor terms from positive cosines [M, P] and the negatives' statistics: neg_lse [M], the
+        logsumexp of their logits (cosines times ``scale``), and, where ``needs_mean``, neg_mean [M], their
+        softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor."""
+        raise NotImplementedError
+
     def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: int, scale) -> Terms:
         """Per-anchor terms from positive cosines [M, P] and negative logits [M, K] (cosines times
         ``scale``, -inf where masked); num_neg is the number of valid negatives per anchor."""
-        raise NotImplementedError
+        return self.stat_terms(pos, torch.logsumexp(neg_logits, dim=1), None, num_neg, scale)
 
     # ------------------------------------------------------------------ settings
 
@@ -73,8 +93,25 @@ class ContrastiveLoss(nn.Module):
         views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
         check_features(self.name, views)
         with torch.autocast(z1.device.type, enabled=False):
-            pos, neg_logits, num_neg = self._view_scores(list(views.values()))
-            return self._reduce(self.terms(pos, neg_logits, num_neg, self.logit_scale()), output_dict)
+            v, n, d = len(views), z1.shape[0], z1.shape[1]
+            dtype = _compute_dtype(*views.values())
+            u = torch.stack([self._unit(z, dtype) for z in views.values()])  # [V, n, D]
+            all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
+            total = all_u.shape[0]
+            if total < 2:
+                raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
+                                 "the views of the other samples); use a batch of at least 2")
+            all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
+
+            # Positives: the other views of the same sample, from local features (no gather needed).
+            others = torch.tensor([[w for w in range(v) if w != a] for a in range(v)], device=u.device)  # [V, V-1]
+            gram = torch.einsum("and,bnd->nab", u, u)  # [n, V, V]
+            pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
+
+            # Negatives: every view of every sample but the anchor's own sample's views.
+            own = torch.arange(v, device=u.device)[None] * total + (start + torch.arange(n, device=u.device))[:, None]
+            terms = self._negatives(pos, u.reshape(v * n, d), all_u, own.repeat(v, 1), v * (total - 1))
+            return self._reduce(terms, output_dict)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
                   output_dict: bool = False):
@@ -90,22 +127,18 @@ class ContrastiveLoss(nn.Module):
             dtype = _compute_dtype(query, key)
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
-            scale = self.logit_scale()
-            scaled_q = q * scale
             if queue is not None:
-                return self._reduce(self.terms(pos, scaled_q @ self._unit(queue, dtype).T, queue.shape[0], scale),
-                                    output_dict)
+                terms = self._negatives(pos, q, self._unit(queue, dtype), None, queue.shape[0])
+                return self._reduce(terms, output_dict)
             n, p = k.shape[:2]
             all_k, start = self._gather(k.reshape(n, -1))
             total = all_k.shape[0]
             if total < 2:
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
-            neg_logits = scaled_q @ all_k.reshape(total * p, -1).T
-            rows = torch.arange(n, device=q.device).repeat_interleave(p)
-            cols = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
-            neg_logits = neg_logits.index_put_((rows, cols.reshape(-1)), neg_logits.new_tensor(float("-inf")))
-            return self._reduce(self.terms(pos, neg_logits, (total - 1) * p, scale), output_dict)
+            own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
+            terms = self._negatives(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p)
+            return self._reduce(terms, output_dict)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
                     output_dict: bool = False):
@@ -127,17 +160,22 @@ class ContrastiveLoss(nn.Module):
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
             all_a, all_b = both.split(a.shape[1], dim=1)
-            rows = torch.arange(n, device=a.device)
-            inf = a.new_tensor(float("-inf"))
-            if total == n:  # one process: one product serves both directions
+            own = (start + torch.arange(n, device=a.device))[:, None]
+            block, recompute = self._blocking(n, total)
+            if total != n:
+                image_terms = self._negatives(pos, a, all_b, own, total - 1, scale)
+                text_terms = self._negatives(pos, b, all_a, own, total - 1, scale)
+            elif block is None:  # one process, dense: one product serves both directions
                 logits = (a * scale) @ b.T
-                logits = logits.index_put_((rows, rows), inf)
-                image_logits, text_logits = logits, logits.T
-            else:
-                image_logits = ((a * scale) @ all_b.T).index_put_((rows, start + rows), inf)
-                text_logits = ((b * scale) @ all_a.T).index_put_((rows, start + rows), inf)
-            image_terms = self.terms(pos, image_logits, total - 1, scale)
-            text_terms = self.terms(pos, text_logits, total - 1, scale)
+                logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
+                image_terms = self.terms(pos, logits, total - 1, scale)
+                text_terms = self.terms(pos, logits.T, total - 1, scale)
+            else:  # one process, blockwise: the columns' statistics come from the same blocks
+                stats = negative_stats(a, b, scale, exclude=own, block=block, with_mean=self.needs_mean,
+                                       columns=True, recompute=recompute)
+                half = stats.shape[0] // 2
+                image_terms = self._stat_terms(pos, stats[:half], total - 1, scale)
+                text_terms = self._stat_terms(pos, stats[half:], total - 1, scale)
             return self._reduce(Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms))), output_dict)
 
     # ------------------------------------------------------------------ helpers
@@ -149,32 +187,32 @@ class ContrastiveLoss(nn.Module):
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_distributed else (x, 0)
 
-    def _view_scores(self, views: list[torch.Tensor]):
-        v, n, d = len(views), views[0].shape[0], views[0].shape[1]
-        dtype = _compute_dtype(*views)
-        u = torch.stack([self._unit(z, dtype) for z in views])  # [V, n, D]
-        all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
-        total = all_u.shape[0]
-        if total < 2:
-            raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
-                             "the views of the other samples); use a batch of at least 2")
-        all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
-        anchors = u.reshape(v * n, d)
+    def _blocking(self, m: int, k: int) -> tuple[int | None, bool]:
+        """(anchors per block, recompute in backward) for an [m, k] matrix; block None means dense."""
+        if self.chunk_size == 0:
+            return None, False
+        if self.chunk_size is not None:
+            return self.chunk_size, True
+        return max(1, BLOCK_ELEMENTS // k), m * k > KEEP_MAX_ELEMENTS
 
-        # Positives: the other views of the same sample, from local features (no gather needed).
-        others = [[w for w in range(v) if w != a] for a in range(v)]
-        gram = torch.einsum("and,bnd->nab", u, u)  # [n, V, V]
-        idx = torch.tensor(others, device=u.device)  # [V, V-1]
-        pos = gram.gather(2, idx[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
+    def _negatives(self, pos, anchors, candidates, exclude, num_neg, scale=None) -> Terms:
+        """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
+        (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
+        the matrix never held whole)."""
+        scale = self.logit_scale() if scale is None else scale
+        block, recompute = self._blocking(anchors.shape[0], candidates.shape[0])
+        if block is None:
+            logits = (anchors * scale) @ candidates.T
+            if exclude is not None:
+                rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
+                logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
+            return self.terms(pos, logits, num_neg, scale)
+        stats = negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
+                               recompute=recompute)
+        return self._stat_terms(pos, stats, num_neg, scale)
 
-        # Negatives: one product with every view of every sample, then the sample's own views masked.
-        neg_logits = (anchors * self.logit_scale()) @ all_u.T  # [V n, V N]
-        sample = start + torch.arange(n, device=u.device)
-        own_cols = (torch.arange(v, device=u.device)[:, None] * total + sample).T  # [n, V]
-        rows = torch.arange(v * n, device=u.device).repeat_interleave(v)
-        cols = own_cols.repeat(v, 1).reshape(-1)
-        neg_logits = neg_logits.index_put_((rows, cols), neg_logits.new_tensor(float("-inf")))
-        return pos, neg_logits, v * (total - 1)
+    def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:
+        return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale)
 
     def _reduce(self, terms: Terms, output_dict: bool):
         loss = terms.loss.mean()

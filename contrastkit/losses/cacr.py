@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contrastkit.losses.base import ContrastiveLoss
-from contrastkit.losses.functional import Terms, _check_temperature, cacr_terms
+from contrastkit.losses.functional import Terms, _check_temperature, cacr_stat_terms, cacr_terms
 
 
 class CACRLoss(ContrastiveLoss):
@@ -19,6 +19,7 @@ class CACRLoss(ContrastiveLoss):
     """
 
     name = "cacr"
+    needs_mean = True
 
     def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, **options):
         super().__init__(**options)
@@ -31,6 +32,9 @@ class CACRLoss(ContrastiveLoss):
 
     def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
         return cacr_terms(pos, neg_logits, t_pos=self.t_pos, neg_scale=scale)
+
+    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
+        return cacr_stat_terms(pos, neg_mean, t_pos=self.t_pos)
 
     def _reduce(self, terms, output_dict):
         loss = terms.loss.mean()

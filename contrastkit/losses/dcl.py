@@ -33,9 +33,8 @@ class DCLLoss(ContrastiveLoss):
     def positive_weight(self, pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
-    def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
-        return softmax_terms(pos * scale, torch.logsumexp(neg_logits, dim=1), keep_positive=False,
-                             pos_weight=self.positive_weight(pos))
+    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
+        return softmax_terms(pos * scale, neg_lse, keep_positive=False, pos_weight=self.positive_weight(pos))
 
 
 class DCLWLoss(DCLLoss):

@@ -153,13 +153,19 @@ def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, neg
     -sum_j softmax(-t_neg c-)_j c-_j, weights keep their gradient. softmax(-t_neg c) is softmax(2 t_neg s),
     so the repulsion is -2 + 2 E_pi[s] with pi = softmax(neg_logits).
     """
+    pi = torch.softmax(neg_logits, dim=1)
+    neg_cos = torch.where(torch.isinf(neg_logits), torch.zeros_like(neg_logits), neg_logits / neg_scale)
+    return cacr_stat_terms(pos, (pi * neg_cos).sum(dim=1), t_pos=t_pos)
+
+
+def cacr_stat_terms(pos: torch.Tensor, neg_mean: torch.Tensor, *, t_pos: float) -> Terms:
+    """CACR per-anchor loss from positive cosines [M, P] and the negatives' softmax-weighted mean cosine
+    neg_mean = E_pi[s] [M] (see cacr_terms): attraction - 2 + 2 neg_mean."""
     pos_cost = 2.0 - 2.0 * pos
     with torch.no_grad():
         pos_w = torch.softmax(t_pos * pos_cost, dim=1)
     attraction = (pos_w * pos_cost).sum(dim=1)
-    pi = torch.softmax(neg_logits, dim=1)
-    neg_cos = torch.where(torch.isinf(neg_logits), torch.zeros_like(neg_logits), neg_logits / neg_scale)
-    repulsion = -2.0 + 2.0 * (pi * neg_cos).sum(dim=1)
+    repulsion = -2.0 + 2.0 * neg_mean
     zeros = torch.zeros_like(attraction)
     return Terms(attraction + repulsion, attraction.detach(), repulsion.detach(), zeros)
 

@@ -27,8 +27,8 @@ class InfoNCELoss(ContrastiveLoss):
     def logit_scale(self) -> float:
         return 1.0 / self.temperature
 
-    def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
-        return softmax_terms(pos * scale, torch.logsumexp(neg_logits, dim=1), keep_positive=True)
+    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
+        return softmax_terms(pos * scale, neg_lse, keep_positive=True)
 
 
 class EqCoLoss(InfoNCELoss):
@@ -49,8 +49,7 @@ class EqCoLoss(InfoNCELoss):
         _check_temperature(self.name, alpha, "alpha")
         self.alpha = alpha
 
-    def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
+    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         # exp((s_p - m) / tau) = exp(s_p / tau) K / alpha: the same as scaling the negatives' sum by alpha / K.
-        neg_lse = torch.logsumexp(neg_logits, dim=1) + torch.log(torch.as_tensor(self.alpha / num_neg,
-                                                                                   dtype=pos.dtype))
+        neg_lse = neg_lse + torch.log(torch.as_tensor(self.alpha / num_neg, dtype=pos.dtype))
         return softmax_terms(pos * scale, neg_lse, keep_positive=True)
