@@ -55,7 +55,7 @@ VOICES = [
 ]
 TAKES = 3
 FSC_SPLIT_OF_SPEAKER = ["train"] * 6 + ["valid"] * 2 + ["test"] * 2
-VERSION = "speech_commands_v1"
+VERSION = "speech_commands_v2"
 
 
 # ----------------------------------------------------------------------------- audio
@@ -200,18 +200,21 @@ def default_speech_data(cache_dir: str | Path | None = None) -> Path:
 def _generate(root: Path) -> None:
     import soundfile
     import torchaudio.functional as AF
-    from tqdm import tqdm
-
-    from contrastkit.data.speech_synth import synthesize
+    from contrastkit.data.speech_synth import synthesize_many
 
     fsc_rows, iden_lines = [], []
     jobs = [(s, c, t) for s in range(len(VOICES)) for c in range(len(COMMANDS)) for t in range(TAKES)]
-    for s, c, take in tqdm(jobs, desc="synthesising speech commands", leave=False):
-        speaker, voice, pitch, rate = VOICES[s]
-        text, action, obj, location = COMMANDS[c]
+    params = []
+    for s, c, take in jobs:
         rng = np.random.default_rng(1000 * s + 10 * c + take)
-        audio, sr = synthesize(text, voice=voice, pitch=pitch + int(rng.integers(-6, 7)),
-                               rate=rate + int(rng.integers(-15, 16)))
+        _, voice, pitch, rate = VOICES[s]
+        params.append(dict(text=COMMANDS[c][0], voice=voice, pitch=pitch + int(rng.integers(-6, 7)),
+                           rate=rate + int(rng.integers(-15, 16)), pitch_range=50))
+    audios = synthesize_many(params, desc="synthesising speech commands")
+    for (s, c, take), (audio, sr) in zip(jobs, audios):
+        speaker = VOICES[s][0]
+        text, action, obj, location = COMMANDS[c]
+        rng = np.random.default_rng(10**6 + 1000 * s + 10 * c + take)
         wave = AF.resample(torch.from_numpy(audio), sr, SAMPLE_RATE).numpy()
         wave = wave + rng.normal(0, 0.003, wave.shape).astype(np.float32)  # a little room noise
         wave = np.clip(wave, -1, 1)
@@ -221,7 +224,7 @@ def _generate(root: Path) -> None:
         soundfile.write(str(root / "fsc" / fsc_path), wave, SAMPLE_RATE, subtype="PCM_16")
         fsc_rows.append({"split": FSC_SPLIT_OF_SPEAKER[s], "path": str(fsc_path), "speaker": speaker,
                          "transcription": text, "action": action, "object": obj, "location": location})
-        # VoxCeleb1: each take is a "video"; takes 0-1 of commands 0-7 train, 8-9 dev, 10-11 test,
+        # VoxCeleb1: each take is a "video"; commands 0-7 train, 8-9 dev, 10-11 test (all takes),
         # so every speaker is in every split and the test sentences are new to the classifier.
         video = f"take{take}"
         vox_rel = f"{speaker}/{video}/{c + 1:05d}.wav"

@@ -64,13 +64,34 @@ _LIBRARY: _Library | None = None
 def synthesize(text: str, *, voice: str = "en", rate: int = 160, pitch: int = 50,
                pitch_range: int = 50) -> tuple[np.ndarray, int]:
     """(waveform float32 [T], sample rate) of ``text`` spoken by espeak-ng ``voice`` (e.g. "en+f3")."""
+    return synthesize_many([dict(text=text, voice=voice, rate=rate, pitch=pitch, pitch_range=pitch_range)])[0]
+
+
+def synthesize_many(jobs: list[dict], processes: int = 2, desc: str | None = None) -> list[tuple[np.ndarray, int]]:
+    """``synthesize(**job)`` for every job, each in a fresh forked process.
+
+    libespeak-ng keeps internal state from one utterance to the next (the same text comes out a few
+    samples different the second time, even after re-initialising), so each utterance is synthesised in
+    a child forked from this process, which never synthesises itself: every one starts from the same
+    state and the output is deterministic.
+    """
+    import multiprocessing
+
+    from tqdm import tqdm
+
+    with multiprocessing.get_context("fork").Pool(processes, maxtasksperchild=1) as pool:
+        results = pool.imap(_synthesize_here, jobs, chunksize=1)
+        return list(tqdm(results, total=len(jobs), desc=desc, leave=False, disable=desc is None))
+
+
+def _synthesize_here(job: dict) -> tuple[np.ndarray, int]:
     global _LIBRARY
     try:
         if _LIBRARY is None:
             _LIBRARY = _Library()
-        return _LIBRARY.synth(text, voice, rate, pitch, pitch_range)
+        return _LIBRARY.synth(job["text"], job["voice"], job["rate"], job["pitch"], job["pitch_range"])
     except (ImportError, OSError):
-        return _synthesize_program(text, voice, rate, pitch, pitch_range)
+        return _synthesize_program(job["text"], job["voice"], job["rate"], job["pitch"], job["pitch_range"])
 
 
 def _synthesize_program(text, voice, rate, pitch, pitch_range) -> tuple[np.ndarray, int]:

@@ -176,7 +176,7 @@ def run_downstream(upstream: Upstream, splits: dict[str, list[dict]], tasks: lis
             loss.backward()
             optimizer.step()
         dev = _accuracy(model, *tensors["dev"], cfg.batch_size)
-        history.append({"epoch": epoch, "train_loss": float(loss), "dev_accuracy": dev})
+        history.append({"epoch": epoch, "train_loss": float(loss.detach()), "dev_accuracy": dev})
         if dev > best[0]:
             best = (dev, {k: v.clone() for k, v in model.state_dict().items()}, epoch)
     model.load_state_dict(best[1])
