@@ -154,7 +154,7 @@ def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, neg
     so the repulsion is -2 + 2 E_pi[s] with pi = softmax(neg_logits).
     """
     pi = torch.softmax(neg_logits, dim=1)
-    neg_cos = torch.where(torch.isinf(neg_logits), torch.zeros_like(neg_logits), neg_logits / neg_scale)
+    neg_cos = neg_logits.masked_fill(torch.isinf(neg_logits), 0.0) / neg_scale  # fill first: no 0 * inf in backward
     return cacr_stat_terms(pos, (pi * neg_cos).sum(dim=1), t_pos=t_pos)
 
 

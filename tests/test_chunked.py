@@ -1,0 +1,194 @@
+"""The blockwise path (chunk_size > 0, and the automatic choice) equals the dense path (chunk_size=0):
+values and gradients, every objective and setting, float64 and float32, autocast, 2 processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from contrastkit.losses import build_loss
+from contrastkit.losses.base import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS
+from contrastkit.losses.chunked import negative_stats
+
+SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
+SETTINGS = ["2views", "3views", "query_key", "queue", "multi_key", "cross_modal", "cross_modal_scale"]
+
+
+def _inputs(seed, n, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(n, d, generator=g, dtype=dtype) for _ in range(3)]
+    extra = {"queue": torch.randn(2 * n + 1, d, generator=g, dtype=dtype),
+             "keys": torch.randn(n, 2, d, generator=g, dtype=dtype)}
+    return x, extra
+
+
+def _loss(name, setting, chunk, x, extra, output_dict=False, **opts):
+    """Loss and the tensors to differentiate for one objective in one setting."""
+    fn = build_loss(name, chunk_size=chunk, **opts)
+    leaves = [t.clone().requires_grad_() for t in x]
+    if setting == "2views":
+        return fn(*leaves[:2], output_dict=output_dict), leaves[:2]
+    if setting == "3views":
+        return fn(*leaves, output_dict=output_dict), leaves
+    if setting == "query_key":
+        return fn.query_key(*leaves[:2], output_dict=output_dict), leaves[:2]
+    if setting == "queue":  # the queue is a constant, as in MoCo
+        return fn.query_key(*leaves[:2], extra["queue"], output_dict=output_dict), leaves[:2]
+    if setting == "multi_key":
+        keys = extra["keys"].clone().requires_grad_()
+        return fn.query_key(leaves[0], keys, output_dict=output_dict), [leaves[0], keys]
+    if setting == "cross_modal":
+        return fn.cross_modal(*leaves[:2], output_dict=output_dict), leaves[:2]
+    scale = torch.tensor(14.0, dtype=x[0].dtype, requires_grad=True)  # CLIP's learnable exp(t)
+    return fn.cross_modal(*leaves[:2], logit_scale=scale, output_dict=output_dict), [*leaves[:2], scale]
+
+
+def _value_and_grads(name, setting, chunk, x, extra):
+    loss, leaves = _loss(name, setting, chunk, x, extra)
+    return loss.detach(), torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_blockwise_equals_dense_float64(name, setting):
+    x, extra = _inputs(hash((name, setting)) % 2**31, 11, 6, torch.float64)
+    want, want_grads = _value_and_grads(name, setting, 0, x, extra)
+    for chunk in (1, 4, None):  # single rows, ragged blocks (11 = 4 + 4 + 3 anchors), automatic
+        got, grads = _value_and_grads(name, setting, chunk, x, extra)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"chunk {chunk}: {m}")
+        for i, (g, w) in enumerate(zip(grads, want_grads)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"chunk {chunk} grad {i}: {m}")
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+@pytest.mark.parametrize("setting", ["2views", "3views", "query_key", "cross_modal_scale"])
+def test_blockwise_equals_dense_float32(name, setting):
+    """Relative error under 1e-5 in float32, at the low temperature where exp() is most sensitive."""
+    opts = {} if name == "cacr" else {"temperature": 0.05}
+    x, extra = _inputs(7, 96, 32, torch.float32)
+    want, leaves = _loss(name, setting, 0, x, extra, **opts)
+    want_grads = torch.autograd.grad(want, leaves)
+    got, leaves = _loss(name, setting, 13, x, extra, **opts)
+    grads = torch.autograd.grad(got, leaves)
+    assert abs(float(got.detach() - want.detach())) <= 1e-5 * abs(float(want.detach()))
+    for g, w in zip(grads, want_grads):
+        assert float((g - w).norm() / w.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+def test_diagnostics_are_the_same(name):
+    x, extra = _inputs(3, 10, 5, torch.float64)
+    dense = _loss(name, "2views", 0, x, extra, output_dict=True)[0]
+    blocks = _loss(name, "2views", 3, x, extra, output_dict=True)[0]
+    assert dense.keys() == blocks.keys()
+    for key in dense:
+        torch.testing.assert_close(blocks[key], dense[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_blockwise_equals_dense(name, dtype):
+    """Under autocast the features arrive in low precision; both paths compute in float32 from them."""
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    x1, x2 = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
+    results = []
+    for chunk in (0, 5):
+        layer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            z1, z2 = layer(x1), layer(x2)
+            assert z1.dtype == dtype
+            loss = build_loss(name, chunk_size=chunk)(z1, z2)
+        assert loss.dtype == torch.float32
+        loss.backward()
+        results.append((loss.detach(), layer.weight.grad.clone()))
+    (want, want_grad), (got, grad) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_mean", [False, True])
+@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_negative_stats_gradcheck(with_mean, columns, recompute):
+    """Finite differences of every statistic, in the anchors, candidates and a learnable scale."""
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.nn.functional.normalize(torch.randn(5, 3, generator=g, dtype=torch.float64), dim=1)
+            .requires_grad_() for _ in range(2))
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    exclude = torch.tensor([[0], [1], [2], [3], [4]])
+    torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2, with_mean=with_mean,
+                                                            columns=columns, recompute=recompute), (a, b, scale))
+
+
+def test_blockwise_saves_nothing_quadratic():
+    """With recomputation, backward keeps only per-row statistics and the features: no [M, K] tensor."""
+    n, d = 64, 8
+    z1, z2 = (torch.randn(n, d, requires_grad=True) for _ in range(2))
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    for name in SCORE_LOSSES:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = build_loss(name, chunk_size=16)(z1, z2)
+        loss.backward()
+    assert sizes and max(sizes) <= 2 * n * d < (2 * n) ** 2
+
+
+def test_automatic_choice():
+    fn = build_loss("infonce")
+    assert fn._blocking(64, 64) == (BLOCK_ELEMENTS // 64, False)  # small: blocks kept for backward
+    m = 2 * KEEP_MAX_ELEMENTS // 1024
+    assert fn._blocking(m, 1024) == (BLOCK_ELEMENTS // 1024, True)  # large: recomputed
+    assert build_loss("infonce", chunk_size=0)._blocking(m, 1024) == (None, False)
+    assert build_loss("infonce", chunk_size=7)._blocking(8, 8) == (7, True)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "8"])
+def test_bad_chunk_size(bad):
+    with pytest.raises(ValueError, match="chunk_size"):
+        build_loss("dcl", chunk_size=bad)
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _run(rank, world, sizes, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    weight = sizes[rank] / sum(sizes)
+    x, extra = _inputs(5, sum(sizes), 6, torch.float64)
+    results = {}
+    for name in SCORE_LOSSES:
+        for setting in ("2views", "3views", "query_key", "cross_modal_scale"):
+            local = [t[lo:hi] for t in x]
+            loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed=True)
+            (weight * loss).backward()
+            results[name, setting] = (float(loss) * weight, [t.grad for t in leaves])
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
+    """Blocks of 2 anchors, negatives gathered from 2 processes holding 3 and 4 samples, against one
+    dense process on the 7: the gathered features' gradient is summed across processes."""
+    sizes = [3, 4]
+    mp.start_processes(_run, args=(2, sizes, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    x, extra = _inputs(5, sum(sizes), 6, torch.float64)
+    for (name, setting), _ in ranks[0].items():
+        want, leaves = _loss(name, setting, 0, x, extra)
+        want_grads = torch.autograd.grad(want, leaves)
+        assert sum(r[name, setting][0] for r in ranks) == pytest.approx(float(want), rel=1e-10), (name, setting)
+        for i, w in enumerate(want_grads):
+            parts = [r[name, setting][1][i] for r in ranks]
+            got = sum(parts) if w.dim() == 0 else torch.cat(parts)  # the shared scale: DDP sums its gradient
+            torch.testing.assert_close(got, w, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name} {setting} {i}: {m}")
