@@ -27,10 +27,23 @@ from pathlib import Path
 from PIL import Image
 from torch.utils.data import Dataset
 
-from contrastkit.data.shapes import SHAPES, caption, render, sample_spec
+from contrastkit.data.shapes import COLORS, POSITIONS, SHAPES, SIZES, render, sample_spec
 
-SHAPES_CLIP_VERSION = 1
-TEMPLATES = ("a {}.", "a small {}.", "a large {}.", "a striped {}.", "a dotted {}.", "a {} in the center.")
+SHAPES_CLIP_VERSION = 2
+# Zero-shot prompts in the captions' own grammar, each naming at most one other attribute.
+TEMPLATES = ("a {}", *(f"a {size} {{}}" for size in SIZES), "a striped {}", "a dotted {}",
+             *(f"a {color} {{}}" for color in COLORS), *(f"a {{}} in the {position}" for position in POSITIONS))
+
+
+def partial_caption(spec, rng: random.Random) -> str:
+    """The spec's caption with each attribute but the shape kept with probability 1/2, e.g. 'a red star'.
+
+    With every attribute always named, colour, size and position alone tell almost all pairs of a batch
+    apart and the shape (the zero-shot class) is barely learned; shorter captions make it matter.
+    """
+    words = [spec.size, spec.texture if spec.texture != "plain" else "", spec.color]
+    text = " ".join(["a", *(w for w in words if w and rng.random() < 0.5), spec.shape])
+    return text + (f" in the {spec.position}" if rng.random() < 0.5 else "")
 
 
 def default_cache_dir() -> Path:
@@ -64,7 +77,7 @@ def make_shapes_clip(root: str | Path | None = None, *, num_train: int = 4096, n
         image = render(spec, size=size, seed=image_seed)
         if split == "train":
             path = tmp / "train" / f"{j:06d}.png"
-            rows.append((f"train/{j:06d}.png", caption(spec)))
+            rows.append((f"train/{j:06d}.png", partial_caption(spec, rng)))
         else:
             path = tmp / "zeroshot" / split / f"{j:04d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
