@@ -59,14 +59,15 @@ class FrameObjective:
         dropped = int((~keep).sum())
         if dropped:
             pos, neg, valid = pos[keep], neg[keep], valid[keep]
-        if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
-            return neg.sum() * 0.0, dropped
         options = dict(self.options)
         if "temperature" in KERNELS[self.name][1]:
             options.setdefault("temperature", model_temperature)
         if self.name == "dclw" and world()[1] > 1:
-            # DCLW's weights are a softmax over the batch's positive pairs: every process's frames.
+            # DCLW's weights are a softmax over the batch's positive pairs: every process's frames
+            # (a collective: called on every process, also one with no frame left).
             options["pos_weight"] = K.dclw_weights(pos[:, None], options.get("sigma", 0.5),
                                                    gather_no_grad(pos))[:, 0]
+        if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
+            return neg.sum() * 0.0, dropped
         mask = None if bool(valid.all()) else valid
         return self.kernel(pos, neg, neg_mask=mask, **options).sum(), dropped
