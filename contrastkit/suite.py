@@ -151,12 +151,14 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
     commands = COMMANDS[cell.domain](cell, settings, cell_dir)
     metrics = {}
     for name, argv, output in commands:
+        argv = argv + _flags((settings.get("eval_options") or {}).get(name, {}))
         _run([sys.executable, *argv], cell_dir / "log.txt")
         if output is not None:
             metrics.update(READERS[name](json.loads(Path(output).read_text())))
     result = {"domain": cell.domain, "objective": cell.objective, "seed": cell.seed, "variant": cell.variant,
               "metrics": metrics, "settings": {**settings.get("train", {}), **cell.overrides},
-              "commands": [shlex.join(argv) for _, argv, _ in commands], "seconds": round(time.time() - started, 1)}
+              "commands": [shlex.join(argv + _flags((settings.get("eval_options") or {}).get(name, {})))
+                           for name, argv, _ in commands], "seconds": round(time.time() - started, 1)}
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -363,9 +365,32 @@ def speech_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
     return commands
 
 
-COMMANDS = {"vision": vision_commands, "speech": speech_commands}
+def image_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
+    checkpoint = _checkpoint(settings, cell)
+    train = {**settings.get("train", {}), **cell.overrides}
+    model = train.get("model", "contrastkit-tiny")
+    commands = []
+    if checkpoint is None:
+        run = cell_dir / "train"
+        steps = int(train.get("steps", 300))
+        options = {**train, "loss": cell.objective, "seed": cell.seed, "out-dir": str(run), "save-every": steps,
+                   "eval-every": 0, "data": settings.get("data"), "zeroshot": settings.get("zeroshot")}
+        argv = ["recipes/clip/train.py", *_flags(options), "--no-progress"]
+        if (run / "checkpoints").exists():
+            argv.append("--resume")
+        commands.append(("train", argv, None))
+        checkpoint = str(run / "checkpoints" / f"step_{steps}")
+    out = cell_dir / "zeroshot"
+    commands.append(("zeroshot", ["eval/zeroshot.py", "--model", model, "--checkpoint", checkpoint,
+                                  *_flags({"data": settings.get("zeroshot")}), "--out-dir", str(out)],
+                     out / "zeroshot.json"))
+    return commands
+
+
+COMMANDS = {"vision": vision_commands, "image_text": image_text_commands, "speech": speech_commands}
 
 READERS = {
+    "zeroshot": lambda r: {"zeroshot_top1": r["top1"]},
     "knn": lambda r: {"knn_top1": r["knn_top1"]},
     "linear_probe": lambda r: {"linear_probe_top1": r["sgd"]["test_top1"]},
     "speaker_id": lambda r: {"speaker_id_accuracy": r["test_accuracy"]},
