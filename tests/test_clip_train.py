@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("clipdata")
-    make_shapes_clip(d, num_train=64, progress=False)
+    make_shapes_clip(d, num_train=64, num_zeroshot_per_class=4, progress=False)
     return d
 
 
 def _cfg(out, data_dir, **kw):
-    values = dict(loss="dcl", data_dir=str(data_dir), num_train=64, batch_size=8, steps=6, warmup=2, log_every=1,
-                  eval_every=3, save_every=3, out_dir=str(out), progress=False)
+    values = dict(loss="dcl", data_dir=str(data_dir), num_train=64, zeroshot_per_class=4, batch_size=8, steps=6,
+                  warmup=2, log_every=1, eval_every=3, save_every=3, out_dir=str(out), progress=False)
     values.update(kw)
     return ClipTrainConfig(**values)
 
@@ -81,7 +81,8 @@ def test_resume_continues_to_the_same_state(data_dir, tmp_path):
 
 
 def test_two_accelerate_processes_equal_one(data_dir, tmp_path):
-    args = ["--loss", "dclw", "--data-dir", str(data_dir), "--num-train", "64", "--batch-size", "8", "--steps", "2",
+    args = ["--loss", "dclw", "--data-dir", str(data_dir), "--num-train", "64", "--zeroshot-per-class", "4",
+            "--batch-size", "8", "--steps", "2",
             "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",

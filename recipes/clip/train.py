@@ -22,6 +22,8 @@ def parse_args(argv=None) -> ClipTrainConfig:
                                   "default: the embedded shapes data")
     p.add_argument("--data-dir", help="where the embedded data is generated (default ~/.cache/contrastkit)")
     p.add_argument("--num-train", type=int, default=defaults.num_train, help="embedded data: training pairs")
+    p.add_argument("--zeroshot-per-class", type=int, default=defaults.zeroshot_per_class,
+                   help="embedded data: held-out zero-shot images per class")
     p.add_argument("--img-key", default=defaults.img_key, help="CSV image path column")
     p.add_argument("--caption-key", help="caption column (default: title for CSV, text for an image folder)")
     p.add_argument("--csv-separator", help="CSV separator (default: tab, or comma for a .csv without tabs)")
