@@ -13,7 +13,7 @@ p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDes
 p.add_argument("--upstream", required=True, help="recipe run folder, HF model folder or fairseq2 export")
 p.add_argument("--data", default=None, help="dataset root (default: the embedded spoken commands)")
 p.add_argument("--out", default=None, help="default: <upstream>/eval")
-p.add_argument("--epochs", type=int, default=40)
+p.add_argument("--epochs", type=int, default=150)
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--seed", type=int, default=0)
 a = p.parse_args()

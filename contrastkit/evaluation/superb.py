@@ -110,7 +110,7 @@ class Downstream(nn.Module):
 
 @dataclasses.dataclass
 class DownstreamConfig:
-    epochs: int = 40
+    epochs: int = 150
     batch_size: int = 32
     lr: float = 1e-3
     proj: int = 128
