@@ -159,7 +159,7 @@ def worker(method: str, sizes: list[int], d: int, args) -> None:
             peak = max(peak, (torch.cuda.max_memory_allocated() if cuda else _rss()[1]) - base)
         del steps, step
         gc.collect()
-        last = {"n": n, "status": "ok", "time_s": best, "peak_extra_bytes": peak}
+        last = {"n": n, "status": "ok", "time_s": best, "peak_extra_bytes": peak, "load_avg_1min": os.getloadavg()[0]}
         print(json.dumps(last), flush=True)
 
 

@@ -1,8 +1,9 @@
 """The settings around the kernels: two (or more) views, query/key/queue, and the distributed gather.
 
 A ContrastiveLoss subclass says only how to scale the similarities into logits and how to turn
-positive cosines and masked negative logits into per-anchor terms; this module builds those scores
-once per call, with one matrix product, and never materialises the same [M, K] matrix twice.
+positive cosines and the negatives' statistics (logsumexp of their logits; for CACR also their
+softmax-weighted mean cosine) into per-anchor terms; this module builds those statistics once per
+call, with one matrix product, blockwise so that the [M, K] matrix need never be held whole.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from contrastkit.losses.functional import Terms, _compute_dtype
 # Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (small enough to stay in
 # cache); a matrix of up to KEEP_MAX_ELEMENTS logits is kept for backward, a larger one recomputed
 # block by block (benchmarks/losses.py measured both).
-BLOCK_ELEMENTS = 2**18
-KEEP_MAX_ELEMENTS = 2**24
+BLOCK_ELEMENTS = 2**22
+KEEP_MAX_ELEMENTS = 2**26
 
 
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True) -> None:
@@ -56,6 +57,13 @@ class ContrastiveLoss(nn.Module):
     The loss is the mean over this process's anchors. With ``gather_distributed=True`` the negatives
     come from every process (gathered with gradient), so that P processes (with DDP's gradient
     averaging) match one process on the concatenated batch.
+
+    ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
+    BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py), the blocks'
+    softmax kept for backward while the matrix has at most KEEP_MAX_ELEMENTS entries and recomputed
+    above, so memory grows linearly in the batch; a positive number: blocks of that many anchors,
+    always recomputed; 0: the dense reference (one product, autograd through logsumexp). All three
+    give the same values and gradients.
     """
 
     name = "contrastive"
@@ -110,7 +118,7 @@ class ContrastiveLoss(nn.Module):
 
             # Negatives: every view of every sample but the anchor's own sample's views.
             own = torch.arange(v, device=u.device)[None] * total + (start + torch.arange(n, device=u.device))[:, None]
-            terms = self._negatives(pos, u.reshape(v * n, d), all_u, own.repeat(v, 1), v * (total - 1))
+            terms = self.negative_terms(pos, u.reshape(v * n, d), all_u, own.repeat(v, 1), v * (total - 1))
             return self._reduce(terms, output_dict)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
@@ -128,7 +136,7 @@ class ContrastiveLoss(nn.Module):
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
-                terms = self._negatives(pos, q, self._unit(queue, dtype), None, queue.shape[0])
+                terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0])
                 return self._reduce(terms, output_dict)
             n, p = k.shape[:2]
             all_k, start = self._gather(k.reshape(n, -1))
@@ -137,7 +145,7 @@ class ContrastiveLoss(nn.Module):
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
             own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
-            terms = self._negatives(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p)
+            terms = self.negative_terms(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p)
             return self._reduce(terms, output_dict)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -163,8 +171,8 @@ class ContrastiveLoss(nn.Module):
             own = (start + torch.arange(n, device=a.device))[:, None]
             block, recompute = self._blocking(n, total)
             if total != n:
-                image_terms = self._negatives(pos, a, all_b, own, total - 1, scale)
-                text_terms = self._negatives(pos, b, all_a, own, total - 1, scale)
+                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale)
+                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale)
             elif block is None:  # one process, dense: one product serves both directions
                 logits = (a * scale) @ b.T
                 logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
@@ -195,7 +203,7 @@ class ContrastiveLoss(nn.Module):
             return self.chunk_size, True
         return max(1, BLOCK_ELEMENTS // k), m * k > KEEP_MAX_ELEMENTS
 
-    def _negatives(self, pos, anchors, candidates, exclude, num_neg, scale=None) -> Terms:
+    def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole)."""
