@@ -38,7 +38,7 @@ def compare(out_dir: str | Path, *, losses=("infonce", "dcl", "dclw"), batch_siz
                 steps = max(1, samples // batch)
                 cfg = replace(base, loss=loss, batch_size=batch, seed=seed, steps=steps, warmup=max(1, steps // 10),
                               eval_every=0, save_every=0, log_every=max(1, steps // 50), progress=False,
-                              out_dir=str(out_dir / f"{loss}-b{batch}-s{seed}"))
+                              out_dir=str(out_dir / f"{loss}-b{batch}-n{samples}-s{seed}"))
                 runs.append(cfg)
     from contrastkit.data.image_text import make_shapes_clip
 
