@@ -1,0 +1,1 @@
+"""Vision pre-training: backbones, augmentations, SimCLR / MoCo v2 / SiMo methods, the training loop."""
