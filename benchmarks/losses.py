@@ -21,8 +21,9 @@ process's peak resident set (VmHWM, reset through /proc/self/clear_refs just bef
 minus its resident set at that moment (inputs and gradient buffers already allocated), so it counts
 every allocation of the call, torch's included (tracemalloc would miss them). On CUDA,
 torch.cuda.max_memory_allocated minus the baseline. A method that holds the whole matrix and whose
-memory (extrapolated quadratically from its last size, at least 3 float32 copies of the matrix) would exceed --mem-limit-gib is not run and
-reported as OOM; so are the sizes a subprocess did not reach because it died.
+memory (extrapolated quadratically from its last size, at least 4 float32 copies of the matrix) would
+exceed --mem-limit-gib is not run and reported as OOM; so are the sizes a subprocess did not reach
+because it died.
 
 Writes out/losses.json, out/losses.md (the tables) and out/losses.png (time and memory against N).
 """
@@ -128,7 +129,7 @@ def worker(method: str, sizes: list[int], d: int, args) -> None:
     last = None
     for n in sizes:
         rows = 2 * n if method in TWO_VIEW else n
-        estimate = max(3 * rows * rows * 4, last["peak_extra_bytes"] * (n / last["n"]) ** 2 if last else 0.0)
+        estimate = max(4 * rows * rows * 4, last["peak_extra_bytes"] * (n / last["n"]) ** 2 if last else 0.0)
         if method in QUADRATIC and estimate > args.mem_limit_gib * GIB:
             print(json.dumps({"n": n, "status": "OOM", "note": f"needs ~{estimate / GIB:.0f} GiB (extrapolated)"}),
                   flush=True)
@@ -253,15 +254,17 @@ def plot(records, path):
     dims = sorted({r["d"] for r in records})
     fig, axes = plt.subplots(2, len(dims), figsize=(6 * len(dims), 8), squeeze=False)
     for col, d in enumerate(dims):
-        for method in METHODS:
+        for i, method in enumerate(METHODS):
             ok = sorted((r for r in records if r["method"] == method and r["d"] == d and r["status"] == "ok"),
                         key=lambda r: r["n"])
             if not ok:
                 continue
             style = "--" if method.startswith(("lightly", "openclip")) else ":" if method.startswith("floor") else "-"
             ns = [r["n"] for r in ok]
-            axes[0, col].plot(ns, [r["time_s"] for r in ok], style, marker="o", label=method)
-            axes[1, col].plot(ns, [r["peak_extra_bytes"] / 2**20 for r in ok], style, marker="o", label=method)
+            color = plt.cm.tab20(i)
+            axes[0, col].plot(ns, [r["time_s"] for r in ok], style, marker="o", color=color, label=method)
+            axes[1, col].plot(ns, [r["peak_extra_bytes"] / 2**20 for r in ok], style, marker="o", color=color,
+                              label=method)
         for row, label in enumerate(["forward+backward time (s)", "peak extra memory (MiB)"]):
             ax = axes[row, col]
             ax.set(xscale="log", yscale="log", xlabel="N", ylabel=label, title=f"D = {d}")
@@ -283,7 +286,7 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="autocast dtype (contrastkit computes its scores in float32 regardless)")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for the runs (0: torch's default)")
-    parser.add_argument("--mem-limit-gib", type=float, default=12.0)
+    parser.add_argument("--mem-limit-gib", type=float, default=8.0)
     parser.add_argument("--out", default="runs/bench-losses")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
