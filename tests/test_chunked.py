@@ -92,8 +92,14 @@ def test_diagnostics_are_the_same(name):
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_blockwise_equals_dense(name, dtype):
-    """Under autocast the features arrive in low precision; both paths compute in float32 from them."""
+    """Under autocast the features arrive in low precision; both paths compute in float32 from them.
+
+    The losses agree to float32 rounding. The weight gradient passes back through the low-precision
+    layer, where a float32 difference of 1e-7 can flip one rounding of the feature gradient, so it is
+    compared at that precision: 1 % of the largest entry (one bf16 ulp is 4e-3 relative, and the layer's
+    bf16 weight-gradient product rounds at the scale of its largest terms)."""
     g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
     x1, x2 = torch.randn(24, 16, generator=g), torch.randn(24, 16, generator=g)
     results = []
@@ -108,7 +114,7 @@ def test_autocast_blockwise_equals_dense(name, dtype):
         results.append((loss.detach(), layer.weight.grad.clone()))
     (want, want_grad), (got, grad) = results
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-2, atol=1e-2 * float(want_grad.abs().max()))
 
 
 @pytest.mark.parametrize("with_mean", [False, True])
