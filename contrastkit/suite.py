@@ -47,7 +47,7 @@ DEFAULT_CONFIG = {
     "objectives": ["infonce", "dcl", "dclw"],
     "seeds": [0, 1],
     "domains": {
-        "vision": {"data": None, "checkpoints": {}, "train": {"method": "simclr", "batch-size": 32, "steps": 150},
+        "vision": {"data": None, "checkpoints": {}, "train": {"method": "simclr", "batch-size": 32, "steps": 150, "threads": 1},
                    "evals": ["knn", "linear_probe"]},
         "image_text": {"data": None, "zeroshot": None, "checkpoints": {}, "train": {"batch-size": 32, "steps": 150},
                        "evals": ["zeroshot"]},
