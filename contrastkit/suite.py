@@ -44,17 +44,20 @@ PAPER_REFERENCES = {
 
 DEFAULT_CONFIG = {
     "output_dir": "runs/suite",
-    "objectives": ["infonce", "dcl", "dclw"],
+    "objectives": ["infonce", "dcl"],
     "seeds": [0, 1],
     "domains": {
-        "vision": {"data": None, "checkpoints": {}, "train": {"method": "simclr", "batch-size": 32, "steps": 150, "threads": 1},
-                   "evals": ["knn", "linear_probe"]},
-        "image_text": {"data": None, "zeroshot": None, "checkpoints": {}, "train": {"batch-size": 32, "steps": 150},
+        "vision": {"data": None, "checkpoints": {},
+                   "train": {"method": "simclr", "batch-size": 32, "steps": 100, "train-images": 2000,
+                             "test-images": 500, "threads": 1},
+                   "evals": ["knn", "linear_probe"], "eval_options": {"linear_probe": {"epochs": 30}}},
+        "image_text": {"data": None, "zeroshot": None, "checkpoints": {}, "train": {"batch-size": 32, "steps": 100},
                        "evals": ["zeroshot"]},
-        "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 60},
-                   "evals": ["speaker_id", "intent"]},
+        "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 40},
+                   "evals": ["speaker_id", "intent"], "eval_options": {"speaker_id": {"epochs": 60},
+                                                                        "intent": {"epochs": 60}}},
     },
-    "sweep": {"domain": "vision", "batch_sizes": [8, 64], "objectives": ["infonce", "dcl"]},
+    "sweep": {"domain": "vision", "batch_sizes": [8, 64], "objectives": ["infonce", "dcl"], "seeds": [0]},
 }
 
 
@@ -112,7 +115,7 @@ def plan(config: dict) -> list[Cell]:
     if sweep.get("domain") in config["domains"]:
         for batch in sweep.get("batch_sizes", []):
             for objective in sweep.get("objectives", config["objectives"]):
-                for seed in config["seeds"]:
+                for seed in sweep.get("seeds", config["seeds"]):
                     cells.append(Cell(sweep["domain"], objective, seed, f"bs{batch}", {"batch-size": batch}))
     return cells
 
