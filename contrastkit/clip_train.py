@@ -70,19 +70,6 @@ def create_clip(name: str):
     return model, preprocess, open_clip.get_tokenizer(name)
 
 
-class TrainState:
-    """The position of the run, saved in every checkpoint (register_for_checkpointing)."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-
-
 class StepBatches(torch.utils.data.Sampler):
     """This process's share of the global batch of every step from ``start``: epoch e is a permutation
     seeded by (seed, e), cut into global batches (the last partial one dropped), each split in P slices."""
@@ -128,7 +115,7 @@ def train(cfg: ClipTrainConfig) -> dict:
     from contrastkit.adapters.open_clip import build_clip_loss
     from contrastkit.data.image_text import load_image_text, make_shapes_clip
     from contrastkit.evaluation.zeroshot import evaluate_zeroshot
-    from contrastkit.training import MetricsLog, latest_checkpoint, save_checkpoint
+    from contrastkit.training import MetricsLog, TrainState, latest_checkpoint, save_checkpoint
 
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes

@@ -93,6 +93,20 @@ def _plain(value):
     return value
 
 
+class TrainState:
+    """The run's step, registered with ``accelerator.register_for_checkpointing`` so that a checkpoint
+    restores it; recipes derive the data position, learning rate and schedules from it."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
 def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"step_{step}"
 

@@ -45,19 +45,6 @@ class PretrainConfig:
     conformer: bool = False  # HF only: Wav2Vec2ConformerForPreTraining
 
 
-class TrainState:
-    """The step, registered with accelerate so that a checkpoint restores it."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-
-
 def pretraining_records(path: str | None) -> list[dict]:
     """The audio to pre-train on: FSC train split, VoxCeleb1 train split, or every audio file under a folder."""
     if path is None:
@@ -146,7 +133,7 @@ def pretrain(cfg: PretrainConfig, resume: bool = True, stop_at: int | None = Non
     from accelerate import Accelerator
     from tqdm import tqdm
 
-    from contrastkit.training import MetricsLog, latest_checkpoint, save_checkpoint
+    from contrastkit.training import MetricsLog, TrainState, latest_checkpoint, save_checkpoint
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     rank, world = accelerator.process_index, accelerator.num_processes

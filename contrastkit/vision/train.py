@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from contrastkit.data.images import load_images
 from contrastkit.evaluation.knn import extract_features, knn_accuracy
-from contrastkit.training import MetricsLog, latest_checkpoint, save_checkpoint
+from contrastkit.training import MetricsLog, TrainState, latest_checkpoint, save_checkpoint
 from contrastkit.vision.augment import MultiViewDataset, ShardedBatches, plain_transform, simclr_augment
 from contrastkit.vision.methods import ContrastiveModel, check_setup, cosine_momentum, loss_options
 from contrastkit.vision.models import build_backbone, projection_head
@@ -115,19 +115,6 @@ def learning_rate(cfg: VisionConfig, step: int, total: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class TrainState:
-    """The step, registered with accelerate so that checkpoints carry it (it also fixes the data position)."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
 
 
 def knn_eval(backbone, train_images, test_images, cfg: VisionConfig) -> float:
