@@ -88,3 +88,12 @@ def test_config_files_and_plan(tmp_path):
         load_config(bad)
     with pytest.raises(FileNotFoundError):
         load_config(tmp_path / "missing.toml")
+
+
+def test_example_config_loads_and_skips_missing_paths(tmp_path):
+    config = load_config(ROOT / "eval" / "suite_example.yaml")
+    config["output_dir"] = str(tmp_path / "out")
+    assert set(config["domains"]) == {"vision", "image_text", "speech"}
+    report = run_suite(config, progress=False)  # none of the example's /data paths exist here
+    assert set(report["skipped"]) == {"vision", "image_text", "speech"}
+    assert report["cells"] == []
