@@ -5,19 +5,7 @@ SUPERB-style (weighted layer sum, linear, mean pooling, linear; Adam); writes <o
     python eval/speaker_id.py --upstream /models/wav2vec2-base --data /data/VoxCeleb1
 """
 
-import argparse
+from contrastkit.evaluation.superb import main
 
-from contrastkit.evaluation.superb import DownstreamConfig, speaker_id, write_report
-
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--upstream", required=True, help="recipe run folder, HF model folder or fairseq2 export")
-p.add_argument("--data", default=None, help="dataset root (default: the embedded spoken commands)")
-p.add_argument("--out", default=None, help="default: <upstream>/eval")
-p.add_argument("--epochs", type=int, default=150)
-p.add_argument("--lr", type=float, default=1e-3)
-p.add_argument("--seed", type=int, default=0)
-a = p.parse_args()
-
-result = speaker_id(a.upstream, a.data, DownstreamConfig(epochs=a.epochs, lr=a.lr, seed=a.seed))
-path = write_report(result, a.out or f"{a.upstream.rstrip('/')}/eval")
-print(f"speaker_id test accuracy {result['test_accuracy']:.4f} (dev {result['dev_accuracy']:.4f}, epoch {result['best_epoch']}) -> {path}")
+if __name__ == "__main__":
+    main("speaker_id", __doc__)

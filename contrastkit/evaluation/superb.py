@@ -227,3 +227,23 @@ def write_report(result: dict, out_dir: str | Path) -> Path:
     fig.savefig(out_dir / f"{result['task']}.png", dpi=120)
     plt.close(fig)
     return path
+
+
+def main(task: str, description: str, argv: list[str] | None = None) -> dict:
+    """The command line of eval/speaker_id.py and eval/intent.py: one frozen upstream, one task."""
+    import argparse
+
+    run = {"speaker_id": speaker_id, "intent": intent}[task]
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--upstream", required=True, help="recipe run folder, HF model folder or fairseq2 export")
+    p.add_argument("--data", default=None, help="dataset root (default: the embedded spoken commands)")
+    p.add_argument("--out", default=None, help="default: <upstream>/eval")
+    p.add_argument("--epochs", type=int, default=DownstreamConfig.epochs)
+    p.add_argument("--lr", type=float, default=DownstreamConfig.lr)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    result = run(a.upstream, a.data, DownstreamConfig(epochs=a.epochs, lr=a.lr, seed=a.seed))
+    path = write_report(result, a.out or f"{a.upstream.rstrip('/')}/eval")
+    print(f"{task} test accuracy {result['test_accuracy']:.4f} (dev {result['dev_accuracy']:.4f}, "
+          f"epoch {result['best_epoch']}) -> {path}")
+    return result
