@@ -1,8 +1,9 @@
 """Speed and peak memory of the loss kernels, against peers and the matrix-product floor, in one run.
 
-    python benchmarks/losses.py                                   # N 256..8192, D 128 and 512 (~10-15 min, 2 cores)
-    python benchmarks/losses.py --sizes 256,1024,4096,16384,65536 --dims 128,512 --repeats 3
-    python benchmarks/losses.py --methods infonce,clip,floor --sizes 65536 --dims 256 --repeats 1
+    python benchmarks/losses.py                                   # N 256..8192, D 128 and 512
+    python benchmarks/losses.py --sizes 256,1024,4096,16384,65536 --dims 128,512 --repeats 5
+    python benchmarks/losses.py --methods floor-2v,infonce,lightly-ntxent --sizes 1024,4096 --no-memory
+    python benchmarks/losses.py --methods infonce,clip --sizes 65536 --dims 256 --repeats 0 --no-time
 
 Forward + backward of the loss on random features, for every method:
 
@@ -11,28 +12,33 @@ Forward + backward of the loss on random features, for every method:
 - image-text (N pairs, an [N, N] matrix, learnable logit scale): contrastkit cross_modal (clip,
   clip-dcl) and open_clip's ClipLoss (features normalised first, as the CLIP model does);
 - floor-2v / floor-clip: the matrix products every one of them must do for that matrix (forward 1,
-  backward 2: S = A B^T, S B, S^T A), timed in the same run, the faster of whole and row blocks.
+  backward 2: S = A B^T, S B, S^T A), the fastest of whole, row blocks, and row blocks with the
+  B gradient accumulated transposed.
 
-Time: the best of --repeats calls after one warm-up call (--repeats 0: one call, no warm-up, for the
-largest sizes). Memory: each (method, D) runs in a fresh
-subprocess, sizes in increasing order, with glibc told to hand large blocks back to the system at
-once (MALLOC_MMAP_THRESHOLD_, so freed memory leaves the resident set); the peak extra memory is the
-process's peak resident set (VmHWM, reset through /proc/self/clear_refs just before the timed calls)
-minus its resident set at that moment (inputs and gradient buffers already allocated), so it counts
-every allocation of the call, torch's included (tracemalloc would miss them). On CUDA,
-torch.cuda.max_memory_allocated minus the baseline. A method that holds the whole matrix and whose
-memory (extrapolated quadratically from its last size, at least 4 float32 copies of the matrix) would
-exceed --mem-limit-gib is not run and reported as OOM; so are the sizes a subprocess did not reach
-because it died.
+Time, in this process (glibc defaults): for each (N, D) and setting, every method's step is built on
+the same inputs and warmed up once, then --repeats rounds call each method once, in an order rotated
+each round; a method's time is its minimum (and median) over the rounds, so the ratios to its peer and
+to the floor compare calls interleaved under the same machine load. --repeats 0: one round, no warm-up.
 
-Writes out/losses.json, out/losses.md (the tables) and out/losses.png (time and memory against N).
+Memory, in a fresh subprocess per (method, D), sizes increasing, glibc told to hand large blocks back
+at once (MALLOC_MMAP_THRESHOLD_): after a warm-up (none for --repeats 0), the peak resident set of one
+call (VmHWM, reset through /proc/self/clear_refs) minus the resident set before it, torch's
+allocations included; on CUDA, torch.cuda.max_memory_allocated minus the baseline.
+
+A method holding the whole matrix whose memory (extrapolated quadratically from its last size, at
+least 4 float32 copies of the matrix) would exceed --mem-limit-gib is neither run nor timed: OOM, as
+are the sizes a memory subprocess did not reach because it died.
+
+Writes OUT/losses.json ({"meta": ..., "records": [...]}), OUT/losses.md (the table) and OUT/losses.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -51,31 +57,32 @@ PEERS = {"infonce": "lightly-ntxent", "dcl": "lightly-dcl", "dclw": "lightly-dcl
 GIB = 2**30
 
 
-# ----------------------------------------------------------------------------- one measurement (subprocess)
+# ----------------------------------------------------------------------------- one step
 
 
-def _step(method: str, n: int, d: int, device: str):
-    """A closure doing one forward + backward of ``method`` at batch n, dimension d."""
+def _step(method: str, n: int, d: int, args) -> dict:
+    """{name: closure doing one forward + backward of ``method`` at batch n, dimension d}; a floor has
+    one entry per variant ("floor-2v/blocks", ...)."""
     import torch
     import torch.nn.functional as F
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    if method.startswith("floor"):
+    if method.startswith("floor"):  # the products in the dtype autocast would give them
         rows = 2 * n if method == "floor-2v" else n
-        a, b = (torch.randn(rows, d, generator=g).to(device) for _ in range(2))
-        return _floor(a, b)
-    x, y = (torch.randn(n, d, generator=g).to(device).requires_grad_() for _ in range(2))
+        a, b = (torch.randn(rows, d, generator=g).to(args.device, getattr(torch, args.dtype)) for _ in range(2))
+        return {f"{method}/{name}": fn for name, fn in _floor(a, b).items()}
+    x, y = (torch.randn(n, d, generator=g).to(args.device).requires_grad_() for _ in range(2))
     if method in IMAGE_TEXT:
-        scale = torch.tensor(1 / 0.07, device=device, requires_grad=True)
+        scale = torch.tensor(1 / 0.07, device=args.device, requires_grad=True)
         if method == "openclip":
             from open_clip.loss import ClipLoss
 
             clip_loss = ClipLoss()
-            return lambda: clip_loss(F.normalize(x, dim=-1), F.normalize(y, dim=-1), scale).backward()
+            return {method: lambda: clip_loss(F.normalize(x, dim=-1), F.normalize(y, dim=-1), scale).backward()}
         from contrastkit.losses import build_loss
 
         loss_fn = build_loss("infonce" if method == "clip" else "dcl")
-        return lambda: loss_fn.cross_modal(x, y, logit_scale=scale).backward()
+        return {method: lambda: loss_fn.cross_modal(x, y, logit_scale=scale).backward()}
     if method.startswith("lightly"):
         from lightly.loss import DCLLoss, DCLWLoss, NTXentLoss
 
@@ -86,12 +93,12 @@ def _step(method: str, n: int, d: int, device: str):
 
         name, _, dense = method.partition("-")
         loss_fn = build_loss(name, **({"chunk_size": 0} if dense else {}))
-    return lambda: loss_fn(x, y).backward()
+    return {method: lambda: loss_fn(x, y).backward()}
 
 
-def _floor(a, b):
-    """The products a loss on S = a b^T must do (S, S b, S^T a): whole, or in row blocks that stay in
-    cache (whichever the caller finds faster); the whole form only while S takes under 1 GiB."""
+def _floor(a, b) -> dict:
+    """The products a loss on S = a b^T must do (S, S b, S^T a): in row blocks that stay in cache, the
+    same with the b gradient kept transposed (can be faster on MKL), and whole while S takes under 1 GiB."""
     import torch
 
     from contrastkit.losses.base import BLOCK_ELEMENTS
@@ -105,11 +112,45 @@ def _floor(a, b):
             torch.mm(s, b, out=da[r0 : r0 + rows])
             db.addmm_(s.T, a[r0 : r0 + rows])
 
+    def blocks_t():
+        da, dbt = torch.empty_like(a), a.new_zeros(b.shape[1], b.shape[0])
+        for r0 in range(0, a.shape[0], rows):
+            s = a[r0 : r0 + rows] @ b.T
+            torch.mm(s, b, out=da[r0 : r0 + rows])
+            dbt.addmm_(a[r0 : r0 + rows].T, s)
+
     def whole():
         s = a @ b.T
         return s @ b, s.T @ a
 
-    return [blocks, whole] if a.shape[0] * b.shape[0] * 4 < GIB else [blocks]
+    fns = {"blocks": blocks, "blocks-t": blocks_t}
+    return {**fns, "whole": whole} if a.shape[0] * b.shape[0] * 4 < GIB else fns
+
+
+def _too_big(method: str, n: int, last: dict | None, limit_gib: float) -> float:
+    """The estimated peak memory of a whole-matrix method at n where it exceeds the limit, else 0."""
+    rows = 2 * n if method in TWO_VIEW else n
+    estimate = max(4 * rows * rows * 4, last["peak_extra_bytes"] * (n / last["n"]) ** 2 if last else 0.0)
+    return estimate if method in QUADRATIC and estimate > limit_gib * GIB else 0.0
+
+
+def _oom(estimate: float) -> dict:
+    return {"status": "OOM", "note": f"needs ~{estimate / GIB:.3g} GiB (extrapolated)"}
+
+
+def _autocast(args):
+    import torch
+
+    return torch.autocast(args.device.split(":")[0], dtype=getattr(torch, args.dtype), enabled=args.dtype != "float32")
+
+
+def _sync(args):
+    import torch
+
+    return torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+
+
+# ----------------------------------------------------------------------------- memory (subprocess)
 
 
 def _rss() -> tuple[int, int]:
@@ -119,29 +160,18 @@ def _rss() -> tuple[int, int]:
 
 
 def worker(method: str, sizes: list[int], d: int, args) -> None:
-    """Measure one method at increasing sizes; one JSON line per size."""
-    import gc
-
+    """Peak extra memory of one call of one method at increasing sizes; one JSON line per size."""
     import torch
 
-    cuda = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    last = None
+    cuda, sync, last = args.device.startswith("cuda"), _sync(args), None
     for n in sizes:
-        rows = 2 * n if method in TWO_VIEW else n
-        estimate = max(4 * rows * rows * 4, last["peak_extra_bytes"] * (n / last["n"]) ** 2 if last else 0.0)
-        if method in QUADRATIC and estimate > args.mem_limit_gib * GIB:
-            print(json.dumps({"n": n, "status": "OOM", "note": f"needs ~{estimate / GIB:.0f} GiB (extrapolated)"}),
-                  flush=True)
+        if estimate := _too_big(method, n, last, args.mem_limit_gib):
+            print(json.dumps({"n": n, **_oom(estimate)}), flush=True)
             continue
-        autocast = torch.autocast(args.device.split(":")[0], dtype=getattr(torch, args.dtype),
-                                  enabled=args.dtype != "float32")
-        steps = _step(method, n, d, args.device)
-        steps = steps if isinstance(steps, list) else [steps]
-        best, peak = float("inf"), 0
-        for step in steps:
+        steps, peak = _step(method, n, d, args), 0
+        for step in steps.values():
             if args.repeats > 0:
-                with autocast:
+                with _autocast(args):
                     step()  # warm-up: lazy initialisation, gradient buffers
                 sync()
             gc.collect()
@@ -151,24 +181,18 @@ def worker(method: str, sizes: list[int], d: int, args) -> None:
             else:
                 Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
                 base = _rss()[0]
-            for _ in range(max(1, args.repeats)):
-                start = time.perf_counter()
-                with autocast:
-                    step()
-                sync()
-                best = min(best, time.perf_counter() - start)
+            with _autocast(args):
+                step()
+            sync()
             peak = max(peak, (torch.cuda.max_memory_allocated() if cuda else _rss()[1]) - base)
         del steps, step
         gc.collect()
-        last = {"n": n, "status": "ok", "time_s": best, "peak_extra_bytes": peak, "load_avg_1min": os.getloadavg()[0]}
+        last = {"n": n, "status": "ok", "peak_extra_bytes": peak, "load_avg_1min": os.getloadavg()[0]}
         print(json.dumps(last), flush=True)
 
 
-# ----------------------------------------------------------------------------- the driver
-
-
-def measure(method, d, args) -> list[dict]:
-    """Run one method at every size in a fresh subprocess; sizes it did not reach are reported."""
+def measure(method, d, args):
+    """Memory of one method at every size in a fresh subprocess; sizes it did not reach are reported."""
     cmd = [sys.executable, __file__, "--worker", method, str(d), "--sizes", ",".join(map(str, args.sizes)),
            "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype,
            "--mem-limit-gib", str(args.mem_limit_gib)]
@@ -176,72 +200,138 @@ def measure(method, d, args) -> list[dict]:
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    done = {}
+    done = set()
     for line in proc.stdout:
         if line.startswith("{"):
             record = json.loads(line)
-            done[record["n"]] = record
-            yield {"method": method, "d": d, **record}
+            done.add(record["n"])
+            yield record
     err = proc.stderr.read().strip().splitlines()
     code = proc.wait()
     for n in args.sizes:
         if n not in done:
             why = "OOM" if code in (-9, 137) or any("memory" in e.lower() for e in err[-3:]) else "failed"
-            yield {"method": method, "d": d, "n": n, "status": why, "note": (err[-1] if err else f"exit {code}")[:120]}
+            yield {"n": n, "status": why, "note": (err[-1] if err else f"exit {code}")[:120]}
+
+
+# ----------------------------------------------------------------------------- time (this process)
+
+
+def time_size(methods, n, d, args, last) -> dict:
+    """Time the methods of one setting at (n, d) in interleaved rounds: {method: fields of its record}."""
+    sync, out, steps, fns = _sync(args), {}, {}, {}
+    for method in methods:
+        if estimate := _too_big(method, n, last.get(method), args.mem_limit_gib):
+            out[method] = _oom(estimate)
+            continue
+        try:
+            fns = _step(method, n, d, args)
+            for fn in fns.values() if args.repeats > 0 else []:
+                with _autocast(args):
+                    fn()  # warm-up
+                sync()
+            steps.update(fns)
+        except RuntimeError as e:  # torch.OutOfMemoryError included
+            msg = str(e).strip().splitlines() or [type(e).__name__]
+            out[method] = {"status": "OOM" if "memory" in str(e).lower() else "failed", "note": msg[0][:120]}
+    names, times = list(steps), {name: [] for name in steps}
+    gc.collect()
+    for r in range(max(1, args.repeats) if names else 0):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync()
+            start = time.perf_counter()
+            with _autocast(args):
+                steps[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    load = os.getloadavg()[0]
+    for name, ts in times.items():  # a floor: its fastest variant
+        method, _, variant = name.partition("/")
+        if method not in out or min(ts) < out[method]["time_s"]:
+            out[method] = {"status": "ok", "time_s": min(ts), "time_median_s": statistics.median(ts),
+                           "load_avg_1min": load, **({"note": f"fastest: {variant}"} if variant else {})}
+    del steps, fns  # free this size's inputs and buffers before the next
+    gc.collect()
+    return out
+
+
+# ----------------------------------------------------------------------------- the driver
 
 
 def run(args) -> list[dict]:
     from tqdm import tqdm
 
-    records = []
-    with tqdm(total=len(args.dims) * len(args.methods) * len(args.sizes), desc="losses", unit="run") as bar:
-        for d in args.dims:
+    setting = lambda m: "two-view" if m in TWO_VIEW else "image-text"  # noqa: E731
+    records = {(m, n, d): {"method": m, "n": n, "d": d, "setting": setting(m), "device": args.device,
+                           "dtype": args.dtype, "status": "ok", "time_s": None, "time_median_s": None,
+                           "peak_extra_bytes": None, "load_avg_1min": None, "vs_floor": None, "vs_peer": None,
+                           "peer": None} for d in args.dims for m in args.methods for n in args.sizes}
+    total = len(records) * (args.memory + args.time)
+    with tqdm(total=total, desc="losses", unit="run") as bar:
+        for d in args.dims if args.memory else []:  # first, so that the subprocesses have the device to themselves
             for method in args.methods:
-                for record in measure(method, d, args):
-                    record.update(setting="two-view" if method in TWO_VIEW else "image-text", device=args.device,
-                                  dtype=args.dtype)
-                    records.append(record)
-                    tqdm.write(_line(record))
+                for r in measure(method, d, args):
+                    records[method, r["n"], d].update(r)
+                    tqdm.write(_line(records[method, r["n"], d]))
                     bar.update()
+        for d in args.dims if args.time else []:
+            last = {}  # method -> its record at the last size measured for memory (for the OOM estimate)
+            for n in args.sizes:
+                for group in ("two-view", "image-text"):
+                    todo = [m for m in args.methods if setting(m) == group]
+                    ok = [m for m in todo if records[m, n, d]["status"] == "ok"]  # memory did not fail
+                    for method, fields in time_size(ok, n, d, args, last).items():
+                        records[method, n, d].update(fields)
+                    for m in todo:
+                        if records[m, n, d]["peak_extra_bytes"] is not None:
+                            last[m] = records[m, n, d]
+                        tqdm.write(_line(records[m, n, d]))
+                    bar.update(len(todo))
+    records = list(records.values())
     _ratios(records)
     return records
 
 
 def _ratios(records):
     """Each contrastkit method's time over its peer's and over the floor of the same matrix."""
-    by_key = {(r["method"], r["n"], r["d"]): r for r in records if r["status"] == "ok"}
-    for r in records:
-        if r["status"] != "ok" or r["method"].startswith("floor"):
+    by_key = {(r["method"], r["n"], r["d"]): r for r in records if r["time_s"] is not None}
+    for r in by_key.values():
+        if r["method"].startswith("floor"):
             continue
         floor = by_key.get(("floor-2v" if r["setting"] == "two-view" else "floor-clip", r["n"], r["d"]))
         if floor:
             r["vs_floor"] = r["time_s"] / floor["time_s"]
         peer = PEERS.get(r["method"])
-        if peer and (peer, r["n"], r["d"]) in by_key:
-            r["vs_peer"] = r["time_s"] / by_key[peer, r["n"], r["d"]]["time_s"]
-            r["peer"] = peer
+        if (peer, r["n"], r["d"]) in by_key:
+            r["vs_peer"], r["peer"] = r["time_s"] / by_key[peer, r["n"], r["d"]]["time_s"], peer
+
+
+def _fmt(value, scale=1.0, digits=1) -> str:
+    return "" if value is None else f"{value * scale:.{digits}f}"
 
 
 def _line(r) -> str:
+    head = f"{r['method']:>15} N={r['n']:<6} D={r['d']:<4}"
     if r["status"] != "ok":
-        return f"{r['method']:>15} N={r['n']:<6} D={r['d']:<4} {r['status']} {r.get('note', '')}"
-    extra = "".join(f" {k}={r[k]:.2f}" for k in ("vs_floor", "vs_peer") if k in r)
-    return (f"{r['method']:>15} N={r['n']:<6} D={r['d']:<4} {r['time_s'] * 1e3:10.1f} ms "
-            f"{r['peak_extra_bytes'] / 2**20:10.1f} MiB{extra}")
+        return f"{head} {r['status']} {r.get('note', '')}"
+    if r["time_s"] is not None:
+        head += f" {r['time_s'] * 1e3:10.1f} ms (median {r['time_median_s'] * 1e3:.1f})"
+    if r["peak_extra_bytes"] is not None:
+        head += f" {r['peak_extra_bytes'] / 2**20:10.1f} MiB"
+    return head + "".join(f" {k}={r[k]:.2f}" for k in ("vs_floor", "vs_peer") if r[k] is not None)
 
 
 def markdown(records) -> str:
-    lines = ["| setting | method | N | D | time (ms) | peak extra (MiB) | / floor | / peer |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| setting | method | N | D | time (ms) | median (ms) | peak extra (MiB) | / floor | / peer |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(records, key=lambda r: (r["d"], r["setting"], r["n"], METHODS.index(r["method"]))):
+        row = f"| {r['setting']} | {r['method']} | {r['n']} | {r['d']} |"
         if r["status"] != "ok":
-            lines.append(f"| {r['setting']} | {r['method']} | {r['n']} | {r['d']} | {r['status']} "
-                         f"{r.get('note', '')} | | | |")
+            lines.append(f"{row} {r['status']} {r.get('note', '')} | | | | |")
             continue
-        peer = f"{r['vs_peer']:.2f} ({r['peer']})" if "vs_peer" in r else ""
-        floor = f"{r['vs_floor']:.2f}" if "vs_floor" in r else ""
-        lines.append(f"| {r['setting']} | {r['method']} | {r['n']} | {r['d']} | {r['time_s'] * 1e3:.1f} | "
-                     f"{r['peak_extra_bytes'] / 2**20:.1f} | {floor} | {peer} |")
+        peer = f"{r['vs_peer']:.2f} ({r['peer']})" if r["vs_peer"] is not None else ""
+        lines.append(f"{row} {_fmt(r['time_s'], 1e3)} | {_fmt(r['time_median_s'], 1e3)} | "
+                     f"{_fmt(r['peak_extra_bytes'], 2**-20)} | {_fmt(r['vs_floor'], digits=2)} | {peer} |")
     return "\n".join(lines) + "\n"
 
 
@@ -255,25 +345,44 @@ def plot(records, path):
     fig, axes = plt.subplots(2, len(dims), figsize=(6 * len(dims), 8), squeeze=False)
     for col, d in enumerate(dims):
         for i, method in enumerate(METHODS):
-            ok = sorted((r for r in records if r["method"] == method and r["d"] == d and r["status"] == "ok"),
-                        key=lambda r: r["n"])
-            if not ok:
-                continue
             style = "--" if method.startswith(("lightly", "openclip")) else ":" if method.startswith("floor") else "-"
-            ns = [r["n"] for r in ok]
-            color = plt.cm.tab20(i)
-            axes[0, col].plot(ns, [r["time_s"] for r in ok], style, marker="o", color=color, label=method)
-            axes[1, col].plot(ns, [r["peak_extra_bytes"] / 2**20 for r in ok], style, marker="o", color=color,
-                              label=method)
+            for row, key, scale in ((0, "time_s", 1), (1, "peak_extra_bytes", 2**-20)):
+                ok = sorted((r for r in records if r["method"] == method and r["d"] == d and r["status"] == "ok"
+                             and (r[key] or 0) > 0), key=lambda r: r["n"])
+                if ok:
+                    axes[row, col].plot([r["n"] for r in ok], [r[key] * scale for r in ok], style, marker="o",
+                                        color=plt.cm.tab20(i), label=method)
         for row, label in enumerate(["forward+backward time (s)", "peak extra memory (MiB)"]):
             ax = axes[row, col]
             ax.set(xscale="log", yscale="log", xlabel="N", ylabel=label, title=f"D = {d}")
             ax.grid(True, which="both", alpha=0.3)
-    axes[0, -1].legend(fontsize=7)
+            if ax.lines:
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+def meta(args) -> dict:
+    """The run's settings and hostname-free machine facts."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def version_of(package):
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    return {"torch": torch.__version__, "lightly": version_of("lightly"), "open_clip": version_of("open_clip_torch"),
+            "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "cpu": cpu or platform.processor() or None, "cpu_count": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
+            "repeats": args.repeats, "time": args.time, "memory": args.memory, "mem_limit_gib": args.mem_limit_gib}
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -281,12 +390,14 @@ def main(argv=None):
     parser.add_argument("--sizes", type=ints, default=[256, 1024, 4096, 8192])
     parser.add_argument("--dims", type=ints, default=[128, 512])
     parser.add_argument("--methods", type=lambda s: s.split(","), default=METHODS)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (0: one round, no warm-up)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="autocast dtype (contrastkit computes its scores in float32 regardless)")
-    parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for the runs (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch / OMP threads (0: torch's default)")
     parser.add_argument("--mem-limit-gib", type=float, default=8.0)
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="time only")
+    parser.add_argument("--no-time", dest="time", action="store_false", help="memory only")
     parser.add_argument("--out", default="runs/bench-losses")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -296,10 +407,18 @@ def main(argv=None):
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    if not (args.memory or args.time):
+        parser.error("--no-memory and --no-time leave nothing to measure")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.time and "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        print("warning: MALLOC_MMAP_THRESHOLD_ is set; times will not be those of glibc's defaults", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = run(args)
-    (out / "losses.json").write_text(json.dumps(records, indent=1))
+    (out / "losses.json").write_text(json.dumps({"meta": meta(args), "records": records}, indent=1))
     table = markdown(records)
     (out / "losses.md").write_text(table)
     plot(records, out / "losses.png")

@@ -1,0 +1,64 @@
+"""benchmarks/losses.py on tiny sizes: interleaved in-process timing, memory subprocess, OOM guard, outputs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightly")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+_spec = importlib.util.spec_from_file_location("bench_losses", Path(__file__).parents[1] / "benchmarks" / "losses.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+KEYS = {"method", "n", "d", "setting", "device", "dtype", "status", "time_s", "time_median_s", "peak_extra_bytes",
+        "load_avg_1min", "vs_floor", "vs_peer", "peer"}
+
+
+def _run(tmp_path, *argv):
+    bench.main(["--sizes", "64,128", "--dims", "16", "--threads", "1", "--out", str(tmp_path), *argv])
+    for name in ("losses.json", "losses.md", "losses.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    out = json.loads((tmp_path / "losses.json").read_text())
+    assert {"torch", "threads", "device", "dtype", "cpu", "gpu"} <= set(out["meta"]) and out["meta"]["threads"] == 1
+    for r in out["records"]:
+        assert KEYS <= set(r)
+    return {(r["method"], r["n"]): r for r in out["records"]}, (tmp_path / "losses.md").read_text()
+
+
+def test_time_interleaved(tmp_path):
+    methods = ["floor-2v", "infonce", "lightly-ntxent", "floor-clip", "clip"]
+    records, md = _run(tmp_path, "--methods", ",".join(methods), "--repeats", "2", "--no-memory")
+    assert set(records) == {(m, n) for m in methods for n in (64, 128)}
+    for (method, n), r in records.items():
+        assert r["status"] == "ok" and r["peak_extra_bytes"] is None
+        assert 0 < r["time_s"] <= r["time_median_s"]
+        if method.startswith("floor"):
+            assert r["note"].startswith("fastest: ") and r["vs_floor"] is None
+        else:
+            floor = records["floor-clip" if method == "clip" else "floor-2v", n]
+            assert r["vs_floor"] == pytest.approx(r["time_s"] / floor["time_s"])
+    for n in (64, 128):
+        assert records["infonce", n]["peer"] == "lightly-ntxent"
+        assert records["infonce", n]["vs_peer"] == pytest.approx(
+            records["infonce", n]["time_s"] / records["lightly-ntxent", n]["time_s"])
+        assert records["clip", n]["vs_peer"] is None  # its peer (openclip) was not run
+    assert "| median (ms) |" in md and "(lightly-ntxent)" in md
+
+
+def test_memory_subprocess(tmp_path):
+    records, md = _run(tmp_path, "--methods", "infonce", "--sizes", "128", "--repeats", "1")
+    r = records["infonce", 128]
+    assert r["status"] == "ok" and r["time_s"] > 0 and r["peak_extra_bytes"] >= 0 and r["vs_floor"] is None
+
+
+def test_oom_guard(tmp_path):
+    limit = str(100 * 1024 / 2**30)  # 100 KiB: the dense [128, 128] matrix does not fit
+    records, md = _run(tmp_path, "--methods", "infonce,infonce-dense", "--sizes", "64", "--repeats", "1",
+                       "--mem-limit-gib", limit, "--no-memory")
+    assert records["infonce", 64]["status"] == "ok" and records["infonce", 64]["time_s"] > 0
+    assert records["infonce-dense", 64]["status"] == "OOM" and records["infonce-dense", 64]["time_s"] is None
+    assert "| OOM needs" in md
