@@ -97,25 +97,27 @@ def _step(method: str, n: int, d: int, args) -> dict:
 
 
 def _floor(a, b) -> dict:
-    """The products a loss on S = a b^T must do (S, S b, S^T a): in row blocks that stay in cache, the
-    same with the b gradient kept transposed (can be faster on MKL), and whole while S takes under 1 GiB."""
+    """The products a loss on S = a b^T must do (S, S b, S^T a): in row blocks that stay in cache, written
+    into one reused buffer (no allocation), the same with the b gradient kept transposed (can be faster on
+    MKL), and whole while S takes under 1 GiB."""
     import torch
 
     from contrastkit.losses.base import BLOCK_ELEMENTS
 
     rows = max(1, BLOCK_ELEMENTS // b.shape[0])
+    buffer = a.new_empty(min(rows, a.shape[0]), b.shape[0])  # one block's products, reused: no allocation
 
     def blocks():
         da, db = torch.empty_like(a), torch.zeros_like(b)
         for r0 in range(0, a.shape[0], rows):
-            s = a[r0 : r0 + rows] @ b.T
+            s = torch.mm(a[r0 : r0 + rows], b.T, out=buffer[: min(rows, a.shape[0] - r0)])
             torch.mm(s, b, out=da[r0 : r0 + rows])
             db.addmm_(s.T, a[r0 : r0 + rows])
 
     def blocks_t():
         da, dbt = torch.empty_like(a), a.new_zeros(b.shape[1], b.shape[0])
         for r0 in range(0, a.shape[0], rows):
-            s = a[r0 : r0 + rows] @ b.T
+            s = torch.mm(a[r0 : r0 + rows], b.T, out=buffer[: min(rows, a.shape[0] - r0)])
             torch.mm(s, b, out=da[r0 : r0 + rows])
             dbt.addmm_(a[r0 : r0 + rows].T, s)
 

@@ -198,3 +198,85 @@ def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
             parts = [r[name, setting][1][i] for r in ranks]
             got = sum(parts) if w.dim() == 0 else torch.cat(parts)  # the shared scale: DDP sums its gradient
             torch.testing.assert_close(got, w, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name} {setting} {i}: {m}")
+
+
+# ----------------------------------------------------------------------------- the fast path and its fallback
+
+
+def _dense_stats(a, b, scale, columns):
+    """Row (and column) logsumexp of scale a b^T without the diagonal, in float64: the reference."""
+    logits = scale * a.double() @ b.double().T
+    logits.fill_diagonal_(float("-inf"))
+    rows = torch.logsumexp(logits, dim=1)
+    return torch.stack([rows, torch.logsumexp(logits, dim=0)]) if columns else rows[None]
+
+
+def _check_against_dense(a, b, scale, columns, recompute, block=7):
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    want = _dense_stats(a64, b64, scale, columns)
+    weights = torch.rand_like(want)  # a generic upstream gradient
+    want_grads = torch.autograd.grad((want * weights).sum(), (a64, b64))
+    a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
+    exclude = torch.arange(a.shape[0])[:, None]
+    got = negative_stats(a32, b32, scale, exclude=exclude, block=block, columns=columns, recompute=recompute)
+    grads = torch.autograd.grad((got * weights.float()).sum(), (a32, b32))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    for g, w in zip(grads, want_grads):
+        assert float((g.double() - w).norm() / w.norm()) < 1e-5
+
+
+@pytest.fixture
+def safe_calls(monkeypatch):
+    """Counts the calls that took the safe path."""
+    import contrastkit.losses.chunked as chunked
+
+    calls = []
+    original = chunked._safe_forward
+    monkeypatch.setattr(chunked, "_safe_forward", lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
+@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fast_path_on_ordinary_inputs(columns, recompute, safe_calls):
+    """Unit features at CLIP's initial scale take the fast path, and it is exact in float32."""
+    g = torch.Generator().manual_seed(11)
+    a, b = (torch.nn.functional.normalize(torch.randn(200, 24, generator=g), dim=1) for _ in range(2))
+    _check_against_dense(a, b, 1 / 0.07, columns, recompute)
+    assert not safe_calls
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_sample_missing_the_maximum_falls_back_exactly(columns, safe_calls):
+    """A row whose maximum lies outside the sampled candidates, 180 logits above them: exp() would overflow
+    in float32, so the call is redone by the safe path, and is still exact."""
+    g = torch.Generator().manual_seed(12)
+    n, d = 256, 32  # 64 candidates sampled: every 4th
+    a, b = (torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1) for _ in range(2))
+    b[5] = a[0]  # candidate 5 (not sampled) is anchor 0 itself: logit 200, the sampled ones about 200 * 0.3
+    _check_against_dense(a, b, 200.0, columns, recompute=False)
+    assert safe_calls == [1]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("cold_caption", [False, True])
+def test_exact_at_scale_100_with_duplicates(recompute, cold_caption, safe_calls):
+    """CLIP at its largest scale, a batch with near-duplicate pairs (cosine ~1: logits of 100 beside ones
+    of ~30; the sampled shift misses them by ~57 logits) takes the fast path and is exact. Add a caption
+    unlike every image (its column's logits all far below the others) and the image-text call cannot
+    bound its error, so it takes the safe path, and is exact too."""
+    g = torch.Generator().manual_seed(13)
+    n, d = 300, 32
+    a, b = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    b = 0.6 * a + 0.8 * b  # matched pairs: cosine ~0.6
+    a[10], b[11] = a[11], a[10]  # near-duplicates across pairs
+    a[40], b[41] = a[41], a[40]
+    if cold_caption:  # images share a direction c (cosine ~0.5 with it); this caption is -c
+        c = torch.randn(d, generator=g)
+        a, b = a + c, b + c
+        b[99] = -c
+    a, b = torch.nn.functional.normalize(a, dim=1), torch.nn.functional.normalize(b, dim=1)
+    _check_against_dense(a, b, 100.0, columns=False, recompute=recompute)
+    assert not safe_calls
+    _check_against_dense(a, b, 100.0, columns=True, recompute=recompute)
+    assert safe_calls == ([1] if cold_caption else [])

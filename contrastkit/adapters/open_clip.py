@@ -126,14 +126,11 @@ class ContrastkitClipLoss(nn.Module):
             if isinstance(scale, torch.Tensor):
                 scale = scale.to(dtype)
             n, total = a.shape[0], all_a.shape[0]
-            rows = torch.arange(n, device=a.device)
-            cols = self.rank * n + rows  # ClipLoss's labels: equal batch sizes on every process
-            inf = a.new_tensor(float("-inf"))
+            cols = self.rank * n + torch.arange(n, device=a.device)  # ClipLoss's labels: equal batches everywhere
             terms = []
             for anchor, others in ((a, all_b), (b, all_a)):
                 pos = (anchor * others[cols]).sum(-1, keepdim=True)
-                logits = ((anchor * scale) @ others.T).index_put_((rows, cols), inf)
-                terms.append(self.loss.terms(pos, logits, total - 1, scale))
+                terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale))
             return Terms(*(torch.cat(pair) for pair in zip(*terms))).loss.mean()
 
 

@@ -1,151 +1,301 @@
 """Exact blockwise negative statistics: the [M, K] similarity matrix is never held whole.
 
-Anchors a [M, D] and candidates b [K, D] (unit vectors) give the logits L = scale a b^T, some (anchor,
-candidate) pairs excluded (an anchor's own sample). The score objectives need only, per anchor,
+Anchors a [M, D] and candidates b [K, D] give the logits L = scale a b^T, some (anchor, candidate) pairs
+excluded (an anchor's own sample). The score objectives need only, per anchor,
 
 - lse_i = log sum_k exp(L_ik) over valid k: the denominator of InfoNCE, DCL (Eq. 6), DCLW, EqCo;
 - mean_i = sum_k softmax(L_i)_k L_ik / scale: the softmax-weighted cosine of CACR's repulsion (Sec. 3.2).
 
-Forward walks over blocks of anchors keeping only these per-row statistics; backward recomputes each
-block's logits (one more matrix product), so the extra memory is O(block K) instead of O(M K). With
-``recompute=False`` the blocks' logits are kept instead (memory O(M K), no extra product): the fastest
-form while the matrix fits. Gradients, with p = softmax(L_i):
+Forward walks over blocks of anchors keeping only per-row statistics; backward recomputes each block
+(one more matrix product), so the extra memory is O(block K) instead of O(M K). With ``recompute=False``
+the blocks are kept instead (no extra product): the fastest form while the matrix fits. Gradients, with
+p = softmax(L_i):
 
     d lse_i / dL_ik = p_ik,    d mean_i / dL_ik = p_ik (1 + L_ik - scale mean_i) / scale,
 
 then dA = scale dL b, dB = scale dL^T a (= dL^T (scale a)), and d scale = <dL, a b^T> - sum_i g_mean_i mean_i / scale.
 
-``columns=True`` (image-text on one process, where candidates are anchors too and the matrix is
-square) also gives the statistics of every column, accumulated online over the row blocks, so both
-directions of CLIP's loss come from one product.
+``columns=True`` (image-text on one process: a square matrix whose excluded pairs are its diagonal) also
+gives the statistics of every column, so both directions of CLIP's loss come from one product.
+
+Two implementations. The fast one (lse only: InfoNCE, DCL, DCLW, EqCo) shifts each row by the largest
+logit of a sample of its candidates, folded into the product as one more column ([a, -shift] [b, 1]^T),
+so a block costs one exp and one sum; in backward the row's 1 / sum folds into the small factors and the
+kept block goes straight into the two products. The shift is a lower bound of the row's maximum, so the
+row's sum is at least 1 and cannot underflow; it could overflow only if the sample missed the maximum by
+some 80 logits, and then (checked once per call) the call is redone by the safe implementation: the
+exact maximum of each block, as a dense logsumexp would. The safe one also serves CACR's mean.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 # Excluded pairs get a finite, hugely negative logit: exp() of it is exactly 0, and unlike -inf it never
 # makes 0 * inf = NaN in the mean or its gradient.
 _EXCLUDED_FRACTION = 0.25
+# Candidates per row whose largest logit sets the fast path's shift.
+SAMPLE = 64
 
 
 def _excluded(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min * _EXCLUDED_FRACTION
 
 
-def _block_logits(a_s, b, exclude, r0, r1):
-    logits = a_s[r0:r1] @ b.T
+def _put_excluded(logits, exclude, r0, r1):
+    """Set the excluded pairs of rows r0:r1 (exclude [M, E] column indices) to the excluded value, in place."""
     if exclude is not None:
         rows = torch.arange(r1 - r0, device=logits.device)[:, None].expand(-1, exclude.shape[1])
-        logits.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)),
-                          logits.new_tensor(_excluded(logits.dtype)))
+        logits.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)), logits.new_tensor(_excluded(logits.dtype)))
     return logits
 
 
-def _dlogits(logits, lse, grad, mean, grad_mean, scale, *, inplace=False):
-    """Gradient of the statistics in one direction with respect to the block's logits."""
-    if mean is None:
-        p = logits.sub_(lse).exp_() if inplace else torch.exp(logits - lse)
-        return p.mul_(grad)
-    return torch.exp(logits - lse).mul_(grad + grad_mean / scale * (1.0 + logits - scale * mean))
+def _block_logits(a_s, b, exclude, r0, r1, out=None):
+    return _put_excluded(torch.mm(a_s[r0:r1], b.T, out=out), exclude, r0, r1)
 
 
-def _softmax_(logits):
-    """Row logsumexp of the block, and the block turned into its row softmax in place."""
-    top = logits.amax(dim=1, keepdim=True)
-    total = logits.sub_(top).exp_().sum(dim=1, keepdim=True)
-    return (top + torch.log(total))[:, 0], logits.div_(total)
+def _sampled_max(a_s, b, exclude):
+    """Per row, the largest valid logit among every stride-th candidate: a lower bound of the row's maximum."""
+    stride = max(1, b.shape[0] // SAMPLE)
+    logits = a_s @ b[::stride].T
+    if exclude is not None:
+        hit = exclude % stride == 0  # excluded candidates that are in the sample
+        rows = torch.arange(a_s.shape[0], device=a_s.device)[:, None].expand_as(exclude)
+        logits.index_put_((rows[hit], exclude[hit] // stride), logits.new_tensor(_excluded(logits.dtype)))
+    return logits.amax(dim=1)
+
+
+def _with_shift(x, shift):
+    """[x, -shift]: one product with [b, 1] then gives the logits minus each row's shift."""
+    return torch.cat([x, -shift[:, None]], dim=1)
+
+
+def _ones_column(x):
+    return torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+
+
+def _scratch(rows, k, like, keep):
+    return None if keep else like.new_empty(rows, k)
+
+
+def _out(buffer, rows):
+    return None if buffer is None else buffer[:rows]
 
 
 class _BlockStats(torch.autograd.Function):
-    """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor.
-
-    Without mean and columns (InfoNCE, DCL, DCLW, EqCo) a block is turned into its softmax in place,
-    which is what backward needs (kept, or recomputed); otherwise the logits themselves.
-    """
+    """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor."""
 
     @staticmethod
     def forward(ctx, a, b, scale, exclude, block, with_mean, columns, recompute):
-        m, k = a.shape[0], b.shape[0]
-        plain = not (with_mean or columns)
         a_s = a * scale
-        stats = a.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m))
-        lse, mean = stats[0], stats[1] if with_mean else None
-        if columns:
-            col_max = a.new_full((k,), float("-inf"))
-            col_sum, col_wsum = a.new_zeros(k), a.new_zeros(k)
-        kept = []
-        for r0 in range(0, m, block):
-            r1 = min(r0 + block, m)
-            logits = _block_logits(a_s, b, exclude, r0, r1)
-            if plain:
-                lse[r0:r1], logits = _softmax_(logits)
-            else:
-                lse[r0:r1] = torch.logsumexp(logits, dim=1)
-            if with_mean:
-                mean[r0:r1] = (torch.exp(logits - lse[r0:r1, None]) * logits).sum(dim=1) / scale
-            if columns:
-                # Online logsumexp down the columns (and the softmax-weighted sum for the mean). A column
-                # whose block holds only its excluded entry counts it once, but the first valid entry
-                # after it rescales that by exp(excluded - valid) = 0, and every column has one.
-                new_max = torch.maximum(col_max, logits.amax(dim=0))
-                rescale = torch.exp(col_max - new_max)
-                e = torch.exp(logits - new_max)
-                col_sum.mul_(rescale).add_(e.sum(dim=0))
-                if with_mean:
-                    col_wsum.mul_(rescale).add_((e * logits).sum(dim=0))
-                col_max = new_max
-            if not recompute:
-                kept.append(logits)
-        if columns:
-            col = 2 if with_mean else 1
-            stats[col] = col_max + torch.log(col_sum)
-            if with_mean:
-                stats[col + 1] = col_wsum / col_sum / scale
-        ctx.block, ctx.plain, ctx.with_mean, ctx.columns, ctx.kept = block, plain, with_mean, columns, kept
+        state = None
+        if not with_mean:
+            state = (_fast_columns if columns else _fast_rows)(a_s, b, exclude, block, not recompute)
+        ctx.fast = state is not None
+        if ctx.fast:
+            stats, shifts, norms, ctx.kept = state
+        else:
+            stats, ctx.kept = _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, not recompute)
+            shifts = norms = None
+        ctx.block, ctx.with_mean, ctx.columns = block, with_mean, columns
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
-        ctx.save_for_backward(a, b, stats, exclude, scale if ctx.scale_is_tensor else None)
+        ctx.save_for_backward(a, b, stats, exclude, scale if ctx.scale_is_tensor else None, shifts, norms)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
         return stats
 
     @staticmethod
     def backward(ctx, grad):
-        a, b, stats, exclude, scale_t = ctx.saved_tensors
+        a, b, stats, exclude, scale_t, shifts, norms = ctx.saved_tensors
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
-        col = 2 if ctx.with_mean else 1
+        if not (need_a or need_b or need_scale):
+            return (None,) * 8
         a_s = a * scale
-        d_as = torch.zeros_like(a) if (need_a or need_scale) else None
-        db = torch.zeros_like(b) if need_b else None
-        for i, r0 in enumerate(range(0, a.shape[0], ctx.block)):
-            r1 = min(r0 + ctx.block, a.shape[0])
-            g = grad[0, r0:r1, None]
-            if ctx.plain and ctx.kept:  # the kept softmax
-                dl = ctx.kept[i] * g
-            else:
-                fresh = not ctx.kept
-                logits = ctx.kept[i] if ctx.kept else _block_logits(a_s, b, exclude, r0, r1)
-                mean, g_mean = (stats[1, r0:r1, None], grad[1, r0:r1, None]) if ctx.with_mean else (None, None)
-                dl = _dlogits(logits, stats[0, r0:r1, None], g, mean, g_mean, scale,
-                              inplace=fresh and not ctx.columns)
-                if ctx.columns:
-                    mean, g_mean = (stats[col + 1], grad[col + 1]) if ctx.with_mean else (None, None)
-                    dl += _dlogits(logits, stats[col], grad[col], mean, g_mean, scale, inplace=fresh)
-            if d_as is not None:
-                torch.mm(dl, b, out=d_as[r0:r1])
-            if db is not None:
-                db.addmm_(dl.T, a_s[r0:r1])
+        if ctx.fast:
+            backward = _fast_columns_backward if ctx.columns else _fast_rows_backward
+            d_as, db = backward(a_s, b, exclude, ctx.block, ctx.kept, shifts, norms, grad)
+        else:
+            d_as, db = _safe_backward(a_s, b, exclude, ctx.block, ctx.kept, stats, grad, scale, ctx.with_mean,
+                                      ctx.columns)
         da = d_as * scale if need_a else None
         d_scale = None
         if need_scale:
             d_scale = (d_as * a).sum()
             if ctx.with_mean:
+                col = 2
                 d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
                 if ctx.columns:
                     d_scale = d_scale - (grad[col + 1] * stats[col + 1]).sum() / scale
             d_scale = d_scale.reshape(scale.shape)
-        return da, db, d_scale, None, None, None, None, None
+        return da, db if need_b else None, d_scale, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- fast: lse only
+
+
+def _fast_rows(a_s, b, exclude, block, keep):
+    """Row lse with sampled shifts. Returns (stats [1, M], shifts, norms, kept), or None to use the safe path.
+    Backward's blocks are exp(L - shift) / norm: kept, or recomputed with shift = lse and norm = 1."""
+    m, k = a_s.shape[0], b.shape[0]
+    shift = _sampled_max(a_s, b, exclude)
+    a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
+    norm, kept = a_s.new_empty(m), []
+    scratch = _scratch(min(block, m), k, a_s, keep)
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        e = _block_logits(a_aug, b_aug, exclude, r0, r1, out=_out(scratch, r1 - r0)).exp_()
+        torch.sum(e, dim=1, out=norm[r0:r1])
+        if keep:
+            kept.append(e)
+    if not bool(torch.isfinite(norm).all() & (norm > 0).all()):
+        return None  # the sample missed a row's maximum by ~80 logits: the safe path
+    lse = shift + torch.log(norm)
+    if not keep:
+        return lse[None], lse, torch.ones_like(norm), []
+    return lse[None], shift, norm, kept
+
+
+def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad):
+    m, k = a_s.shape[0], b.shape[0]
+    factor = grad[0] / norms  # d lse / d L = exp(L - shift) / norm
+    d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
+    if not kept:
+        a_aug, b_aug = _with_shift(a_s, shifts), _ones_column(b)
+        scratch = a_s.new_empty(min(block, m), k)
+    for i, r0 in enumerate(range(0, m, block)):
+        r1 = min(r0 + block, m)
+        e = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0]).exp_()
+        torch.mm(e, b, out=d_as[r0:r1])
+        d_as[r0:r1] *= factor[r0:r1, None]
+        db_t.addmm_((a_s[r0:r1] * factor[r0:r1, None]).T, e)
+    return d_as, db_t.T.contiguous()
+
+
+# Fast columns: row i's block entries e_ij = exp(L_ij - shift_i) also give the columns' sums, as
+# sum_i e_ij x_i with x_i = exp(shift_i - C) per block (C: the block's largest shift minus _X_RANGE).
+# Each product is exact unless it underflows, so a block's column sums are off by at most
+# tiny * (2 rows + the row sums of rows whose x underflowed), times e^C: the call's bound is the sum of
+# these, and every column must exceed it 2^24 times, else the call is redone by the safe path.
+_X_RANGE = 16.0  # x_i <= e^16
+_ROW_RANGE = 64.0  # row sums <= e^64 (the sample missed the row's maximum by at most 64 logits): e x <= e^80
+_MARGIN = 17.0  # columns exceed the bound by e^17 > 2^24
+
+
+def _column_factors(shift, r0, r1):
+    top = shift[r0:r1].max() - _X_RANGE
+    return top, torch.exp(shift[r0:r1] - top)
+
+
+def _fast_columns(a_s, b, exclude, block, keep):
+    """Row and column lse of a square matrix, one exp per entry (see above). Returns (stats [2, M],
+    shift, norms, kept) or None. ``norms`` holds the row sums then the column lse."""
+    m, k = a_s.shape[0], b.shape[0]
+    shift = _sampled_max(a_s, b, exclude)
+    a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
+    norm, col_lse, kept = a_s.new_empty(m), a_s.new_full((k,), float("-inf")), []
+    error = a_s.new_tensor(float("-inf"))  # log of the bound on every column's sum
+    tiny = torch.finfo(a_s.dtype).tiny
+    scratch = _scratch(min(block, m), k, a_s, keep)
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        e = _block_logits(a_aug, b_aug, exclude, r0, r1, out=_out(scratch, r1 - r0)).exp_()
+        torch.sum(e, dim=1, out=norm[r0:r1])
+        top, x = _column_factors(shift, r0, r1)
+        col_lse = torch.logaddexp(col_lse, top + torch.log(e.T @ x))
+        lost = 2 * (r1 - r0) + torch.where(x < 2**24 * tiny, norm[r0:r1], 0).sum()
+        error = torch.logaddexp(error, top + torch.log(lost * tiny))
+        if keep:
+            kept.append(e)
+    ok = torch.isfinite(norm).all() & (norm > 0).all() & (norm <= math.exp(_ROW_RANGE)).all()
+    if not bool(ok & (col_lse >= error + _MARGIN).all()):
+        return None
+    stats = torch.stack([shift + torch.log(norm), col_lse])
+    return stats, shift, torch.cat([norm, col_lse]), kept
+
+
+def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
+    m, k = a_s.shape[0], b.shape[0]
+    norm, col_lse = norms[:m], norms[m:]
+    f_r = grad[0] / norm
+    d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
+    if not kept:
+        a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
+        scratch = a_s.new_empty(min(block, m), k)
+    dl_buf = a_s.new_empty(min(block, m), k)
+    for i, r0 in enumerate(range(0, m, block)):
+        r1 = min(r0 + block, m)
+        e = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0]).exp_()
+        top, x = _column_factors(shift, r0, r1)
+        # d/dL_ij: e_ij (f_r_i + x_i g_c_j exp(top - col_lse_j)), the second factor the column's softmax.
+        dl = torch.outer(x, grad[1] * torch.exp(top - col_lse), out=dl_buf[: r1 - r0]).add_(f_r[r0:r1, None]).mul_(e)
+        torch.mm(dl, b, out=d_as[r0:r1])
+        db_t.addmm_(a_s[r0:r1].T, dl)
+    return d_as, db_t.T.contiguous()
+
+
+# ----------------------------------------------------------------------------- safe: exact maxima, CACR's mean
+
+
+def _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep):
+    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not."""
+    m, k = a_s.shape[0], b.shape[0]
+    stats = a_s.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m))
+    lse, mean = stats[0], stats[1] if with_mean else None
+    if columns:
+        col_max = a_s.new_full((k,), float("-inf"))
+        col_sum, col_wsum = a_s.new_zeros(k), a_s.new_zeros(k)
+    kept = []
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        logits = _block_logits(a_s, b, exclude, r0, r1)
+        lse[r0:r1] = torch.logsumexp(logits, dim=1)
+        if with_mean:
+            mean[r0:r1] = (torch.exp(logits - lse[r0:r1, None]) * logits).sum(dim=1) / scale
+        if columns:
+            # Online logsumexp down the columns (and the softmax-weighted sum for the mean). A column whose
+            # block holds only its excluded entry counts it once, but the first valid entry after it
+            # rescales that by exp(excluded - valid) = 0, and every column has one.
+            new_max = torch.maximum(col_max, logits.amax(dim=0))
+            rescale = torch.exp(col_max - new_max)
+            e = torch.exp(logits - new_max)
+            col_sum.mul_(rescale).add_(e.sum(dim=0))
+            if with_mean:
+                col_wsum.mul_(rescale).add_((e * logits).sum(dim=0))
+            col_max = new_max
+        if keep:
+            kept.append(logits)
+    if columns:
+        col = 2 if with_mean else 1
+        stats[col] = col_max + torch.log(col_sum)
+        if with_mean:
+            stats[col + 1] = col_wsum / col_sum / scale
+    return stats, kept
+
+
+def _safe_dlogits(logits, lse, grad, mean, grad_mean, scale):
+    """Gradient of the statistics in one direction with respect to the block's logits."""
+    if mean is None:
+        return torch.exp(logits - lse).mul_(grad)
+    return torch.exp(logits - lse).mul_(grad + grad_mean / scale * (1.0 + logits - scale * mean))
+
+
+def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, columns):
+    col = 2 if with_mean else 1
+    d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
+    for i, r0 in enumerate(range(0, a_s.shape[0], block)):
+        r1 = min(r0 + block, a_s.shape[0])
+        logits = kept[i] if kept else _block_logits(a_s, b, exclude, r0, r1)
+        mean, g_mean = (stats[1, r0:r1, None], grad[1, r0:r1, None]) if with_mean else (None, None)
+        dl = _safe_dlogits(logits, stats[0, r0:r1, None], grad[0, r0:r1, None], mean, g_mean, scale)
+        if columns:
+            mean, g_mean = (stats[col + 1], grad[col + 1]) if with_mean else (None, None)
+            dl += _safe_dlogits(logits, stats[col], grad[col], mean, g_mean, scale)
+        torch.mm(dl, b, out=d_as[r0:r1])
+        db_t.addmm_(a_s[r0:r1].T, dl)
+    return d_as, db_t.T.contiguous()
 
 
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
@@ -154,10 +304,15 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
     [M, E] column indices left out of each anchor's row; block: anchors per block. Returns a tensor
-    [S, M]: lse, then mean (with_mean), then the columns' lse and mean (columns, needs M == K).
+    [S, M]: lse, then mean (with_mean), then the columns' lse and mean (columns: a square matrix whose
+    excluded pairs, if any, are its diagonal, exclude [M, 1] = arange(M)).
     """
-    if columns and anchors.shape[0] != candidates.shape[0]:
-        raise ValueError(f"columns=True needs a square matrix, got {anchors.shape[0]} x {candidates.shape[0]}")
+    if columns:
+        m = anchors.shape[0]
+        if candidates.shape[0] != m:
+            raise ValueError(f"columns=True needs a square matrix, got {m} x {candidates.shape[0]}")
+        if exclude is not None and not torch.equal(exclude, torch.arange(m, device=exclude.device)[:, None]):
+            raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
     return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, recompute)
