@@ -203,22 +203,26 @@ def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
 # ----------------------------------------------------------------------------- the fast path and its fallback
 
 
-def _dense_stats(a, b, scale, columns):
-    """Row (and column) logsumexp of scale a b^T without the diagonal, in float64: the reference."""
-    logits = scale * a.double() @ b.double().T
-    logits.fill_diagonal_(float("-inf"))
+def _dense_stats(a, b, scale, columns, with_mean=False):
+    """Row (and column) logsumexp of scale a b^T without the diagonal, and with_mean the softmax-weighted
+    mean cosine of each row, in float64: the reference."""
+    cosines = a.double() @ b.double().T
+    logits = (scale * cosines).fill_diagonal_(float("-inf"))
     rows = torch.logsumexp(logits, dim=1)
+    if with_mean:
+        return torch.stack([rows, (torch.softmax(logits, dim=1) * cosines).sum(dim=1)])
     return torch.stack([rows, torch.logsumexp(logits, dim=0)]) if columns else rows[None]
 
 
-def _check_against_dense(a, b, scale, columns, recompute, block=7):
+def _check_against_dense(a, b, scale, columns, recompute, block=7, with_mean=False):
     a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
-    want = _dense_stats(a64, b64, scale, columns)
+    want = _dense_stats(a64, b64, scale, columns, with_mean)
     weights = torch.rand_like(want)  # a generic upstream gradient
     want_grads = torch.autograd.grad((want * weights).sum(), (a64, b64))
     a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
     exclude = torch.arange(a.shape[0])[:, None]
-    got = negative_stats(a32, b32, scale, exclude=exclude, block=block, columns=columns, recompute=recompute)
+    got = negative_stats(a32, b32, scale, exclude=exclude, block=block, columns=columns, recompute=recompute,
+                         with_mean=with_mean)
     grads = torch.autograd.grad((got * weights.float()).sum(), (a32, b32))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
     for g, w in zip(grads, want_grads):
@@ -236,13 +240,15 @@ def safe_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("columns", [False, True])
+@pytest.mark.parametrize("stats", ["rows", "columns", "rows+mean"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_fast_path_on_ordinary_inputs(columns, recompute, safe_calls):
-    """Unit features at CLIP's initial scale take the fast path, and it is exact in float32."""
+def test_fast_path_on_ordinary_inputs(stats, recompute, safe_calls):
+    """Unit features at CLIP's initial scale take the fast path, and it is exact in float32: row lse,
+    row and column lse (image-text), row lse and CACR's mean (its repulsion at t_neg = 2)."""
     g = torch.Generator().manual_seed(11)
     a, b = (torch.nn.functional.normalize(torch.randn(200, 24, generator=g), dim=1) for _ in range(2))
-    _check_against_dense(a, b, 1 / 0.07, columns, recompute)
+    scale = 2.0 if stats == "rows+mean" else 1 / 0.07
+    _check_against_dense(a, b, scale, stats == "columns", recompute, with_mean=stats == "rows+mean")
     assert not safe_calls
 
 

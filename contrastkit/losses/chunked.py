@@ -18,13 +18,15 @@ then dA = scale dL b, dB = scale dL^T a (= dL^T (scale a)), and d scale = <dL, a
 ``columns=True`` (image-text on one process: a square matrix whose excluded pairs are its diagonal) also
 gives the statistics of every column, so both directions of CLIP's loss come from one product.
 
-Two implementations. The fast one (lse only: InfoNCE, DCL, DCLW, EqCo) shifts each row by the largest
-logit of a sample of its candidates, folded into the product as one more column ([a, -shift] [b, 1]^T),
-so a block costs one exp and one sum; in backward the row's 1 / sum folds into the small factors and the
-kept block goes straight into the two products. The shift is a lower bound of the row's maximum, so the
-row's sum is at least 1 and cannot underflow; it could overflow only if the sample missed the maximum by
-some 80 logits, and then (checked once per call) the call is redone by the safe implementation: the
-exact maximum of each block, as a dense logsumexp would. The safe one also serves CACR's mean.
+Two implementations. The fast one shifts each row by the largest logit of a sample of its candidates,
+folded into the product as one more column ([a, -shift] [b, 1]^T), so a block costs one exp and one
+sum; in backward the row's 1 / sum folds into the small factors and the kept block goes straight into
+the two products. CACR's mean costs one more product (sum_k p_ik L_ik = a_i . (p b)_i, scale folded).
+The shift is a lower bound of the row's maximum, so the row's sum is at least 1 and cannot underflow;
+it could overflow only if the sample missed the maximum by some 80 logits, and then (checked once per
+call) the call is redone by the safe implementation: the exact maximum of each block, as a dense
+logsumexp would. The image-text columns have their own check (see _fast_columns). The safe one also
+serves the columns' mean, which the losses do not use (image-text CACR takes each direction as rows).
 """
 
 from __future__ import annotations
@@ -44,12 +46,14 @@ def _excluded(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min * _EXCLUDED_FRACTION
 
 
-def _put_excluded(logits, exclude, r0, r1):
-    """Set the excluded pairs of rows r0:r1 (exclude [M, E] column indices) to the excluded value, in place."""
+def _put_excluded(block, exclude, r0, r1, value=None):
+    """Set the excluded pairs of rows r0:r1 (exclude [M, E] column indices) to ``value`` (default: the
+    excluded logit), in place."""
     if exclude is not None:
-        rows = torch.arange(r1 - r0, device=logits.device)[:, None].expand(-1, exclude.shape[1])
-        logits.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)), logits.new_tensor(_excluded(logits.dtype)))
-    return logits
+        rows = torch.arange(r1 - r0, device=block.device)[:, None].expand(-1, exclude.shape[1])
+        value = _excluded(block.dtype) if value is None else value
+        block.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)), block.new_tensor(value))
+    return block
 
 
 def _block_logits(a_s, b, exclude, r0, r1, out=None):
@@ -91,8 +95,10 @@ class _BlockStats(torch.autograd.Function):
     def forward(ctx, a, b, scale, exclude, block, with_mean, columns, recompute):
         a_s = a * scale
         state = None
-        if not with_mean:
-            state = (_fast_columns if columns else _fast_rows)(a_s, b, exclude, block, not recompute)
+        if columns and not with_mean:
+            state = _fast_columns(a_s, b, exclude, block, not recompute)
+        elif not columns:
+            state = _fast_rows(a_s, b, exclude, block, not recompute, scale if with_mean else None)
         ctx.fast = state is not None
         if ctx.fast:
             stats, shifts, norms, ctx.kept = state
@@ -115,8 +121,11 @@ class _BlockStats(torch.autograd.Function):
             return (None,) * 8
         a_s = a * scale
         if ctx.fast:
-            backward = _fast_columns_backward if ctx.columns else _fast_rows_backward
-            d_as, db = backward(a_s, b, exclude, ctx.block, ctx.kept, shifts, norms, grad)
+            if ctx.columns:
+                d_as, db = _fast_columns_backward(a_s, b, exclude, ctx.block, ctx.kept, shifts, norms, grad)
+            else:
+                d_as, db = _fast_rows_backward(a_s, b, exclude, ctx.block, ctx.kept, shifts, norms, grad,
+                                               stats if ctx.with_mean else None, scale)
         else:
             d_as, db = _safe_backward(a_s, b, exclude, ctx.block, ctx.kept, stats, grad, scale, ctx.with_mean,
                                       ctx.columns)
@@ -136,41 +145,65 @@ class _BlockStats(torch.autograd.Function):
 # ----------------------------------------------------------------------------- fast: lse only
 
 
-def _fast_rows(a_s, b, exclude, block, keep):
-    """Row lse with sampled shifts. Returns (stats [1, M], shifts, norms, kept), or None to use the safe path.
-    Backward's blocks are exp(L - shift) / norm: kept, or recomputed with shift = lse and norm = 1."""
+def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
+    """Row lse (and with ``mean_scale``, the scale, CACR's mean) with sampled shifts. Returns (stats [S, M],
+    shifts, norms, kept), or None to use the safe path. Backward's blocks are exp(L - shift) / norm: kept,
+    or recomputed with shift = lse and norm = 1. For the mean, sum_k p_ik L_ik = a_s_i . (p b)_i costs one
+    product [rows, K] x [K, D] instead of a pass over L; the blocks kept are then L - shift."""
     m, k = a_s.shape[0], b.shape[0]
+    with_mean = mean_scale is not None
     shift = _sampled_max(a_s, b, exclude)
     a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
     norm, kept = a_s.new_empty(m), []
+    weighted = a_s.new_empty(m) if with_mean else None  # sum_k e_ik L_ik
     scratch = _scratch(min(block, m), k, a_s, keep)
+    exp_buf = a_s.new_empty(min(block, m), k) if with_mean else None
     for r0 in range(0, m, block):
         r1 = min(r0 + block, m)
-        e = _block_logits(a_aug, b_aug, exclude, r0, r1, out=_out(scratch, r1 - r0)).exp_()
+        z = _block_logits(a_aug, b_aug, exclude, r0, r1, out=_out(scratch, r1 - r0))
+        e = torch.exp(z, out=exp_buf[: r1 - r0]) if with_mean else z.exp_()
         torch.sum(e, dim=1, out=norm[r0:r1])
+        if with_mean:
+            weighted[r0:r1] = (a_s[r0:r1] * (e @ b)).sum(dim=1)
         if keep:
-            kept.append(e)
+            kept.append(z if with_mean else e)
     if not bool(torch.isfinite(norm).all() & (norm > 0).all()):
         return None  # the sample missed a row's maximum by ~80 logits: the safe path
     lse = shift + torch.log(norm)
+    stats = torch.stack([lse, weighted / norm / mean_scale]) if with_mean else lse[None]
     if not keep:
-        return lse[None], lse, torch.ones_like(norm), []
-    return lse[None], shift, norm, kept
+        return stats, lse, torch.ones_like(norm), []
+    return stats, shift, norm, kept
 
 
-def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad):
+def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats=None, scale=None):
     m, k = a_s.shape[0], b.shape[0]
-    factor = grad[0] / norms  # d lse / d L = exp(L - shift) / norm
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
     if not kept:
         a_aug, b_aug = _with_shift(a_s, shifts), _ones_column(b)
         scratch = a_s.new_empty(min(block, m), k)
+    if stats is None:
+        factor = grad[0] / norms  # d lse / d L = exp(L - shift) / norm
+        for i, r0 in enumerate(range(0, m, block)):
+            r1 = min(r0 + block, m)
+            e = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0]).exp_()
+            torch.mm(e, b, out=d_as[r0:r1])
+            d_as[r0:r1] *= factor[r0:r1, None]
+            db_t.addmm_((a_s[r0:r1] * factor[r0:r1, None]).T, e)
+        return d_as, db_t.T.contiguous()
+    # With the mean: dL_ik = e_ik (alpha_i + beta_i z_ik), z = L - shift (module docstring's gradients).
+    g, g_mean, mean = grad[0], grad[1], stats[1]
+    beta = g_mean / scale / norms
+    alpha = (g + g_mean / scale * (1.0 + shifts - scale * mean)) / norms
+    exp_buf, dl_buf = a_s.new_empty(min(block, m), k), a_s.new_empty(min(block, m), k)
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
-        e = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0]).exp_()
-        torch.mm(e, b, out=d_as[r0:r1])
-        d_as[r0:r1] *= factor[r0:r1, None]
-        db_t.addmm_((a_s[r0:r1] * factor[r0:r1, None]).T, e)
+        z = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0])
+        e = torch.exp(z, out=exp_buf[: r1 - r0])
+        dl = torch.mul(z, beta[r0:r1, None], out=dl_buf[: r1 - r0]).add_(alpha[r0:r1, None]).mul_(e)
+        _put_excluded(dl, exclude, r0, r1, 0.0)  # excluded: e = 0 times a huge z (possibly inf: NaN)
+        torch.mm(dl, b, out=d_as[r0:r1])
+        db_t.addmm_(a_s[r0:r1].T, dl)
     return d_as, db_t.T.contiguous()
 
 
