@@ -133,16 +133,15 @@ class _BlockStats(torch.autograd.Function):
         d_scale = None
         if need_scale:
             d_scale = (d_as * a).sum()
-            if ctx.with_mean:
-                col = 2
+            if ctx.with_mean:  # mean = sum p L / scale: its own 1 / scale
                 d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
                 if ctx.columns:
-                    d_scale = d_scale - (grad[col + 1] * stats[col + 1]).sum() / scale
+                    d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
             d_scale = d_scale.reshape(scale.shape)
         return da, db if need_b else None, d_scale, None, None, None, None, None
 
 
-# ----------------------------------------------------------------------------- fast: lse only
+# ----------------------------------------------------------------------------- fast: sampled shifts
 
 
 def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
