@@ -119,8 +119,8 @@ def test_autocast_blockwise_equals_dense(name, dtype):
 
 @pytest.mark.parametrize("with_mean", [False, True])
 @pytest.mark.parametrize("columns", [False, True])
-@pytest.mark.parametrize("recompute", [False, True])
-def test_negative_stats_gradcheck(with_mean, columns, recompute):
+@pytest.mark.parametrize("keep", [0, 10, 100])  # recompute all, keep the first block (2 x 5 entries), keep all
+def test_negative_stats_gradcheck(with_mean, columns, keep):
     """Finite differences of every statistic, in the anchors, candidates and a learnable scale."""
     g = torch.Generator().manual_seed(1)
     a, b = (torch.nn.functional.normalize(torch.randn(5, 3, generator=g, dtype=torch.float64), dim=1)
@@ -128,7 +128,7 @@ def test_negative_stats_gradcheck(with_mean, columns, recompute):
     scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
     exclude = torch.tensor([[0], [1], [2], [3], [4]])
     torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2, with_mean=with_mean,
-                                                            columns=columns, recompute=recompute), (a, b, scale))
+                                                            columns=columns, keep=keep), (a, b, scale))
 
 
 def test_blockwise_saves_nothing_quadratic():
@@ -150,11 +150,9 @@ def test_blockwise_saves_nothing_quadratic():
 
 def test_automatic_choice():
     fn = build_loss("infonce")
-    assert fn._blocking(64, 64) == (BLOCK_ELEMENTS // 64, False)  # small: blocks kept for backward
-    m = 2 * KEEP_MAX_ELEMENTS // 1024
-    assert fn._blocking(m, 1024) == (BLOCK_ELEMENTS // 1024, True)  # large: recomputed
-    assert build_loss("infonce", chunk_size=0)._blocking(m, 1024) == (None, False)
-    assert build_loss("infonce", chunk_size=7)._blocking(8, 8) == (7, True)
+    assert fn._blocking(1024) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
+    assert build_loss("infonce", chunk_size=0)._blocking(1024) == (None, 0)
+    assert build_loss("infonce", chunk_size=7)._blocking(8) == (7, 0)  # always recomputed
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "8"])
@@ -214,14 +212,17 @@ def _dense_stats(a, b, scale, columns, with_mean=False):
     return torch.stack([rows, torch.logsumexp(logits, dim=0)]) if columns else rows[None]
 
 
-def _check_against_dense(a, b, scale, columns, recompute, block=7, with_mean=False):
+ALL = 10**9  # entries kept for backward: every block
+
+
+def _check_against_dense(a, b, scale, columns, keep, block=7, with_mean=False):
     a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
     want = _dense_stats(a64, b64, scale, columns, with_mean)
     weights = torch.rand_like(want)  # a generic upstream gradient
     want_grads = torch.autograd.grad((want * weights).sum(), (a64, b64))
     a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
     exclude = torch.arange(a.shape[0])[:, None]
-    got = negative_stats(a32, b32, scale, exclude=exclude, block=block, columns=columns, recompute=recompute,
+    got = negative_stats(a32, b32, scale, exclude=exclude, block=block, columns=columns, keep=keep,
                          with_mean=with_mean)
     grads = torch.autograd.grad((got * weights.float()).sum(), (a32, b32))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
@@ -241,14 +242,14 @@ def safe_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("stats", ["rows", "columns", "rows+mean"])
-@pytest.mark.parametrize("recompute", [False, True])
-def test_fast_path_on_ordinary_inputs(stats, recompute, safe_calls):
+@pytest.mark.parametrize("keep", [ALL, 0, 30 * 200])  # all blocks, none, the first 4 blocks of 7 rows
+def test_fast_path_on_ordinary_inputs(stats, keep, safe_calls):
     """Unit features at CLIP's initial scale take the fast path, and it is exact in float32: row lse,
     row and column lse (image-text), row lse and CACR's mean (its repulsion at t_neg = 2)."""
     g = torch.Generator().manual_seed(11)
     a, b = (torch.nn.functional.normalize(torch.randn(200, 24, generator=g), dim=1) for _ in range(2))
     scale = 2.0 if stats == "rows+mean" else 1 / 0.07
-    _check_against_dense(a, b, scale, stats == "columns", recompute, with_mean=stats == "rows+mean")
+    _check_against_dense(a, b, scale, stats == "columns", keep, with_mean=stats == "rows+mean")
     assert not safe_calls
 
 
@@ -260,13 +261,13 @@ def test_sample_missing_the_maximum_falls_back_exactly(columns, safe_calls):
     n, d = 256, 32  # 64 candidates sampled: every 4th
     a, b = (torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1) for _ in range(2))
     b[5] = a[0]  # candidate 5 (not sampled) is anchor 0 itself: logit 200, the sampled ones about 200 * 0.3
-    _check_against_dense(a, b, 200.0, columns, recompute=False)
+    _check_against_dense(a, b, 200.0, columns, keep=ALL)
     assert safe_calls == [1]
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("keep", [ALL, 0])
 @pytest.mark.parametrize("cold_caption", [False, True])
-def test_exact_at_scale_100_with_duplicates(recompute, cold_caption, safe_calls):
+def test_exact_at_scale_100_with_duplicates(keep, cold_caption, safe_calls):
     """CLIP at its largest scale, a batch with near-duplicate pairs (cosine ~1: logits of 100 beside ones
     of ~30; the sampled shift misses them by ~57 logits) takes the fast path and is exact. Add a caption
     unlike every image (its column's logits all far below the others) and the image-text call cannot
@@ -282,7 +283,7 @@ def test_exact_at_scale_100_with_duplicates(recompute, cold_caption, safe_calls)
         a, b = a + c, b + c
         b[99] = -c
     a, b = torch.nn.functional.normalize(a, dim=1), torch.nn.functional.normalize(b, dim=1)
-    _check_against_dense(a, b, 100.0, columns=False, recompute=recompute)
+    _check_against_dense(a, b, 100.0, columns=False, keep=keep)
     assert not safe_calls
-    _check_against_dense(a, b, 100.0, columns=True, recompute=recompute)
+    _check_against_dense(a, b, 100.0, columns=True, keep=keep)
     assert safe_calls == ([1] if cold_caption else [])

@@ -17,8 +17,8 @@ from contrastkit.losses.chunked import negative_stats
 from contrastkit.losses.functional import Terms, _compute_dtype
 
 # Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
-# the last-level cache); a matrix of up to KEEP_MAX_ELEMENTS logits (256 MiB) is kept for backward, a
-# larger one recomputed block by block. On a 2-core CPU block sizes 2^18..2^22 timed alike, and keeping
+# the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
+# backward, the others recomputed. On a 2-core CPU block sizes 2^18..2^22 timed alike, and keeping
 # vs recomputing differed by under 10% at 2^26 entries (page faults of fresh memory cost about what the
 # extra product does at D = 128).
 BLOCK_ELEMENTS = 2**22
@@ -62,8 +62,8 @@ class ContrastiveLoss(nn.Module):
 
     ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
     BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py), the blocks'
-    exponentials kept for backward while the matrix has at most KEEP_MAX_ELEMENTS entries and
-    recomputed above, so memory grows linearly in the batch; a positive number: blocks of that many anchors,
+    exponentials kept for backward up to KEEP_MAX_ELEMENTS entries (the first blocks) and the rest
+    recomputed, so memory grows linearly in the batch; a positive number: blocks of that many anchors,
     always recomputed; 0: the dense reference (one product, autograd through logsumexp). All three
     give the same values and gradients.
     """
@@ -171,7 +171,7 @@ class ContrastiveLoss(nn.Module):
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
             all_a, all_b = both.split(a.shape[1], dim=1)
             own = (start + torch.arange(n, device=a.device))[:, None]
-            block, recompute = self._blocking(n, total)
+            block, keep = self._blocking(total)
             if total != n or (block is not None and self.needs_mean):  # each direction on its own
                 image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale)
                 text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale)
@@ -181,7 +181,7 @@ class ContrastiveLoss(nn.Module):
                 image_terms = self.terms(pos, logits, total - 1, scale)
                 text_terms = self.terms(pos, logits.T, total - 1, scale)
             else:  # one process, blockwise: the columns' statistics come from the same blocks
-                stats = negative_stats(a, b, scale, exclude=own, block=block, columns=True, recompute=recompute)
+                stats = negative_stats(a, b, scale, exclude=own, block=block, columns=True, keep=keep)
                 half = stats.shape[0] // 2
                 image_terms = self._stat_terms(pos, stats[:half], total - 1, scale)
                 text_terms = self._stat_terms(pos, stats[half:], total - 1, scale)
@@ -196,20 +196,21 @@ class ContrastiveLoss(nn.Module):
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_distributed else (x, 0)
 
-    def _blocking(self, m: int, k: int) -> tuple[int | None, bool]:
-        """(anchors per block, recompute in backward) for an [m, k] matrix; block None means dense."""
+    def _blocking(self, k: int) -> tuple[int | None, int]:
+        """(anchors per block, entries that may be kept for backward) for a matrix of k columns; block
+        None means dense."""
         if self.chunk_size == 0:
-            return None, False
+            return None, 0
         if self.chunk_size is not None:
-            return self.chunk_size, True
-        return max(1, BLOCK_ELEMENTS // k), m * k > KEEP_MAX_ELEMENTS
+            return self.chunk_size, 0
+        return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole)."""
         scale = self.logit_scale() if scale is None else scale
-        block, recompute = self._blocking(anchors.shape[0], candidates.shape[0])
+        block, keep = self._blocking(candidates.shape[0])
         if block is None:
             logits = (anchors * scale) @ candidates.T
             if exclude is not None:
@@ -217,7 +218,7 @@ class ContrastiveLoss(nn.Module):
                 logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
             return self.terms(pos, logits, num_neg, scale)
         stats = negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
-                               recompute=recompute)
+                               keep=keep)
         return self._stat_terms(pos, stats, num_neg, scale)
 
     def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:

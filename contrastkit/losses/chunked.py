@@ -7,8 +7,8 @@ excluded (an anchor's own sample). The score objectives need only, per anchor,
 - mean_i = sum_k softmax(L_i)_k L_ik / scale: the softmax-weighted cosine of CACR's repulsion (Sec. 3.2).
 
 Forward walks over blocks of anchors keeping only per-row statistics; backward recomputes each block
-(one more matrix product), so the extra memory is O(block K) instead of O(M K). With ``recompute=False``
-the blocks are kept instead (no extra product): the fastest form while the matrix fits. Gradients, with
+(one more matrix product), so the extra memory is O(block K) instead of O(M K). Up to ``keep`` entries
+of blocks are kept instead (no extra product), the first blocks in order: the fastest form while they fit. Gradients, with
 p = softmax(L_i):
 
     d lse_i / dL_ik = p_ik,    d mean_i / dL_ik = p_ik (1 + L_ik - scale mean_i) / scale,
@@ -80,30 +80,43 @@ def _ones_column(x):
     return torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
 
 
-def _scratch(rows, k, like, keep):
-    return None if keep else like.new_empty(rows, k)
+def _blocks(m, k, block, keep):
+    """(r0, r1, kept) for each block of rows: the first blocks kept while their entries fit in ``keep``."""
+    kept = 0
+    for r0 in range(0, m, block):
+        r1 = min(r0 + block, m)
+        kept += (r1 - r0) * k
+        yield r0, r1, kept <= keep
 
 
-def _out(buffer, rows):
-    return None if buffer is None else buffer[:rows]
+class _Scratch:
+    """One reusable [block, K] buffer, allocated on first use."""
+
+    def __init__(self, block, k, like):
+        self.shape, self.like, self.buffer = (block, k), like, None
+
+    def __call__(self, rows):
+        if self.buffer is None:
+            self.buffer = self.like.new_empty(self.shape)
+        return self.buffer[:rows]
 
 
 class _BlockStats(torch.autograd.Function):
     """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, recompute):
+    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep):
         a_s = a * scale
         state = None
         if columns and not with_mean:
-            state = _fast_columns(a_s, b, exclude, block, not recompute)
+            state = _fast_columns(a_s, b, exclude, block, keep)
         elif not columns:
-            state = _fast_rows(a_s, b, exclude, block, not recompute, scale if with_mean else None)
+            state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None)
         ctx.fast = state is not None
         if ctx.fast:
             stats, shifts, norms, ctx.kept = state
         else:
-            stats, ctx.kept = _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, not recompute)
+            stats, ctx.kept = _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep)
             shifts = norms = None
         ctx.block, ctx.with_mean, ctx.columns = block, with_mean, columns
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
@@ -147,7 +160,7 @@ class _BlockStats(torch.autograd.Function):
 def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
     """Row lse (and with ``mean_scale``, the scale, CACR's mean) with sampled shifts. Returns (stats [S, M],
     shifts, norms, kept), or None to use the safe path. Backward's blocks are exp(L - shift) / norm: kept,
-    or recomputed with shift = lse and norm = 1. For the mean, sum_k p_ik L_ik = a_s_i . (p b)_i costs one
+    or recomputed with shift = lse and norm = 1 (for those rows). For the mean, sum_k p_ik L_ik = a_s_i . (p b)_i costs one
     product [rows, K] x [K, D] instead of a pass over L; the blocks kept are then L - shift."""
     m, k = a_s.shape[0], b.shape[0]
     with_mean = mean_scale is not None
@@ -155,37 +168,35 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
     a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
     norm, kept = a_s.new_empty(m), []
     weighted = a_s.new_empty(m) if with_mean else None  # sum_k e_ik L_ik
-    scratch = _scratch(min(block, m), k, a_s, keep)
+    scratch = _Scratch(min(block, m), k, a_s)
     exp_buf = a_s.new_empty(min(block, m), k) if with_mean else None
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
-        z = _block_logits(a_aug, b_aug, exclude, r0, r1, out=_out(scratch, r1 - r0))
+    for r0, r1, keep_block in _blocks(m, k, block, keep):
+        z = _block_logits(a_aug, b_aug, exclude, r0, r1, out=None if keep_block else scratch(r1 - r0))
         e = torch.exp(z, out=exp_buf[: r1 - r0]) if with_mean else z.exp_()
         torch.sum(e, dim=1, out=norm[r0:r1])
         if with_mean:
             weighted[r0:r1] = (a_s[r0:r1] * (e @ b)).sum(dim=1)
-        if keep:
+        if keep_block:
             kept.append(z if with_mean else e)
     if not bool(torch.isfinite(norm).all() & (norm > 0).all()):
         return None  # the sample missed a row's maximum by ~80 logits: the safe path
     lse = shift + torch.log(norm)
     stats = torch.stack([lse, weighted / norm / mean_scale]) if with_mean else lse[None]
-    if not keep:
-        return stats, lse, torch.ones_like(norm), []
+    done = min(len(kept) * block, m)  # rows recomputed in backward: shift = lse, norm = 1
+    shift[done:], norm[done:] = lse[done:], 1.0
     return stats, shift, norm, kept
 
 
 def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats=None, scale=None):
     m, k = a_s.shape[0], b.shape[0]
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
-    if not kept:
-        a_aug, b_aug = _with_shift(a_s, shifts), _ones_column(b)
-        scratch = a_s.new_empty(min(block, m), k)
+    a_aug, b_aug = _with_shift(a_s, shifts), _ones_column(b)
+    scratch = _Scratch(min(block, m), k, a_s)
     if stats is None:
         factor = grad[0] / norms  # d lse / d L = exp(L - shift) / norm
         for i, r0 in enumerate(range(0, m, block)):
             r1 = min(r0 + block, m)
-            e = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0]).exp_()
+            e = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0)).exp_()
             torch.mm(e, b, out=d_as[r0:r1])
             d_as[r0:r1] *= factor[r0:r1, None]
             db_t.addmm_((a_s[r0:r1] * factor[r0:r1, None]).T, e)
@@ -197,7 +208,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
     exp_buf, dl_buf = a_s.new_empty(min(block, m), k), a_s.new_empty(min(block, m), k)
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
-        z = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0])
+        z = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0))
         e = torch.exp(z, out=exp_buf[: r1 - r0])
         dl = torch.mul(z, beta[r0:r1, None], out=dl_buf[: r1 - r0]).add_(alpha[r0:r1, None]).mul_(e)
         _put_excluded(dl, exclude, r0, r1, 0.0)  # excluded: e = 0 times a huge z (possibly inf: NaN)
@@ -230,16 +241,15 @@ def _fast_columns(a_s, b, exclude, block, keep):
     norm, col_lse, kept = a_s.new_empty(m), a_s.new_full((k,), float("-inf")), []
     error = a_s.new_tensor(float("-inf"))  # log of the bound on every column's sum
     tiny = torch.finfo(a_s.dtype).tiny
-    scratch = _scratch(min(block, m), k, a_s, keep)
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
-        e = _block_logits(a_aug, b_aug, exclude, r0, r1, out=_out(scratch, r1 - r0)).exp_()
+    scratch = _Scratch(min(block, m), k, a_s)
+    for r0, r1, keep_block in _blocks(m, k, block, keep):
+        e = _block_logits(a_aug, b_aug, exclude, r0, r1, out=None if keep_block else scratch(r1 - r0)).exp_()
         torch.sum(e, dim=1, out=norm[r0:r1])
         top, x = _column_factors(shift, r0, r1)
         col_lse = torch.logaddexp(col_lse, top + torch.log(e.T @ x))
         lost = 2 * (r1 - r0) + torch.where(x < 2**24 * tiny, norm[r0:r1], 0).sum()
         error = torch.logaddexp(error, top + torch.log(lost * tiny))
-        if keep:
+        if keep_block:
             kept.append(e)
     ok = torch.isfinite(norm).all() & (norm > 0).all() & (norm <= math.exp(_ROW_RANGE)).all()
     if not bool(ok & (col_lse >= error + _MARGIN).all()):
@@ -253,13 +263,12 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
     norm, col_lse = norms[:m], norms[m:]
     f_r = grad[0] / norm
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
-    if not kept:
-        a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
-        scratch = a_s.new_empty(min(block, m), k)
+    a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
+    scratch = _Scratch(min(block, m), k, a_s)
     dl_buf = a_s.new_empty(min(block, m), k)
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
-        e = kept[i] if kept else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch[: r1 - r0]).exp_()
+        e = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0)).exp_()
         top, x = _column_factors(shift, r0, r1)
         # d/dL_ij: e_ij (f_r_i + x_i g_c_j exp(top - col_lse_j)), the second factor the column's softmax.
         dl = torch.outer(x, grad[1] * torch.exp(top - col_lse), out=dl_buf[: r1 - r0]).add_(f_r[r0:r1, None]).mul_(e)
@@ -280,8 +289,7 @@ def _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep):
         col_max = a_s.new_full((k,), float("-inf"))
         col_sum, col_wsum = a_s.new_zeros(k), a_s.new_zeros(k)
     kept = []
-    for r0 in range(0, m, block):
-        r1 = min(r0 + block, m)
+    for r0, r1, keep_block in _blocks(m, k, block, keep):
         logits = _block_logits(a_s, b, exclude, r0, r1)
         lse[r0:r1] = torch.logsumexp(logits, dim=1)
         if with_mean:
@@ -297,7 +305,7 @@ def _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep):
             if with_mean:
                 col_wsum.mul_(rescale).add_((e * logits).sum(dim=0))
             col_max = new_max
-        if keep:
+        if keep_block:
             kept.append(logits)
     if columns:
         col = 2 if with_mean else 1
@@ -319,7 +327,7 @@ def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, 
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
     for i, r0 in enumerate(range(0, a_s.shape[0], block)):
         r1 = min(r0 + block, a_s.shape[0])
-        logits = kept[i] if kept else _block_logits(a_s, b, exclude, r0, r1)
+        logits = kept[i] if i < len(kept) else _block_logits(a_s, b, exclude, r0, r1)
         mean, g_mean = (stats[1, r0:r1, None], grad[1, r0:r1, None]) if with_mean else (None, None)
         dl = _safe_dlogits(logits, stats[0, r0:r1, None], grad[0, r0:r1, None], mean, g_mean, scale)
         if columns:
@@ -331,11 +339,12 @@ def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, 
 
 
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
-                   block: int, with_mean: bool = False, columns: bool = False, recompute: bool = True):
+                   block: int, with_mean: bool = False, columns: bool = False, keep: int = 0):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
-    [M, E] column indices left out of each anchor's row; block: anchors per block. Returns a tensor
+    [M, E] column indices left out of each anchor's row; block: anchors per block; keep: how many entries
+    of the first blocks may be kept for backward (0: recompute every block). Returns a tensor
     [S, M]: lse, then mean (with_mean), then the columns' lse and mean (columns: a square matrix whose
     excluded pairs, if any, are its diagonal, exclude [M, 1] = arange(M)).
     """
@@ -347,4 +356,4 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
-    return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, recompute)
+    return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, int(keep))
