@@ -2,7 +2,20 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (the speech models): the CI machine has 2 cores shared with other
+    tests, and more threads only oversubscribe them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

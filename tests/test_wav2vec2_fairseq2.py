@@ -14,13 +14,7 @@ pytest.importorskip("fairseq2")
 from fairseq2.nn import BatchLayout  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The CI machine has 2 cores shared with other tests: intra-op threads only oversubscribe them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(seed=0):

@@ -23,13 +23,7 @@ from contrastkit.speech.models import hf_mask_and_negatives, hf_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The CI machine has 2 cores shared with other tests: intra-op threads only oversubscribe them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(model, seed=0, batch=3, samples=6400):

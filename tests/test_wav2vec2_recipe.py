@@ -22,12 +22,7 @@ from contrastkit.speech.pretrain import PretrainConfig, pretrain
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(tmp_path, backend, **kw):
