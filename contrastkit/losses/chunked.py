@@ -8,8 +8,8 @@ excluded (an anchor's own sample). The score objectives need only, per anchor,
 
 Forward walks over blocks of anchors keeping only per-row statistics; backward recomputes each block
 (one more matrix product), so the extra memory is O(block K) instead of O(M K). Up to ``keep`` entries
-of blocks are kept instead (no extra product), the first blocks in order: the fastest form while they fit. Gradients, with
-p = softmax(L_i):
+of blocks are kept instead (no extra product), the first blocks in order: the fastest form while they
+fit. Gradients, with p = softmax(L_i):
 
     d lse_i / dL_ik = p_ik,    d mean_i / dL_ik = p_ik (1 + L_ik - scale mean_i) / scale,
 
@@ -160,8 +160,9 @@ class _BlockStats(torch.autograd.Function):
 def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
     """Row lse (and with ``mean_scale``, the scale, CACR's mean) with sampled shifts. Returns (stats [S, M],
     shifts, norms, kept), or None to use the safe path. Backward's blocks are exp(L - shift) / norm: kept,
-    or recomputed with shift = lse and norm = 1 (for those rows). For the mean, sum_k p_ik L_ik = a_s_i . (p b)_i costs one
-    product [rows, K] x [K, D] instead of a pass over L; the blocks kept are then L - shift."""
+    or recomputed with shift = lse and norm = 1 (for those rows). For the mean, sum_k p_ik L_ik =
+    a_s_i . (p b)_i costs one product [rows, K] x [K, D] instead of a pass over L; the blocks kept are
+    then L - shift."""
     m, k = a_s.shape[0], b.shape[0]
     with_mean = mean_scale is not None
     shift = _sampled_max(a_s, b, exclude)
