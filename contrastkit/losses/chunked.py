@@ -191,7 +191,8 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
 def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats=None, scale=None):
     m, k = a_s.shape[0], b.shape[0]
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
-    a_aug, b_aug = _with_shift(a_s, shifts), _ones_column(b)
+    recomputed = len(kept) * block < m  # only then the shifted operands and a scratch block
+    a_aug, b_aug = (_with_shift(a_s, shifts), _ones_column(b)) if recomputed else (None, None)
     scratch = _Scratch(min(block, m), k, a_s)
     if stats is None:
         factor = grad[0] / norms  # d lse / d L = exp(L - shift) / norm
@@ -264,7 +265,8 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
     norm, col_lse = norms[:m], norms[m:]
     f_r = grad[0] / norm
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
-    a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
+    recomputed = len(kept) * block < m  # only then the shifted operands and a scratch block
+    a_aug, b_aug = (_with_shift(a_s, shift), _ones_column(b)) if recomputed else (None, None)
     scratch = _Scratch(min(block, m), k, a_s)
     dl_buf = a_s.new_empty(min(block, m), k)
     for i, r0 in enumerate(range(0, m, block)):
