@@ -287,3 +287,129 @@ def test_exact_at_scale_100_with_duplicates(keep, cold_caption, safe_calls):
     assert not safe_calls
     _check_against_dense(a, b, 100.0, columns=True, keep=keep)
     assert safe_calls == ([1] if cold_caption else [])
+
+
+# ----------------------------------------------------------------------------- backward's products done in forward
+
+
+@pytest.fixture
+def guesses(monkeypatch):
+    """The upstream ratio backward found for each guessed gradient (None: the guess was refused)."""
+    import contrastkit.losses.chunked as chunked
+
+    ratios = []
+    original = chunked._upstream_ratio
+    monkeypatch.setattr(chunked, "_upstream_ratio", lambda *args: ratios.append(original(*args)) or ratios[-1])
+    return ratios
+
+
+@pytest.mark.parametrize("name", ["infonce", "dcl", "dclw", "eqco"])
+@pytest.mark.parametrize("setting", ["2views", "3views", "queue", "multi_key"])
+@pytest.mark.parametrize("factor", [1.0, 0.25])  # the loss as is, and scaled (gradient accumulation)
+def test_guessed_gradient_is_taken_and_exact(name, setting, factor, guesses):
+    """The objectives with a closed-form d loss / d lse get backward's products in forward; backward takes
+    them (times the upstream factor) and the gradients equal the dense float64 ones."""
+    x, extra = _inputs(21, 13, 6, torch.float64)
+    want, leaves = _loss(name, setting, 0, x, extra)
+    want_grads = torch.autograd.grad(factor * want, leaves)
+    got, leaves = _loss(name, setting, 4, x, extra)
+    grads = torch.autograd.grad(factor * got, leaves)
+    assert guesses and all(r == pytest.approx(factor) for r in guesses)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_guessed_gradient_float32_is_taken(guesses):
+    """In float32 the guess and autograd's gradient differ by rounding only: taken, and exact to 1e-5."""
+    x, extra = _inputs(22, 200, 32, torch.float32)
+    want, leaves = _loss("infonce", "2views", 0, x, extra, temperature=0.05)
+    want_grads = torch.autograd.grad(want, leaves)
+    got, leaves = _loss("infonce", "2views", None, x, extra, temperature=0.05)
+    grads = torch.autograd.grad(got, leaves)
+    assert guesses == [pytest.approx(1.0)]
+    for g, w in zip(grads, want_grads):
+        assert float((g - w).norm() / w.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("keep", [0, 10**9])
+def test_wrong_guess_is_refused_and_exact(keep, guesses):
+    """An upstream gradient that is not the guess times a constant (here: random weights on each row's lse):
+    backward refuses the guess, recomputes the blocks, and is exact."""
+    g = torch.Generator().manual_seed(23)
+    a, b = (torch.nn.functional.normalize(torch.randn(40, 8, generator=g, dtype=torch.float64), dim=1)
+            .requires_grad_() for _ in range(2))
+    exclude = torch.arange(40)[:, None]
+    weights = torch.rand(40, generator=g, dtype=torch.float64)
+    stats = negative_stats(a, b, 5.0, exclude=exclude, block=6, keep=keep,
+                           row_grad=lambda lse, r0, r1: torch.ones_like(lse))
+    grads = torch.autograd.grad((stats[0] * weights).sum(), (a, b))
+    want = _dense_stats(a, b, 5.0, columns=False)
+    want_grads = torch.autograd.grad((want[0] * weights).sum(), (a, b))
+    assert guesses == [None]
+    torch.testing.assert_close(stats, want, rtol=1e-12, atol=1e-12)
+    for got, w in zip(grads, want_grads):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-12)
+
+
+def test_guessed_gradient_gradcheck():
+    """Finite differences with a guess given: gradcheck's upstream vectors are one-hot rows, refused unless
+    there is one row; either way the gradient is the true one."""
+    g = torch.Generator().manual_seed(24)
+    a, b = (torch.nn.functional.normalize(torch.randn(5, 3, generator=g, dtype=torch.float64), dim=1)
+            .requires_grad_() for _ in range(2))
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    exclude = torch.arange(5)[:, None]
+    torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2,
+                                                            row_grad=lambda lse, r0, r1: lse.exp()), (a, b, scale))
+
+
+def test_retain_graph_backward_twice():
+    """Saved blocks and guesses survive a retained graph: two backward passes give the same gradients."""
+    x, extra = _inputs(25, 12, 5, torch.float64)
+    for name, setting in (("infonce", "2views"), ("infonce", "cross_modal"), ("cacr", "2views")):
+        loss, leaves = _loss(name, setting, None, x, extra)
+        first = torch.autograd.grad(loss, leaves, retain_graph=True)
+        second = torch.autograd.grad(loss, leaves)
+        for f, s in zip(first, second):
+            torch.testing.assert_close(f, s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, setting", [("infonce", "cross_modal"), ("cacr", "2views")])
+def test_kept_blocks_freed_by_backward(name, setting, monkeypatch):
+    """Blocks kept for backward are freed once backward has run, while the loss tensor still lives (as in
+    a training loop, until the next step's forward has run)."""
+    import weakref
+
+    import contrastkit.losses.chunked as chunked
+
+    refs = []
+    for fn_name in ("_fast_rows", "_fast_columns"):
+        original = getattr(chunked, fn_name)
+
+        def spy(*args, original=original, **kwargs):
+            state = original(*args, **kwargs)
+            refs.extend(weakref.ref(t) for t in state[3])
+            return state
+
+        monkeypatch.setattr(chunked, fn_name, spy)
+    x, extra = _inputs(26, 20, 6, torch.float32)
+    loss, leaves = _loss(name, setting, None, x, extra)
+    assert refs and all(r() is not None for r in refs)
+    loss.backward()
+    assert loss.grad_fn is not None and all(r() is None for r in refs)
+
+
+def test_no_grad_keeps_nothing(monkeypatch):
+    """Evaluation under no_grad: no block is kept and no gradient guessed, the values the same."""
+    import contrastkit.losses.chunked as chunked
+
+    seen = []
+    original = chunked._fast_rows
+    monkeypatch.setattr(chunked, "_fast_rows", lambda *args: seen.append((args[4], args[6])) or original(*args))
+    x, extra = _inputs(27, 20, 6, torch.float32)
+    with_grad = _loss("infonce", "2views", None, x, extra)[0]
+    with torch.no_grad():
+        without = _loss("infonce", "2views", None, x, extra)[0]
+    assert seen[0][1] is not None and seen[1] == (0, None)
+    torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)

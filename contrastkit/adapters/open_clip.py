@@ -130,7 +130,7 @@ class ContrastkitClipLoss(nn.Module):
             terms = []
             for anchor, others in ((a, all_b), (b, all_a)):
                 pos = (anchor * others[cols]).sum(-1, keepdim=True)
-                terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale))
+                terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale, 2 * n))
             return Terms(*(torch.cat(pair) for pair in zip(*terms))).loss.mean()
 
 

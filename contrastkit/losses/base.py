@@ -25,8 +25,10 @@ BLOCK_ELEMENTS = 2**22
 KEEP_MAX_ELEMENTS = 2**26
 
 
-def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True) -> None:
-    """Clear errors for the feature inputs of a loss module: type, dtype, rank, shape, device, values."""
+def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True,
+                   values: bool = True) -> None:
+    """Clear errors for the feature inputs of a loss module: type, dtype, rank, shape, device, and (with
+    ``values``) non-finite values."""
     first_name, first = next(iter(tensors.items()))
     for arg, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -43,7 +45,7 @@ def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: b
             raise ValueError(f"{name}: {arg} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}")
         if t.shape[1] != first.shape[1]:
             raise ValueError(f"{name}: {arg} has dimension {t.shape[1]} but {first_name} has {first.shape[1]}")
-        if not bool(torch.isfinite(t).all()):
+        if values and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name}: {arg} has non-finite values (inf or NaN)")
 
 
@@ -92,6 +94,13 @@ class ContrastiveLoss(nn.Module):
         softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor."""
         raise NotImplementedError
 
+    def lse_grad(self, pos: torch.Tensor, neg_lse: torch.Tensor, num_neg: int, scale) -> torch.Tensor | None:
+        """d loss_i / d neg_lse_i per anchor, where the objective has it in closed form (arguments as for
+        stat_terms). With it the blockwise kernel does backward's matrix products during forward, each
+        block while it is in cache, and keeps no block for backward; backward checks that its gradient is
+        this one times a constant, and recomputes otherwise. None: not available."""
+        return None
+
     def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: int, scale) -> Terms:
         """Per-anchor terms from positive cosines [M, P] and negative logits [M, K] (cosines times
         ``scale``, -inf where masked); num_neg is the number of valid negatives per anchor."""
@@ -101,17 +110,20 @@ class ContrastiveLoss(nn.Module):
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor, output_dict: bool = False):
         views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
-        check_features(self.name, views)
+        check_features(self.name, views, values=False)  # values: see _reduce
         with torch.autocast(z1.device.type, enabled=False):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
             dtype = _compute_dtype(*views.values())
             u = torch.stack([self._unit(z, dtype) for z in views.values()])  # [V, n, D]
-            all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
-            total = all_u.shape[0]
+            if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
+                all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
+                total = all_u.shape[0]
+                all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
+            else:
+                all_u, start, total = u.reshape(v * n, d), 0, n
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
                                  "the views of the other samples); use a batch of at least 2")
-            all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
 
             # Positives: the other views of the same sample, from local features (no gather needed).
             others = torch.tensor([[w for w in range(v) if w != a] for a in range(v)], device=u.device)  # [V, V-1]
@@ -121,7 +133,7 @@ class ContrastiveLoss(nn.Module):
             # Negatives: every view of every sample but the anchor's own sample's views.
             own = torch.arange(v, device=u.device)[None] * total + (start + torch.arange(n, device=u.device))[:, None]
             terms = self.negative_terms(pos, u.reshape(v * n, d), all_u, own.repeat(v, 1), v * (total - 1))
-            return self._reduce(terms, output_dict)
+            return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
                   output_dict: bool = False):
@@ -130,7 +142,7 @@ class ContrastiveLoss(nn.Module):
         features = {"query": query, "key": keys.reshape(-1, keys.shape[-1]) if keys.dim() == 3 else keys}
         if queue is not None:
             features["queue"] = queue
-        check_features(self.name, features, same_shape=False)
+        check_features(self.name, features, same_shape=False, values=False)
         if keys.shape[0] != query.shape[0]:
             raise ValueError(f"{self.name}: query has {query.shape[0]} rows but key has {keys.shape[0]}")
         with torch.autocast(query.device.type, enabled=False):
@@ -139,7 +151,7 @@ class ContrastiveLoss(nn.Module):
             pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
                 terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0])
-                return self._reduce(terms, output_dict)
+                return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
             all_k, start = self._gather(k.reshape(n, -1))
             total = all_k.shape[0]
@@ -148,7 +160,7 @@ class ContrastiveLoss(nn.Module):
                                  "and a batch of 1 has none")
             own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
             terms = self.negative_terms(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p)
-            return self._reduce(terms, output_dict)
+            return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
                     output_dict: bool = False):
@@ -156,7 +168,8 @@ class ContrastiveLoss(nn.Module):
         caption and its negatives the other captions, and vice versa; the loss is the mean of both
         directions. ``logit_scale`` (e.g. CLIP's learnable exp(t), keeps its gradient) replaces the
         loss's own scale (1 / temperature) when given."""
-        check_features(self.name, {"image": image, "text": text})
+        features = {"image": image, "text": text}
+        check_features(self.name, features, values=False)
         scale = self.logit_scale() if logit_scale is None else logit_scale
         with torch.autocast(image.device.type, enabled=False):
             dtype = _compute_dtype(image, text)
@@ -165,16 +178,19 @@ class ContrastiveLoss(nn.Module):
                 scale = scale.to(dtype)
             n = a.shape[0]
             pos = (a * b).sum(-1, keepdim=True)
-            both, start = self._gather(torch.cat([a, b], dim=1))
-            total = both.shape[0]
+            if self.gather_distributed:
+                both, start = self._gather(torch.cat([a, b], dim=1))
+                all_a, all_b = both.split(a.shape[1], dim=1)
+            else:
+                all_a, all_b, start = a, b, 0
+            total = all_a.shape[0]
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
-            all_a, all_b = both.split(a.shape[1], dim=1)
             own = (start + torch.arange(n, device=a.device))[:, None]
             block, keep = self._blocking(total)
             if total != n or (block is not None and self.needs_mean):  # each direction on its own
-                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale)
-                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale)
+                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n)
+                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n)
             elif block is None:  # one process, dense: one product serves both directions
                 logits = (a * scale) @ b.T
                 logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
@@ -185,7 +201,8 @@ class ContrastiveLoss(nn.Module):
                 half = stats.shape[0] // 2
                 image_terms = self._stat_terms(pos, stats[:half], total - 1, scale)
                 text_terms = self._stat_terms(pos, stats[half:], total - 1, scale)
-            return self._reduce(Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms))), output_dict)
+            terms = Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms)))
+            return self._reduce(terms, output_dict, features)
 
     # ------------------------------------------------------------------ helpers
 
@@ -205,10 +222,11 @@ class ContrastiveLoss(nn.Module):
             return self.chunk_size, 0
         return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
 
-    def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None) -> Terms:
+    def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
-        the matrix never held whole)."""
+        the matrix never held whole). mean_over: how many anchors the loss averages these terms over
+        (default M), for the kernel's guess of the gradient (see lse_grad)."""
         scale = self.logit_scale() if scale is None else scale
         block, keep = self._blocking(candidates.shape[0])
         if block is None:
@@ -217,16 +235,26 @@ class ContrastiveLoss(nn.Module):
                 rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
                 logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
             return self.terms(pos, logits, num_neg, scale)
+        row_grad = None
+        if not self.needs_mean and self.lse_grad(pos[:1], pos.new_zeros(1), num_neg, scale) is not None:
+            count = anchors.shape[0] if mean_over is None else mean_over
+            row_grad = lambda lse, r0, r1: self.lse_grad(pos[r0:r1], lse, num_neg, scale) / count  # noqa: E731
         stats = negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
-                               keep=keep)
+                               keep=keep, row_grad=row_grad)
         return self._stat_terms(pos, stats, num_neg, scale)
 
     def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:
         return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale)
 
-    def _reduce(self, terms: Terms, output_dict: bool):
+    def _reduce(self, terms: Terms, output_dict: bool, inputs: dict[str, torch.Tensor]):
+        """The mean loss (and with ``output_dict`` its diagnostics). Non-finite features always make a
+        non-finite loss, so the inputs are searched for them only then: one check per call, not one per
+        input."""
         loss = terms.loss.mean()
-        if not output_dict:
-            return loss
+        if not bool(torch.isfinite(loss)):
+            check_features(self.name, inputs, same_shape=False)
+        return self._diagnostics(loss, terms) if output_dict else loss
+
+    def _diagnostics(self, loss: torch.Tensor, terms: Terms) -> dict[str, torch.Tensor]:
         return {"loss": loss, "pos_term": terms.pos_term.mean(), "neg_term": terms.neg_term.mean(),
                 "npc_multiplier": terms.npc.mean()}

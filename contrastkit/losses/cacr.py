@@ -36,8 +36,5 @@ class CACRLoss(ContrastiveLoss):
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return cacr_stat_terms(pos, neg_mean, t_pos=self.t_pos)
 
-    def _reduce(self, terms, output_dict):
-        loss = terms.loss.mean()
-        if not output_dict:
-            return loss
+    def _diagnostics(self, loss, terms):
         return {"loss": loss, "attraction": terms.pos_term.mean(), "repulsion": terms.neg_term.mean()}

@@ -32,6 +32,7 @@ serves the columns' mean, which the losses do not use (image-text CACR takes eac
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -89,58 +90,87 @@ def _blocks(m, k, block, keep):
         yield r0, r1, kept <= keep
 
 
+# Scratch blocks on CPU are cached per thread between calls: fresh memory costs page faults there (some
+# 20 ms per 64 MiB on a 2-core VM, a quarter of a block's product at D = 128), which CUDA's caching
+# allocator already avoids. A buffer is only ever used inside one forward or backward body, never
+# returned or saved, and those bodies do not nest.
+_WORKSPACE = threading.local()
+_WORKSPACE_MAX_BYTES = 2**26
+
+
 class _Scratch:
-    """One reusable [block, K] buffer, allocated on first use."""
+    """A reusable [block, K] buffer named ``slot``, fetched on first use."""
 
-    def __init__(self, block, k, like):
-        self.shape, self.like, self.buffer = (block, k), like, None
+    def __init__(self, slot, block, k, like):
+        self.slot, self.shape, self.like, self.buffer = slot, (block, k), like, None
 
-    def __call__(self, rows):
+    def __call__(self, rows=None):
         if self.buffer is None:
-            self.buffer = self.like.new_empty(self.shape)
-        return self.buffer[:rows]
+            self.buffer = _workspace(self.slot, self.shape, self.like)
+        return self.buffer if rows is None else self.buffer[:rows]
+
+
+def _workspace(slot, shape, like):
+    numel = shape[0] * shape[1]
+    if like.device.type != "cpu" or numel * like.element_size() > _WORKSPACE_MAX_BYTES:
+        return like.new_empty(shape)
+    cache = _WORKSPACE.__dict__
+    flat = cache.get((slot, like.dtype))
+    if flat is None or flat.numel() < numel:
+        flat = cache[(slot, like.dtype)] = like.new_empty(numel)
+    return flat[:numel].view(shape)
 
 
 class _BlockStats(torch.autograd.Function):
     """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep):
+    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad):
         a_s = a * scale
+        if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
+            keep, row_grad = 0, None
         state = None
         if columns and not with_mean:
             state = _fast_columns(a_s, b, exclude, block, keep)
         elif not columns:
-            state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None)
+            state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None,
+                               None if with_mean else row_grad)
         ctx.fast = state is not None
+        spec = ()
         if ctx.fast:
-            stats, shifts, norms, ctx.kept = state
+            stats, shifts, norms, kept, *spec = state
         else:
-            stats, ctx.kept = _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep)
+            stats, kept = _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep)
             shifts = norms = None
-        ctx.block, ctx.with_mean, ctx.columns = block, with_mean, columns
+        ctx.block, ctx.with_mean, ctx.columns, ctx.n_spec = block, with_mean, columns, len(spec)
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
-        ctx.save_for_backward(a, b, stats, exclude, scale if ctx.scale_is_tensor else None, shifts, norms)
+        # The kept blocks are saved tensors too, so autograd frees them once backward has run (a Python
+        # attribute would hold them until the loss tensor dies: through the next step's forward).
+        ctx.save_for_backward(a, b, stats, exclude, scale if ctx.scale_is_tensor else None, shifts, norms, *spec,
+                              *kept)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
         return stats
 
     @staticmethod
     def backward(ctx, grad):
-        a, b, stats, exclude, scale_t, shifts, norms = ctx.saved_tensors
+        a, b, stats, exclude, scale_t, shifts, norms, *rest = ctx.saved_tensors
+        spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
         if not (need_a or need_b or need_scale):
-            return (None,) * 8
+            return (None,) * 9
         a_s = a * scale
-        if ctx.fast:
-            if ctx.columns:
-                d_as, db = _fast_columns_backward(a_s, b, exclude, ctx.block, ctx.kept, shifts, norms, grad)
-            else:
-                d_as, db = _fast_rows_backward(a_s, b, exclude, ctx.block, ctx.kept, shifts, norms, grad,
-                                               stats if ctx.with_mean else None, scale)
+        ratio = _upstream_ratio(grad[0], spec[0]) if spec else None
+        if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
+            d_as, db = spec[1] * ratio, spec[2].T * ratio
+        elif ctx.fast and ctx.columns:
+            d_as, db = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
+        elif ctx.fast:
+            d_as, db = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
+                                           stats if ctx.with_mean else None, scale)
         else:
-            d_as, db = _safe_backward(a_s, b, exclude, ctx.block, ctx.kept, stats, grad, scale, ctx.with_mean,
+            d_as, db = _safe_backward(a_s, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
                                       ctx.columns)
         da = d_as * scale if need_a else None
         d_scale = None
@@ -151,32 +181,60 @@ class _BlockStats(torch.autograd.Function):
                 if ctx.columns:
                     d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
             d_scale = d_scale.reshape(scale.shape)
-        return da, db if need_b else None, d_scale, None, None, None, None, None
+        return da, db if need_b else None, d_scale, None, None, None, None, None, None
+
+
+def _upstream_ratio(grad, guess):
+    """c such that grad = c * guess up to float rounding (the loss scaled by a constant: a mean, gradient
+    accumulation, a loss scaler), else None. Computed in float64, so the sums' rounding stays far below
+    the tolerance (some 16 units in the last place of the inputs' dtype)."""
+    tolerance = 2**-20 if grad.dtype != torch.float64 else 2**-48
+    grad, guess = grad.double(), guess.double()
+    norm2 = (guess * guess).sum()
+    c = (grad * guess).sum() / norm2 if bool(norm2 > 0) else norm2
+    if bool((grad - c * guess).abs().max() <= tolerance * grad.abs().max()):
+        return c.item()
+    return None
 
 
 # ----------------------------------------------------------------------------- fast: sampled shifts
 
 
-def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
+def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None, row_grad=None):
     """Row lse (and with ``mean_scale``, the scale, CACR's mean) with sampled shifts. Returns (stats [S, M],
-    shifts, norms, kept), or None to use the safe path. Backward's blocks are exp(L - shift) / norm: kept,
-    or recomputed with shift = lse and norm = 1 (for those rows). For the mean, sum_k p_ik L_ik =
+    shifts, norms, kept, *guess), or None to use the safe path. Backward's blocks are exp(L - shift) / norm:
+    kept, or recomputed with shift = lse and norm = 1 (for those rows). For the mean, sum_k p_ik L_ik =
     a_s_i . (p b)_i costs one product [rows, K] x [K, D] instead of a pass over L; the blocks kept are
-    then L - shift."""
+    then L - shift.
+
+    ``row_grad(lse_rows, r0, r1)``: the loss's derivative d loss / d lse for rows r0:r1, known once their
+    block is done (the objectives whose loss is a mean of per-anchor terms of lse_i). Backward's two products
+    are then done here, while the block is in cache, for the gradient this guess gives: ``guess`` is
+    (d loss / d lse [M], d a_s [M, D], d b^T [D, K]), no block is kept, and backward only checks that its
+    gradient is this one times a constant (or recomputes every block)."""
     m, k = a_s.shape[0], b.shape[0]
     with_mean = mean_scale is not None
     shift = _sampled_max(a_s, b, exclude)
     a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
     norm, kept = a_s.new_empty(m), []
     weighted = a_s.new_empty(m) if with_mean else None  # sum_k e_ik L_ik
-    scratch = _Scratch(min(block, m), k, a_s)
-    exp_buf = a_s.new_empty(min(block, m), k) if with_mean else None
+    scratch = _Scratch("block", min(block, m), k, a_s)
+    exp_buf = _Scratch("exp", min(block, m), k, a_s)() if with_mean else None
+    if row_grad is not None:
+        keep, g = 0, a_s.new_empty(m)
+        d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], k)  # db transposed: faster products
     for r0, r1, keep_block in _blocks(m, k, block, keep):
         z = _block_logits(a_aug, b_aug, exclude, r0, r1, out=None if keep_block else scratch(r1 - r0))
         e = torch.exp(z, out=exp_buf[: r1 - r0]) if with_mean else z.exp_()
         torch.sum(e, dim=1, out=norm[r0:r1])
         if with_mean:
             weighted[r0:r1] = (a_s[r0:r1] * (e @ b)).sum(dim=1)
+        if row_grad is not None:
+            g[r0:r1] = row_grad(shift[r0:r1] + torch.log(norm[r0:r1]), r0, r1)
+            factor = g[r0:r1] / norm[r0:r1]  # d lse / d L = exp(L - shift) / norm
+            torch.mm(e, b, out=d_as[r0:r1])
+            d_as[r0:r1] *= factor[:, None]
+            db_t.addmm_((a_s[r0:r1] * factor[:, None]).T, e)
         if keep_block:
             kept.append(z if with_mean else e)
     if not bool(torch.isfinite(norm).all() & (norm > 0).all()):
@@ -185,7 +243,8 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None):
     stats = torch.stack([lse, weighted / norm / mean_scale]) if with_mean else lse[None]
     done = min(len(kept) * block, m)  # rows recomputed in backward: shift = lse, norm = 1
     shift[done:], norm[done:] = lse[done:], 1.0
-    return stats, shift, norm, kept
+    guess = (g, d_as, db_t) if row_grad is not None else ()
+    return stats, shift, norm, kept, *guess
 
 
 def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats=None, scale=None):
@@ -193,7 +252,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
     recomputed = len(kept) * block < m  # only then the shifted operands and a scratch block
     a_aug, b_aug = (_with_shift(a_s, shifts), _ones_column(b)) if recomputed else (None, None)
-    scratch = _Scratch(min(block, m), k, a_s)
+    scratch = _Scratch("block", min(block, m), k, a_s)
     if stats is None:
         factor = grad[0] / norms  # d lse / d L = exp(L - shift) / norm
         for i, r0 in enumerate(range(0, m, block)):
@@ -207,7 +266,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
     g, g_mean, mean = grad[0], grad[1], stats[1]
     beta = g_mean / scale / norms
     alpha = (g + g_mean / scale * (1.0 + shifts - scale * mean)) / norms
-    exp_buf, dl_buf = a_s.new_empty(min(block, m), k), a_s.new_empty(min(block, m), k)
+    exp_buf, dl_buf = _Scratch("exp", min(block, m), k, a_s)(), _Scratch("grad", min(block, m), k, a_s)()
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
         z = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0))
@@ -243,7 +302,7 @@ def _fast_columns(a_s, b, exclude, block, keep):
     norm, col_lse, kept = a_s.new_empty(m), a_s.new_full((k,), float("-inf")), []
     error = a_s.new_tensor(float("-inf"))  # log of the bound on every column's sum
     tiny = torch.finfo(a_s.dtype).tiny
-    scratch = _Scratch(min(block, m), k, a_s)
+    scratch = _Scratch("block", min(block, m), k, a_s)
     for r0, r1, keep_block in _blocks(m, k, block, keep):
         e = _block_logits(a_aug, b_aug, exclude, r0, r1, out=None if keep_block else scratch(r1 - r0)).exp_()
         torch.sum(e, dim=1, out=norm[r0:r1])
@@ -267,8 +326,8 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
     d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
     recomputed = len(kept) * block < m  # only then the shifted operands and a scratch block
     a_aug, b_aug = (_with_shift(a_s, shift), _ones_column(b)) if recomputed else (None, None)
-    scratch = _Scratch(min(block, m), k, a_s)
-    dl_buf = a_s.new_empty(min(block, m), k)
+    scratch = _Scratch("block", min(block, m), k, a_s)
+    dl_buf = _Scratch("grad", min(block, m), k, a_s)()
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
         e = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0)).exp_()
@@ -342,7 +401,8 @@ def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, 
 
 
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
-                   block: int, with_mean: bool = False, columns: bool = False, keep: int = 0):
+                   block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
+                   row_grad=None):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
@@ -350,6 +410,10 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     of the first blocks may be kept for backward (0: recompute every block). Returns a tensor
     [S, M]: lse, then mean (with_mean), then the columns' lse and mean (columns: a square matrix whose
     excluded pairs, if any, are its diagonal, exclude [M, 1] = arange(M)).
+
+    row_grad (rows only, without the mean): ``row_grad(lse_rows, r0, r1)`` -> d loss / d lse of rows
+    r0:r1, for a caller whose loss is a sum of per-row terms of lse: backward's products are then done in
+    forward and no block is kept (see _fast_rows). A wrong guess costs time, never exactness.
     """
     if columns:
         m = anchors.shape[0]
@@ -359,4 +423,5 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
-    return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, int(keep))
+    return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, int(keep),
+                             row_grad)
