@@ -160,11 +160,15 @@ class _BlockStats(torch.autograd.Function):
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
         if not (need_a or need_b or need_scale):
             return (None,) * 9
-        a_s = a * scale
         ratio = _upstream_ratio(grad[0], spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
-            d_as, db = spec[1] * ratio, spec[2].T * ratio
-        elif ctx.fast and ctx.columns:
+            db = spec[2].T * ratio if need_b else None
+            if not need_scale:  # d_as is only needed for the scale's gradient
+                return spec[1] * (ratio * scale) if need_a else None, db, None, None, None, None, None, None, None
+            d_as = spec[1] * ratio
+            return _finish(ctx, grad, a, stats, scale, d_as, db)
+        a_s = a * scale
+        if ctx.fast and ctx.columns:
             d_as, db = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
         elif ctx.fast:
             d_as, db = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
@@ -172,16 +176,21 @@ class _BlockStats(torch.autograd.Function):
         else:
             d_as, db = _safe_backward(a_s, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
                                       ctx.columns)
-        da = d_as * scale if need_a else None
-        d_scale = None
-        if need_scale:
-            d_scale = (d_as * a).sum()
-            if ctx.with_mean:  # mean = sum p L / scale: its own 1 / scale
-                d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
-                if ctx.columns:
-                    d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
-            d_scale = d_scale.reshape(scale.shape)
-        return da, db if need_b else None, d_scale, None, None, None, None, None, None
+        return _finish(ctx, grad, a, stats, scale, d_as, db if need_b else None)
+
+
+def _finish(ctx, grad, a, stats, scale, d_as, db):
+    """Backward's results from d a_s (the scaled anchors' gradient) and d b."""
+    need_a, _, need_scale = ctx.needs_input_grad[:3]
+    d_scale = None
+    if need_scale:
+        d_scale = (d_as * a).sum()
+        if ctx.with_mean:  # mean = sum p L / scale: its own 1 / scale
+            d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
+            if ctx.columns:
+                d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
+        d_scale = d_scale.reshape(scale.shape)
+    return d_as * scale if need_a else None, db, d_scale, None, None, None, None, None, None
 
 
 def _upstream_ratio(grad, guess):
