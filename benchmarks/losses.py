@@ -23,7 +23,8 @@ to the floor compare calls interleaved under the same machine load. --repeats 0:
 Memory, in a fresh subprocess per (method, D), sizes increasing, glibc told to hand large blocks back
 at once (MALLOC_MMAP_THRESHOLD_): after a warm-up (none for --repeats 0), the peak resident set of one
 call (VmHWM, reset through /proc/self/clear_refs) minus the resident set before it, torch's
-allocations included; on CUDA, torch.cuda.max_memory_allocated minus the baseline.
+allocations included, and contrastkit's reused CPU scratch blocks (dropped before the call); on CUDA,
+torch.cuda.max_memory_allocated minus the baseline.
 
 A method holding the whole matrix whose memory (extrapolated quadratically from its last size, at
 least 4 float32 copies of the matrix) would exceed --mem-limit-gib is neither run nor timed: OOM, as
@@ -161,6 +162,11 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
+def _drop_workspace() -> None:
+    if "contrastkit.losses.chunked" in sys.modules:
+        sys.modules["contrastkit.losses.chunked"]._WORKSPACE.__dict__.clear()
+
+
 def worker(method: str, sizes: list[int], d: int, args) -> None:
     """Peak extra memory of one call of one method at increasing sizes; one JSON line per size."""
     import torch
@@ -176,6 +182,7 @@ def worker(method: str, sizes: list[int], d: int, args) -> None:
                 with _autocast(args):
                     step()  # warm-up: lazy initialisation, gradient buffers
                 sync()
+            _drop_workspace()  # contrastkit's reused CPU scratch blocks count as this call's memory
             gc.collect()
             if cuda:
                 base = torch.cuda.memory_allocated()

@@ -152,7 +152,7 @@ def test_automatic_choice():
     fn = build_loss("infonce")
     assert fn._blocking(1024) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
     assert build_loss("infonce", chunk_size=0)._blocking(1024) == (None, 0)
-    assert build_loss("infonce", chunk_size=7)._blocking(8) == (7, 0)  # always recomputed
+    assert build_loss("infonce", chunk_size=7)._blocking(8) == (7, 0)  # none kept
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "8"])
@@ -165,24 +165,30 @@ def test_bad_chunk_size(bad):
 
 
 def _run(rank, world, sizes, init_file, out_dir):
+    import contrastkit.losses.chunked as chunked
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     weight = sizes[rank] / sum(sizes)
     x, extra = _inputs(5, sum(sizes), 6, torch.float64)
-    results = {}
+    results, ratios = {}, []
+    original = chunked._upstream_ratio
+    chunked._upstream_ratio = lambda *args: ratios.append(original(*args)) or ratios[-1]
     for name in SCORE_LOSSES:
         for setting in ("2views", "3views", "query_key", "cross_modal_scale"):
             local = [t[lo:hi] for t in x]
             loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed=True)
+            ratios.clear()
             (weight * loss).backward()
-            results[name, setting] = (float(loss) * weight, [t.grad for t in leaves])
+            results[name, setting] = (float(loss) * weight, [t.grad for t in leaves], list(ratios))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
     """Blocks of 2 anchors, negatives gathered from 2 processes holding 3 and 4 samples, against one
-    dense process on the 7: the gathered features' gradient is summed across processes."""
+    dense process on the 7: the gathered features' gradient is summed across processes. The gradient
+    guessed in forward is taken on both (each image-text direction's mean is over both directions)."""
     sizes = [3, 4]
     mp.start_processes(_run, args=(2, sizes, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
                        start_method="spawn", join=True)
@@ -192,6 +198,10 @@ def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
         want, leaves = _loss(name, setting, 0, x, extra)
         want_grads = torch.autograd.grad(want, leaves)
         assert sum(r[name, setting][0] for r in ranks) == pytest.approx(float(want), rel=1e-10), (name, setting)
+        for r, rank_weight in zip(ranks, (3 / 7, 4 / 7)):
+            guessed = r[name, setting][2]
+            assert guessed == ([] if name == "cacr" else [pytest.approx(rank_weight)] * len(guessed)), guessed
+            assert name == "cacr" or len(guessed) == (2 if setting == "cross_modal_scale" else 1)
         for i, w in enumerate(want_grads):
             parts = [r[name, setting][1][i] for r in ranks]
             got = sum(parts) if w.dim() == 0 else torch.cat(parts)  # the shared scale: DDP sums its gradient

@@ -63,11 +63,12 @@ class ContrastiveLoss(nn.Module):
     averaging) match one process on the concatenated batch.
 
     ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
-    BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py), the blocks'
-    exponentials kept for backward up to KEEP_MAX_ELEMENTS entries (the first blocks) and the rest
-    recomputed, so memory grows linearly in the batch; a positive number: blocks of that many anchors,
-    always recomputed; 0: the dense reference (one product, autograd through logsumexp). All three
-    give the same values and gradients.
+    BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives with
+    a closed-form ``lse_grad`` get backward's products done in forward and keep no block; the others
+    (CACR, image-text on one process) keep the blocks' exponentials for backward up to KEEP_MAX_ELEMENTS
+    entries (the first blocks) and recompute the rest, so memory grows linearly in the batch; a positive
+    number: blocks of that many anchors, none kept; 0: the dense reference (one product, autograd through
+    logsumexp). All three give the same values and gradients.
     """
 
     name = "contrastive"

@@ -8,8 +8,13 @@ excluded (an anchor's own sample). The score objectives need only, per anchor,
 
 Forward walks over blocks of anchors keeping only per-row statistics; backward recomputes each block
 (one more matrix product), so the extra memory is O(block K) instead of O(M K). Up to ``keep`` entries
-of blocks are kept instead (no extra product), the first blocks in order: the fastest form while they
-fit. Gradients, with p = softmax(L_i):
+of blocks are kept instead (no extra product), the first blocks in order. Faster still, where the
+caller knows d loss / d lse_i as soon as row i is done (``row_grad``: InfoNCE, DCL, DCLW, EqCo, whose
+loss is a mean of per-anchor terms of lse_i), forward does backward's two products on each block while
+it is in cache, for that guessed gradient, and keeps nothing; backward checks that the gradient it
+receives is the guess times a constant (the mean's 1 / M, gradient accumulation, a loss scaler) and
+otherwise recomputes every block: a wrong guess costs time, never exactness. Gradients, with
+p = softmax(L_i):
 
     d lse_i / dL_ik = p_ik,    d mean_i / dL_ik = p_ik (1 + L_ik - scale mean_i) / scale,
 
