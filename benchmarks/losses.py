@@ -19,6 +19,8 @@ Time, in this process (glibc defaults): for each (N, D) and setting, every metho
 the same inputs and warmed up once, then --repeats rounds call each method once, in an order rotated
 each round; a method's time is its minimum (and median) over the rounds, so the ratios to its peer and
 to the floor compare calls interleaved under the same machine load. --repeats 0: one round, no warm-up.
+--keep-freed-memory: the same with glibc keeping freed memory for reuse (no page faults for memory
+freed by an earlier call), as a caching allocator, jemalloc or tcmalloc would.
 
 Memory, in a fresh subprocess per (method, D), sizes increasing, glibc told to hand large blocks back
 at once (MALLOC_MMAP_THRESHOLD_): after a warm-up (none for --repeats 0), the peak resident set of one
@@ -205,7 +207,8 @@ def measure(method, d, args):
     cmd = [sys.executable, __file__, "--worker", method, str(d), "--sizes", ",".join(map(str, args.sizes)),
            "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype,
            "--mem-limit-gib", str(args.mem_limit_gib)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_TOP_PAD_"}
+    env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -391,7 +394,16 @@ def meta(args) -> dict:
             "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "cpu": cpu or platform.processor() or None, "cpu_count": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
-            "repeats": args.repeats, "time": args.time, "memory": args.memory, "mem_limit_gib": args.mem_limit_gib}
+            "repeats": args.repeats, "time": args.time, "memory": args.memory, "mem_limit_gib": args.mem_limit_gib,
+            "keep_freed_memory": args.keep_freed_memory}
+
+
+# glibc keeps what is freed for reuse instead of handing it back (a caching allocator, as CUDA's): the
+# time of a loss without the page faults of fresh memory, which on a small VM cost about as much as a
+# quarter of a block's product. Users get the same with these variables, jemalloc or tcmalloc.
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(2**40), "MALLOC_TRIM_THRESHOLD_": str(2**40),
+              "MALLOC_TOP_PAD_": str(2**28)}
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -407,6 +419,8 @@ def main(argv=None):
     parser.add_argument("--mem-limit-gib", type=float, default=8.0)
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="time only")
     parser.add_argument("--no-time", dest="time", action="store_false", help="memory only")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="time with glibc keeping freed memory for reuse (see KEEP_FREED); memory is unaffected")
     parser.add_argument("--out", default="runs/bench-losses")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -422,7 +436,12 @@ def main(argv=None):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.time and "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED.items()):
+        # glibc reads them at start-up: the run goes on in a child process that has them
+        cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
+        subprocess.run(cmd, env={**os.environ, **KEEP_FREED}, check=True)
+        return
+    if args.time and "MALLOC_MMAP_THRESHOLD_" in os.environ and not args.keep_freed_memory:
         print("warning: MALLOC_MMAP_THRESHOLD_ is set; times will not be those of glibc's defaults", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

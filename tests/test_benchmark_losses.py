@@ -62,3 +62,10 @@ def test_oom_guard(tmp_path):
     assert records["infonce", 64]["status"] == "ok" and records["infonce", 64]["time_s"] > 0
     assert records["infonce-dense", 64]["status"] == "OOM" and records["infonce-dense", 64]["time_s"] is None
     assert "| OOM needs" in md
+
+
+def test_keep_freed_memory_runs_in_a_child_with_the_variables(tmp_path):
+    records, _ = _run(tmp_path, "--methods", "floor-2v,infonce", "--sizes", "64", "--repeats", "1", "--no-memory",
+                      "--keep-freed-memory")
+    meta = json.loads((tmp_path / "losses.json").read_text())["meta"]
+    assert meta["keep_freed_memory"] and records["infonce", 64]["vs_floor"] > 0

@@ -64,8 +64,8 @@ class ContrastiveLoss(nn.Module):
 
     ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
     BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives with
-    a closed-form ``lse_grad`` get backward's products done in forward and keep no block; the others
-    (CACR, image-text on one process) keep the blocks' exponentials for backward up to KEEP_MAX_ELEMENTS
+    a closed-form ``stat_grad`` get backward's products done in forward and keep no block; the others
+    (image-text on one process) keep the blocks' exponentials for backward up to KEEP_MAX_ELEMENTS
     entries (the first blocks) and recompute the rest, so memory grows linearly in the batch; a positive
     number: blocks of that many anchors, none kept; 0: the dense reference (one product, autograd through
     logsumexp). All three give the same values and gradients.
@@ -95,11 +95,13 @@ class ContrastiveLoss(nn.Module):
         softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor."""
         raise NotImplementedError
 
-    def lse_grad(self, pos: torch.Tensor, neg_lse: torch.Tensor, num_neg: int, scale) -> torch.Tensor | None:
-        """d loss_i / d neg_lse_i per anchor, where the objective has it in closed form (arguments as for
-        stat_terms). With it the blockwise kernel does backward's matrix products during forward, each
-        block while it is in cache, and keeps no block for backward; backward checks that its gradient is
-        this one times a constant, and recomputes otherwise. None: not available."""
+    def stat_grad(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
+                  scale) -> torch.Tensor | None:
+        """d loss_i / d neg_lse_i (and, where ``needs_mean``, d loss_i / d neg_mean_i) per anchor, [S, M],
+        where the objective has it in closed form (arguments as for stat_terms). With it the blockwise
+        kernel does backward's matrix products during forward, each block while it is in cache, and
+        keeps no block for backward; backward checks that its gradient is this one times a constant, and
+        recomputes otherwise. None: not available."""
         return None
 
     def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: int, scale) -> Terms:
@@ -227,7 +229,7 @@ class ContrastiveLoss(nn.Module):
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
-        (default M), for the kernel's guess of the gradient (see lse_grad)."""
+        (default M), for the kernel's guess of the gradient (see stat_grad)."""
         scale = self.logit_scale() if scale is None else scale
         block, keep = self._blocking(candidates.shape[0])
         if block is None:
@@ -237,9 +239,14 @@ class ContrastiveLoss(nn.Module):
                 logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
             return self.terms(pos, logits, num_neg, scale)
         row_grad = None
-        if not self.needs_mean and self.lse_grad(pos[:1], pos.new_zeros(1), num_neg, scale) is not None:
+        probe = pos.new_zeros(2, 1)
+        if self.stat_grad(pos[:1], probe[0], probe[1] if self.needs_mean else None, num_neg, scale) is not None:
             count = anchors.shape[0] if mean_over is None else mean_over
-            row_grad = lambda lse, r0, r1: self.lse_grad(pos[r0:r1], lse, num_neg, scale) / count  # noqa: E731
+
+            def row_grad(stats, r0, r1):
+                mean = stats[1] if self.needs_mean else None
+                return self.stat_grad(pos[r0:r1], stats[0], mean, num_neg, scale) / count
+
         stats = negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
                                keep=keep, row_grad=row_grad)
         return self._stat_terms(pos, stats, num_neg, scale)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from contrastkit.losses.base import ContrastiveLoss
 from contrastkit.losses.functional import Terms, _check_temperature, cacr_stat_terms, cacr_terms
 
@@ -35,6 +37,9 @@ class CACRLoss(ContrastiveLoss):
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return cacr_stat_terms(pos, neg_mean, t_pos=self.t_pos)
+
+    def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
+        return torch.stack([torch.zeros_like(neg_mean), torch.full_like(neg_mean, 2.0)])  # repulsion 2 mean - 2
 
     def _diagnostics(self, loss, terms):
         return {"loss": loss, "attraction": terms.pos_term.mean(), "repulsion": terms.neg_term.mean()}

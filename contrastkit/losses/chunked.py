@@ -9,8 +9,8 @@ excluded (an anchor's own sample). The score objectives need only, per anchor,
 Forward walks over blocks of anchors keeping only per-row statistics; backward recomputes each block
 (one more matrix product), so the extra memory is O(block K) instead of O(M K). Up to ``keep`` entries
 of blocks are kept instead (no extra product), the first blocks in order. Faster still, where the
-caller knows d loss / d lse_i as soon as row i is done (``row_grad``: InfoNCE, DCL, DCLW, EqCo, whose
-loss is a mean of per-anchor terms of lse_i), forward does backward's two products on each block while
+caller knows d loss / d lse_i (and mean_i) as soon as row i is done (``row_grad``: every objective here,
+whose loss is a mean of per-anchor terms), forward does backward's two products on each block while
 it is in cache, for that guessed gradient, and keeps nothing; backward checks that the gradient it
 receives is the guess times a constant (the mean's 1 / M, gradient accumulation, a loss scaler) and
 otherwise recomputes every block: a wrong guess costs time, never exactness. Gradients, with
@@ -138,8 +138,7 @@ class _BlockStats(torch.autograd.Function):
         if columns and not with_mean:
             state = _fast_columns(a_s, b, exclude, block, keep)
         elif not columns:
-            state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None,
-                               None if with_mean else row_grad)
+            state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None, row_grad)
         ctx.fast = state is not None
         spec = ()
         if ctx.fast:
@@ -165,7 +164,7 @@ class _BlockStats(torch.autograd.Function):
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
         if not (need_a or need_b or need_scale):
             return (None,) * 9
-        ratio = _upstream_ratio(grad[0], spec[0]) if spec else None
+        ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
             db = spec[2].T * ratio if need_b else None
             if not need_scale:  # d_as is only needed for the scale's gradient
@@ -221,11 +220,11 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None, row_grad=None):
     a_s_i . (p b)_i costs one product [rows, K] x [K, D] instead of a pass over L; the blocks kept are
     then L - shift.
 
-    ``row_grad(lse_rows, r0, r1)``: the loss's derivative d loss / d lse for rows r0:r1, known once their
-    block is done (the objectives whose loss is a mean of per-anchor terms of lse_i). Backward's two products
-    are then done here, while the block is in cache, for the gradient this guess gives: ``guess`` is
-    (d loss / d lse [M], d a_s [M, D], d b^T [D, K]), no block is kept, and backward only checks that its
-    gradient is this one times a constant (or recomputes every block)."""
+    ``row_grad(stats_rows [S, rows], r0, r1)``: the loss's derivative d loss / d stats for rows r0:r1,
+    known once their block is done (the objectives whose loss is a mean of per-anchor terms). Backward's
+    two products are then done here, while the block is in cache, for the gradient this guess gives:
+    ``guess`` is (d loss / d stats [S, M], d a_s [M, D], d b^T [D, K]), no block is kept, and backward
+    only checks that its gradient is this one times a constant (or recomputes every block)."""
     m, k = a_s.shape[0], b.shape[0]
     with_mean = mean_scale is not None
     shift = _sampled_max(a_s, b, exclude)
@@ -235,8 +234,9 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None, row_grad=None):
     scratch = _Scratch("block", min(block, m), k, a_s)
     exp_buf = _Scratch("exp", min(block, m), k, a_s)() if with_mean else None
     if row_grad is not None:
-        keep, g = 0, a_s.new_empty(m)
+        keep, g = 0, a_s.new_empty(2 if with_mean else 1, m)
         d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], k)  # db transposed: faster products
+        dl_buf = _Scratch("grad", min(block, m), k, a_s)() if with_mean else None
     for r0, r1, keep_block in _blocks(m, k, block, keep):
         z = _block_logits(a_aug, b_aug, exclude, r0, r1, out=None if keep_block else scratch(r1 - r0))
         e = torch.exp(z, out=exp_buf[: r1 - r0]) if with_mean else z.exp_()
@@ -244,11 +244,20 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None, row_grad=None):
         if with_mean:
             weighted[r0:r1] = (a_s[r0:r1] * (e @ b)).sum(dim=1)
         if row_grad is not None:
-            g[r0:r1] = row_grad(shift[r0:r1] + torch.log(norm[r0:r1]), r0, r1)
-            factor = g[r0:r1] / norm[r0:r1]  # d lse / d L = exp(L - shift) / norm
-            torch.mm(e, b, out=d_as[r0:r1])
-            d_as[r0:r1] *= factor[:, None]
-            db_t.addmm_((a_s[r0:r1] * factor[:, None]).T, e)
+            lse = shift[r0:r1] + torch.log(norm[r0:r1])
+            if with_mean:
+                mean = weighted[r0:r1] / norm[r0:r1] / mean_scale
+                g[:, r0:r1] = row_grad(torch.stack([lse, mean]), r0, r1)
+                dl = _mean_dlogits(z, e, g[0, r0:r1], g[1, r0:r1], shift[r0:r1], mean, norm[r0:r1], mean_scale,
+                                   dl_buf[: r1 - r0], exclude, r0, r1)
+                torch.mm(dl, b, out=d_as[r0:r1])
+                db_t.addmm_(a_s[r0:r1].T, dl)
+            else:
+                g[:, r0:r1] = row_grad(lse[None], r0, r1)
+                factor = g[0, r0:r1] / norm[r0:r1]  # d lse / d L = exp(L - shift) / norm
+                torch.mm(e, b, out=d_as[r0:r1])
+                d_as[r0:r1] *= factor[:, None]
+                db_t.addmm_((a_s[r0:r1] * factor[:, None]).T, e)
         if keep_block:
             kept.append(z if with_mean else e)
     if not bool(torch.isfinite(norm).all() & (norm > 0).all()):
@@ -259,6 +268,15 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None, row_grad=None):
     shift[done:], norm[done:] = lse[done:], 1.0
     guess = (g, d_as, db_t) if row_grad is not None else ()
     return stats, shift, norm, kept, *guess
+
+
+def _mean_dlogits(z, e, g, g_mean, shift, mean, norm, scale, out, exclude, r0, r1):
+    """d/dL of lse and mean for a block with the mean: e (alpha_i + beta_i z_ik), z = L - shift (module
+    docstring's gradients), e = exp(z), norm the row sums."""
+    beta = g_mean / scale / norm
+    alpha = (g + g_mean / scale * (1.0 + shift - scale * mean)) / norm
+    dl = torch.mul(z, beta[:, None], out=out).add_(alpha[:, None]).mul_(e)
+    return _put_excluded(dl, exclude, r0, r1, 0.0)  # excluded: e = 0 times a huge z (possibly inf: NaN)
 
 
 def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats=None, scale=None):
@@ -276,17 +294,13 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
             d_as[r0:r1] *= factor[r0:r1, None]
             db_t.addmm_((a_s[r0:r1] * factor[r0:r1, None]).T, e)
         return d_as, db_t.T.contiguous()
-    # With the mean: dL_ik = e_ik (alpha_i + beta_i z_ik), z = L - shift (module docstring's gradients).
-    g, g_mean, mean = grad[0], grad[1], stats[1]
-    beta = g_mean / scale / norms
-    alpha = (g + g_mean / scale * (1.0 + shifts - scale * mean)) / norms
     exp_buf, dl_buf = _Scratch("exp", min(block, m), k, a_s)(), _Scratch("grad", min(block, m), k, a_s)()
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
         z = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0))
         e = torch.exp(z, out=exp_buf[: r1 - r0])
-        dl = torch.mul(z, beta[r0:r1, None], out=dl_buf[: r1 - r0]).add_(alpha[r0:r1, None]).mul_(e)
-        _put_excluded(dl, exclude, r0, r1, 0.0)  # excluded: e = 0 times a huge z (possibly inf: NaN)
+        dl = _mean_dlogits(z, e, grad[0, r0:r1], grad[1, r0:r1], shifts[r0:r1], stats[1, r0:r1], norms[r0:r1],
+                           scale, dl_buf[: r1 - r0], exclude, r0, r1)
         torch.mm(dl, b, out=d_as[r0:r1])
         db_t.addmm_(a_s[r0:r1].T, dl)
     return d_as, db_t.T.contiguous()
@@ -425,9 +439,9 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     [S, M]: lse, then mean (with_mean), then the columns' lse and mean (columns: a square matrix whose
     excluded pairs, if any, are its diagonal, exclude [M, 1] = arange(M)).
 
-    row_grad (rows only, without the mean): ``row_grad(lse_rows, r0, r1)`` -> d loss / d lse of rows
-    r0:r1, for a caller whose loss is a sum of per-row terms of lse: backward's products are then done in
-    forward and no block is kept (see _fast_rows). A wrong guess costs time, never exactness.
+    row_grad (rows only): ``row_grad(stats_rows [S, rows], r0, r1)`` -> d loss / d stats of rows r0:r1,
+    for a caller whose loss is a sum of per-row terms of the statistics: backward's products are then
+    done in forward and no block is kept (see _fast_rows). A wrong guess costs time, never exactness.
     """
     if columns:
         m = anchors.shape[0]

@@ -36,8 +36,8 @@ class DCLLoss(ContrastiveLoss):
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return softmax_terms(pos * scale, neg_lse, keep_positive=False, pos_weight=self.positive_weight(pos))
 
-    def lse_grad(self, pos, neg_lse, num_neg, scale):
-        return torch.ones_like(neg_lse)  # -w s_p + lse: the positive's weight (DCLW) does not touch lse
+    def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
+        return torch.ones_like(neg_lse)[None]  # -w s_p + lse: the positive's weight (DCLW) does not touch lse
 
 
 class DCLWLoss(DCLLoss):
