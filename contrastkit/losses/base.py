@@ -101,8 +101,8 @@ class ContrastiveLoss(nn.Module):
         where the objective has it in closed form (arguments as for stat_terms). With it the blockwise
         kernel does backward's matrix products during forward, each block while it is in cache, and
         keeps no block for backward; backward checks that its gradient is this one times a constant, and
-        recomputes otherwise. None: not available."""
-        return None
+        recomputes otherwise. Subclasses without it: blocks kept or recomputed."""
+        raise NotImplementedError
 
     def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: int, scale) -> Terms:
         """Per-anchor terms from positive cosines [M, P] and negative logits [M, K] (cosines times
@@ -239,8 +239,7 @@ class ContrastiveLoss(nn.Module):
                 logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
             return self.terms(pos, logits, num_neg, scale)
         row_grad = None
-        probe = pos.new_zeros(2, 1)
-        if self.stat_grad(pos[:1], probe[0], probe[1] if self.needs_mean else None, num_neg, scale) is not None:
+        if type(self).stat_grad is not ContrastiveLoss.stat_grad:
             count = anchors.shape[0] if mean_over is None else mean_over
 
             def row_grad(stats, r0, r1):
