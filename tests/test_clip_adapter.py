@@ -181,7 +181,7 @@ def test_two_processes_reproduce_open_clip_modes_and_equal_one_process(tmp_path)
             if not local_loss:
                 assert losses[1] == pytest.approx(losses[0], rel=1e-12)
             for got, want in zip(grads + [scale_grad], single_grads):
-                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} {m}")
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} local_loss={local_loss} {m}")
 
 
 # ---------------------------------------------------------------------------- the entry point

@@ -166,7 +166,7 @@ class _BlockStats(torch.autograd.Function):
             return (None,) * 9
         ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
-            db = spec[2].T * ratio if need_b else None
+            db = spec[2].T.contiguous().mul_(ratio) if need_b else None  # contiguous, as collectives need
             if not need_scale:  # d_as is only needed for the scale's gradient
                 return spec[1] * (ratio * scale) if need_a else None, db, None, None, None, None, None, None, None
             d_as = spec[1] * ratio
