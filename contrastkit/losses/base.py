@@ -96,7 +96,7 @@ class ContrastiveLoss(nn.Module):
         raise NotImplementedError
 
     def stat_grad(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
-                  scale) -> torch.Tensor | None:
+                  scale) -> torch.Tensor:
         """d loss_i / d neg_lse_i (and, where ``needs_mean``, d loss_i / d neg_mean_i) per anchor, [S, M],
         where the objective has it in closed form (arguments as for stat_terms). With it the blockwise
         kernel does backward's matrix products during forward, each block while it is in cache, and

@@ -167,10 +167,7 @@ class _BlockStats(torch.autograd.Function):
         ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
             db = spec[2].T.contiguous().mul_(ratio) if need_b else None  # contiguous, as collectives need
-            if not need_scale:  # d_as is only needed for the scale's gradient
-                return spec[1] * (ratio * scale) if need_a else None, db, None, None, None, None, None, None, None
-            d_as = spec[1] * ratio
-            return _finish(ctx, grad, a, stats, scale, d_as, db)
+            return _finish(ctx, grad, a, stats, scale, spec[1] * ratio, db)
         a_s = a * scale
         if ctx.fast and ctx.columns:
             d_as, db = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
