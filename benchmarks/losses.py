@@ -166,7 +166,7 @@ def _rss() -> tuple[int, int]:
 
 def _drop_workspace() -> None:
     if "contrastkit.losses.chunked" in sys.modules:
-        sys.modules["contrastkit.losses.chunked"]._WORKSPACE.__dict__.clear()
+        sys.modules["contrastkit.losses.chunked"].clear_workspace()
 
 
 def worker(method: str, sizes: list[int], d: int, args) -> None:

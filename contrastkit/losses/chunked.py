@@ -66,6 +66,18 @@ def _block_logits(a_s, b, exclude, r0, r1, out=None):
     return _put_excluded(torch.mm(a_s[r0:r1], b.T, out=out), exclude, r0, r1)
 
 
+def _block_grads(dl, b, a_s, r0, r1, d_as, db_t, factor=None):
+    """Backward's two products for the block rows r0:r1 with d/dL = diag(factor) dl: d_as[r0:r1] = that
+    times b, and db_t (b's gradient, transposed: faster products) += a_s[r0:r1]^T times that. The row
+    factor folds into the [rows, D] operands, so dl is never scaled."""
+    torch.mm(dl, b, out=d_as[r0:r1])
+    rows = a_s[r0:r1]
+    if factor is not None:
+        d_as[r0:r1] *= factor[:, None]
+        rows = rows * factor[:, None]
+    db_t.addmm_(rows.T, dl)
+
+
 def _sampled_max(a_s, b, exclude):
     """Per row, the largest valid logit among every stride-th candidate: a lower bound of the row's maximum."""
     stride = max(1, b.shape[0] // SAMPLE)
@@ -113,6 +125,11 @@ class _Scratch:
         if self.buffer is None:
             self.buffer = _workspace(self.slot, self.shape, self.like)
         return self.buffer if rows is None else self.buffer[:rows]
+
+
+def clear_workspace() -> None:
+    """Free this thread's cached scratch blocks (they are fetched again on the next call)."""
+    _WORKSPACE.__dict__.clear()
 
 
 def _workspace(slot, shape, like):
@@ -247,14 +264,10 @@ def _fast_rows(a_s, b, exclude, block, keep, mean_scale=None, row_grad=None):
                 g[:, r0:r1] = row_grad(torch.stack([lse, mean]), r0, r1)
                 dl = _mean_dlogits(z, e, g[0, r0:r1], g[1, r0:r1], shift[r0:r1], mean, norm[r0:r1], mean_scale,
                                    dl_buf[: r1 - r0], exclude, r0, r1)
-                torch.mm(dl, b, out=d_as[r0:r1])
-                db_t.addmm_(a_s[r0:r1].T, dl)
+                _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
             else:
                 g[:, r0:r1] = row_grad(lse[None], r0, r1)
-                factor = g[0, r0:r1] / norm[r0:r1]  # d lse / d L = exp(L - shift) / norm
-                torch.mm(e, b, out=d_as[r0:r1])
-                d_as[r0:r1] *= factor[:, None]
-                db_t.addmm_((a_s[r0:r1] * factor[:, None]).T, e)
+                _block_grads(e, b, a_s, r0, r1, d_as, db_t, g[0, r0:r1] / norm[r0:r1])  # d lse / d L = e / norm
         if keep_block:
             kept.append(z if with_mean else e)
     if not bool(torch.isfinite(norm).all() & (norm > 0).all()):
@@ -287,9 +300,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
         for i, r0 in enumerate(range(0, m, block)):
             r1 = min(r0 + block, m)
             e = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0)).exp_()
-            torch.mm(e, b, out=d_as[r0:r1])
-            d_as[r0:r1] *= factor[r0:r1, None]
-            db_t.addmm_((a_s[r0:r1] * factor[r0:r1, None]).T, e)
+            _block_grads(e, b, a_s, r0, r1, d_as, db_t, factor[r0:r1])
         return d_as, db_t.T.contiguous()
     exp_buf, dl_buf = _Scratch("exp", min(block, m), k, a_s)(), _Scratch("grad", min(block, m), k, a_s)()
     for i, r0 in enumerate(range(0, m, block)):
@@ -298,8 +309,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
         e = torch.exp(z, out=exp_buf[: r1 - r0])
         dl = _mean_dlogits(z, e, grad[0, r0:r1], grad[1, r0:r1], shifts[r0:r1], stats[1, r0:r1], norms[r0:r1],
                            scale, dl_buf[: r1 - r0], exclude, r0, r1)
-        torch.mm(dl, b, out=d_as[r0:r1])
-        db_t.addmm_(a_s[r0:r1].T, dl)
+        _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
     return d_as, db_t.T.contiguous()
 
 
@@ -359,8 +369,7 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
         top, x = _column_factors(shift, r0, r1)
         # d/dL_ij: e_ij (f_r_i + x_i g_c_j exp(top - col_lse_j)), the second factor the column's softmax.
         dl = torch.outer(x, grad[1] * torch.exp(top - col_lse), out=dl_buf[: r1 - r0]).add_(f_r[r0:r1, None]).mul_(e)
-        torch.mm(dl, b, out=d_as[r0:r1])
-        db_t.addmm_(a_s[r0:r1].T, dl)
+        _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
     return d_as, db_t.T.contiguous()
 
 
@@ -420,8 +429,7 @@ def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, 
         if columns:
             mean, g_mean = (stats[col + 1], grad[col + 1]) if with_mean else (None, None)
             dl += _safe_dlogits(logits, stats[col], grad[col], mean, g_mean, scale)
-        torch.mm(dl, b, out=d_as[r0:r1])
-        db_t.addmm_(a_s[r0:r1].T, dl)
+        _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
     return d_as, db_t.T.contiguous()
 
 
