@@ -308,3 +308,26 @@ def test_cross_modal_infonce_is_clip_loss_and_scale_gets_gradient():
     (e,) = torch.autograd.grad(expected, scale)
     torch.testing.assert_close(g, e)
     assert float(g.abs()) > 0
+
+
+def test_normalize_rows_matches_f_normalize_values_and_gradients():
+    """The hand-written backward against autograd through F.normalize, float64, including a zero row and
+    a row below the 1e-12 clamp (whose gradient is grad / 1e-12, the norm being a constant there)."""
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(3, 6, 5, generator=g, dtype=torch.float64)
+    x[0, 1] = 0.0
+    x[1, 2] *= 1e-14
+    x.requires_grad_()
+    upstream = torch.randn(3, 6, 5, generator=g, dtype=torch.float64)
+    got = functional.normalize_rows(x)
+    expected = torch.nn.functional.normalize(x, dim=-1)
+    torch.testing.assert_close(got, expected, rtol=1e-14, atol=0)
+    (dg,) = torch.autograd.grad(got, x, upstream)
+    (de,) = torch.autograd.grad(expected, x, upstream)
+    torch.testing.assert_close(dg, de, rtol=1e-12, atol=0)
+    fresh = torch.randn(4, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(functional.normalize_rows, (fresh,))
+    # Not twice differentiable: a second derivative is an error, never a silently wrong number.
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        (d,) = torch.autograd.grad(functional.normalize_rows(fresh).sum(), fresh, create_graph=True)
+        d.sum().backward()

@@ -28,7 +28,6 @@ import sys
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from contrastkit.losses import build_loss
@@ -112,7 +111,7 @@ class ContrastkitClipLoss(nn.Module):
         from open_clip.loss import gather_features
 
         from contrastkit.losses.base import check_features
-        from contrastkit.losses.functional import Terms
+        from contrastkit.losses.functional import Terms, normalize_rows
 
         check_features(self.name, {"image": image, "text": text})
         all_image, all_text = gather_features(image, text, local_loss=True, gather_with_grad=False,
@@ -121,8 +120,8 @@ class ContrastkitClipLoss(nn.Module):
             scale = self.loss.logit_scale()
         dtype = torch.float64 if image.dtype == torch.float64 else torch.float32
         with torch.autocast(image.device.type, enabled=False):
-            a, b = (F.normalize(x.to(dtype), dim=-1) for x in (image, text))
-            all_a, all_b = (F.normalize(x.to(dtype), dim=-1) for x in (all_image, all_text))
+            a, b = (normalize_rows(x.to(dtype)) for x in (image, text))
+            all_a, all_b = (normalize_rows(x.to(dtype)) for x in (all_image, all_text))
             if isinstance(scale, torch.Tensor):
                 scale = scale.to(dtype)
             n, total = a.shape[0], all_a.shape[0]

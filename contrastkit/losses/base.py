@@ -9,12 +9,11 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from contrastkit.distributed import gather_with_grad
 from contrastkit.losses.chunked import negative_stats
-from contrastkit.losses.functional import Terms, _compute_dtype
+from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
 
 # Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -211,7 +210,7 @@ class ContrastiveLoss(nn.Module):
 
     def _unit(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x.to(dtype)
-        return F.normalize(x, dim=-1) if self.normalize else x
+        return normalize_rows(x) if self.normalize else x
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_distributed else (x, 0)

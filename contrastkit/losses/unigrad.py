@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from contrastkit.distributed import all_reduce_sum
 from contrastkit.losses.base import check_features
-from contrastkit.losses.functional import _check_temperature, _compute_dtype
+from contrastkit.losses.functional import _check_temperature, _compute_dtype, normalize_rows
 
 
 class UniGradLoss(nn.Module):
@@ -60,7 +59,7 @@ class UniGradLoss(nn.Module):
 
     def _unit(self, x, dtype):
         x = x.to(dtype)
-        return F.normalize(x, dim=-1) if self.normalize else x
+        return normalize_rows(x) if self.normalize else x
 
     @torch.no_grad()
     def _update_correlation(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
