@@ -120,15 +120,21 @@ def test_autocast_blockwise_equals_dense(name, dtype):
 @pytest.mark.parametrize("with_mean", [False, True])
 @pytest.mark.parametrize("columns", [False, True])
 @pytest.mark.parametrize("keep", [0, 10, 100])  # recompute all, keep the first block (2 x 5 entries), keep all
-def test_negative_stats_gradcheck(with_mean, columns, keep):
+@pytest.mark.parametrize("same", [False, True])  # one tensor as anchors and candidates (two views): one gradient
+def test_negative_stats_gradcheck(with_mean, columns, keep, same):
     """Finite differences of every statistic, in the anchors, candidates and a learnable scale."""
     g = torch.Generator().manual_seed(1)
     a, b = (torch.nn.functional.normalize(torch.randn(5, 3, generator=g, dtype=torch.float64), dim=1)
             .requires_grad_() for _ in range(2))
     scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
     exclude = torch.tensor([[0], [1], [2], [3], [4]])
-    torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2, with_mean=with_mean,
-                                                            columns=columns, keep=keep), (a, b, scale))
+    if same:
+        torch.autograd.gradcheck(lambda a, s: negative_stats(a, a, s, exclude=exclude, block=2, with_mean=with_mean,
+                                                             columns=columns, keep=keep), (a, scale))
+    else:
+        torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2,
+                                                                with_mean=with_mean, columns=columns, keep=keep),
+                                 (a, b, scale))
 
 
 def test_blockwise_saves_nothing_quadratic():
@@ -344,12 +350,15 @@ def test_guessed_gradient_float32_is_taken(guesses):
 
 
 @pytest.mark.parametrize("keep", [0, 10**9])
-def test_wrong_guess_is_refused_and_exact(keep, guesses):
+@pytest.mark.parametrize("same", [False, True])  # one tensor as anchors and candidates (two views)
+def test_wrong_guess_is_refused_and_exact(keep, same, guesses):
     """An upstream gradient that is not the guess times a constant (here: random weights on each row's lse):
     backward refuses the guess, recomputes the blocks, and is exact."""
     g = torch.Generator().manual_seed(23)
     a, b = (torch.nn.functional.normalize(torch.randn(40, 8, generator=g, dtype=torch.float64), dim=1)
             .requires_grad_() for _ in range(2))
+    if same:
+        b = a
     exclude = torch.arange(40)[:, None]
     weights = torch.rand(40, generator=g, dtype=torch.float64)
     stats = negative_stats(a, b, 5.0, exclude=exclude, block=6, keep=keep,

@@ -117,12 +117,13 @@ class ContrastiveLoss(nn.Module):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
             dtype = _compute_dtype(*views.values())
             u = torch.stack([self._unit(z, dtype) for z in views.values()])  # [V, n, D]
+            anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
                 all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
                 total = all_u.shape[0]
                 all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
-            else:
-                all_u, start, total = u.reshape(v * n, d), 0, n
+            else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
+                all_u, start, total = anchors, 0, n
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
                                  "the views of the other samples); use a batch of at least 2")
@@ -134,7 +135,7 @@ class ContrastiveLoss(nn.Module):
 
             # Negatives: every view of every sample but the anchor's own sample's views.
             own = torch.arange(v, device=u.device)[None] * total + (start + torch.arange(n, device=u.device))[:, None]
-            terms = self.negative_terms(pos, u.reshape(v * n, d), all_u, own.repeat(v, 1), v * (total - 1))
+            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1))
             return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,

@@ -148,6 +148,7 @@ class _BlockStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad):
+        ctx.same_input = a is b  # two views on one process: the anchors are the candidates
         a_s = a * scale
         if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
             keep, row_grad = 0, None
@@ -183,32 +184,56 @@ class _BlockStats(torch.autograd.Function):
             return (None,) * 9
         ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
-            db = spec[2].T.contiguous().mul_(ratio) if need_b else None  # contiguous, as collectives need
-            return _finish(ctx, grad, a, stats, scale, spec[1] * ratio, db)
+            return _finish(ctx, grad, a, stats, scale, spec[1], spec[2], ratio)
         a_s = a * scale
         if ctx.fast and ctx.columns:
-            d_as, db = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
+            d_as, db_t = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
         elif ctx.fast:
-            d_as, db = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
-                                           stats if ctx.with_mean else None, scale)
+            d_as, db_t = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
+                                             stats if ctx.with_mean else None, scale)
         else:
-            d_as, db = _safe_backward(a_s, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
-                                      ctx.columns)
-        return _finish(ctx, grad, a, stats, scale, d_as, db if need_b else None)
+            d_as, db_t = _safe_backward(a_s, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
+                                        ctx.columns)
+        return _finish(ctx, grad, a, stats, scale, d_as, db_t)
 
 
-def _finish(ctx, grad, a, stats, scale, d_as, db):
-    """Backward's results from d a_s (the scaled anchors' gradient) and d b."""
-    need_a, _, need_scale = ctx.needs_input_grad[:3]
+def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=1.0):
+    """Backward's results from ratio times d a_s (the scaled anchors' gradient) and ratio times d b^T
+    (db_t, the layout of the faster products). When one tensor is both anchors and candidates (two
+    views on one process) its gradient is the sum, returned once (autograd would add the two). The
+    transposed copy comes first: elementwise ops reading db_t.T took up to twice as long on CPU."""
+    need_a, need_b, need_scale = ctx.needs_input_grad[:3]
     d_scale = None
     if need_scale:
-        d_scale = (d_as * a).sum()
+        d_scale = (d_as * a).sum() * ratio
         if ctx.with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
             if ctx.columns:
                 d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
         d_scale = d_scale.reshape(scale.shape)
-    return d_as * scale if need_a else None, db, d_scale, None, None, None, None, None, None
+    d_a = db = None
+    if ctx.same_input:
+        if need_a:
+            d_a = _times(_add_scaled(_transposed(db_t), d_as, scale), ratio)
+    else:
+        d_a = d_as * (scale * ratio) if need_a else None
+        db = _times(_transposed(db_t), ratio) if need_b else None
+    return d_a, db, d_scale, None, None, None, None, None, None
+
+
+def _transposed(x):
+    """A contiguous copy of x^T (never a view of x: it is changed in place next), as collectives need:
+    gloo's all_gather backward mishandles other layouts."""
+    return x.T.clone(memory_format=torch.contiguous_format)
+
+
+def _add_scaled(y, x, scale):
+    """y += scale x in place, scale a number or a 0-dim tensor."""
+    return y.addcmul_(x, scale) if isinstance(scale, torch.Tensor) else y.add_(x, alpha=scale)
+
+
+def _times(x, ratio):
+    return x if ratio == 1.0 else x.mul_(ratio)
 
 
 def _upstream_ratio(grad, guess):
@@ -301,7 +326,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
             r1 = min(r0 + block, m)
             e = kept[i] if i < len(kept) else _block_logits(a_aug, b_aug, exclude, r0, r1, out=scratch(r1 - r0)).exp_()
             _block_grads(e, b, a_s, r0, r1, d_as, db_t, factor[r0:r1])
-        return d_as, db_t.T.contiguous()
+        return d_as, db_t
     exp_buf, dl_buf = _Scratch("exp", min(block, m), k, a_s)(), _Scratch("grad", min(block, m), k, a_s)()
     for i, r0 in enumerate(range(0, m, block)):
         r1 = min(r0 + block, m)
@@ -310,7 +335,7 @@ def _fast_rows_backward(a_s, b, exclude, block, kept, shifts, norms, grad, stats
         dl = _mean_dlogits(z, e, grad[0, r0:r1], grad[1, r0:r1], shifts[r0:r1], stats[1, r0:r1], norms[r0:r1],
                            scale, dl_buf[: r1 - r0], exclude, r0, r1)
         _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
-    return d_as, db_t.T.contiguous()
+    return d_as, db_t
 
 
 # Fast columns: row i's block entries e_ij = exp(L_ij - shift_i) also give the columns' sums, as
@@ -370,7 +395,7 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
         # d/dL_ij: e_ij (f_r_i + x_i g_c_j exp(top - col_lse_j)), the second factor the column's softmax.
         dl = torch.outer(x, grad[1] * torch.exp(top - col_lse), out=dl_buf[: r1 - r0]).add_(f_r[r0:r1, None]).mul_(e)
         _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
-    return d_as, db_t.T.contiguous()
+    return d_as, db_t
 
 
 # ----------------------------------------------------------------------------- safe: exact maxima, CACR's mean
@@ -430,7 +455,7 @@ def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, 
             mean, g_mean = (stats[col + 1], grad[col + 1]) if with_mean else (None, None)
             dl += _safe_dlogits(logits, stats[col], grad[col], mean, g_mean, scale)
         _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
-    return d_as, db_t.T.contiguous()
+    return d_as, db_t
 
 
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
