@@ -197,12 +197,14 @@ class _BlockStats(torch.autograd.Function):
         return _finish(ctx, grad, a, stats, scale, d_as, db_t)
 
 
-def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=1.0):
-    """Backward's results from ratio times d a_s (the scaled anchors' gradient) and ratio times d b^T
-    (db_t, the layout of the faster products). When one tensor is both anchors and candidates (two
-    views on one process) its gradient is the sum, returned once (autograd would add the two). The
-    transposed copy comes first: elementwise ops reading db_t.T took up to twice as long on CPU."""
+def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=None):
+    """Backward's results from d a_s (the scaled anchors' gradient) and d b^T (db_t, the layout of the
+    faster products), both times ``ratio`` when they are forward's guess (saved tensors, so never changed
+    in place; None: computed by backward, and scaled in place). When one tensor is both anchors and
+    candidates (two views on one process) its gradient is the sum, returned once (autograd would add
+    the two). The transposed copy comes first: elementwise ops reading db_t.T took up to twice as long."""
     need_a, need_b, need_scale = ctx.needs_input_grad[:3]
+    guessed, ratio = ratio is not None, 1.0 if ratio is None else ratio
     d_scale = None
     if need_scale:
         d_scale = (d_as * a).sum() * ratio
@@ -216,7 +218,8 @@ def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=1.0):
         if need_a:
             d_a = _times(_add_scaled(_transposed(db_t), d_as, scale), ratio)
     else:
-        d_a = d_as * (scale * ratio) if need_a else None
+        if need_a:
+            d_a = d_as * (scale * ratio) if guessed else d_as.mul_(scale)
         db = _times(_transposed(db_t), ratio) if need_b else None
     return d_a, db, d_scale, None, None, None, None, None, None
 
