@@ -331,3 +331,23 @@ def test_normalize_rows_matches_f_normalize_values_and_gradients():
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         (d,) = torch.autograd.grad(functional.normalize_rows(fresh).sum(), fresh, create_graph=True)
         d.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["infonce", "eqco"])
+def test_softmax_losses_exact_in_float64_past_softplus_threshold(kind):
+    """A positive 20+ logits below its negatives' logsumexp: F.softplus would return the gap itself there
+    (off by e^-gap ~ 1e-9, its gradient too); the loss must match logsumexp - p to float64 rounding."""
+    tau = 0.05
+    pos = torch.tensor([-0.5, -0.6, 0.2], dtype=torch.float64, requires_grad=True)
+    neg = torch.tensor([[0.5, 0.45, 0.4, 0.5], [0.55, 0.5, 0.3, 0.2], [0.1, 0.0, -0.1, 0.3]], dtype=torch.float64,
+                       requires_grad=True)
+    opts = {"temperature": tau, **({"alpha": 4.0} if kind == "eqco" else {})}  # alpha = K: InfoNCE exactly
+    got = getattr(functional, kind)(pos, neg, **opts)
+    logits = torch.cat([pos[:, None], neg], dim=1) / tau
+    want = torch.logsumexp(logits, dim=1) - logits[:, 0]
+    gap = (torch.logsumexp(neg / tau, dim=1) - pos / tau).detach()
+    assert bool((gap[:2] > 20).all()) and float(gap[2]) < 20  # two rows past the threshold, one before
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+    upstream = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
+    for g, w in zip(torch.autograd.grad(got, (pos, neg), upstream), torch.autograd.grad(want, (pos, neg), upstream)):
+        torch.testing.assert_close(g, w, rtol=1e-14, atol=1e-300)

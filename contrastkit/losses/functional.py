@@ -22,7 +22,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights", "normalize_rows"]
 
@@ -155,7 +154,9 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     gap = neg_lse[:, None] - pos_logits
     npc = torch.sigmoid(gap).mean(dim=1).detach()
     if keep_positive:
-        per_pos = F.softplus(gap)
+        # softplus(gap) = logaddexp(gap, 0), exactly: F.softplus returns gap itself past gap = 20, off by
+        # up to e^-20 = 2e-9 (and its gradient by as much), far above float64's rounding.
+        per_pos = torch.logaddexp(gap, torch.zeros_like(gap))
         neg_term = torch.logaddexp(pos_logits, neg_lse[:, None]).mean(dim=1)
         return Terms(per_pos.mean(dim=1), (-pos_logits.mean(dim=1)).detach(), neg_term.detach(), npc)
     weighted = pos_logits if pos_weight is None else pos_weight * pos_logits

@@ -32,7 +32,7 @@ class InfoNCELoss(ContrastiveLoss):
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         # sigmoid(lse - s_p), the NPC multiplier q_B (DCL paper, Prop. 1), as autograd computes it through
-        # softplus (exactly 1 past its threshold), so that backward's check can be tight.
+        # the loss's softplus, to the bit, so that backward's check can be tight.
         with torch.enable_grad():
             lse = neg_lse.detach().requires_grad_()
             loss = self.stat_terms(pos.detach(), lse, None, num_neg, scale).loss.sum()
