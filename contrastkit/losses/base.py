@@ -21,6 +21,8 @@ from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
 # vs recomputing differed by under 10% at 2^26 entries (page faults of fresh memory cost about what the
 # extra product does at D = 128).
 BLOCK_ELEMENTS = 2**22
+# How the negatives' statistics are computed: "auto" (Triton on CUDA, blockwise torch elsewhere), or one forced.
+BACKENDS = ("auto", "triton", "torch", "dense")
 KEEP_MAX_ELEMENTS = 2**26
 
 
@@ -74,14 +76,18 @@ class ContrastiveLoss(nn.Module):
 
     needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
 
-    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False, chunk_size: int | None = None):
+    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False, chunk_size: int | None = None,
+                 backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"{self.name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 0):
             raise ValueError(f"{self.name}: chunk_size must be None (automatic), 0 (dense) or a positive number "
                              f"of anchors per block, got {chunk_size!r}")
         self.normalize = normalize
         self.gather_distributed = gather_distributed
         self.chunk_size = chunk_size
+        self.backend = backend
 
     # Subclasses define these two.
     def logit_scale(self) -> float:
