@@ -27,8 +27,9 @@ def view_pairs(num_views: int, n: int):
     return out
 
 
-def per_anchor(z, kind, **p):
-    """Mean over anchors of the per-anchor loss of `kind`, views z: list of [N, D] float64 tensors."""
+def per_anchor(z, kind, *, mean=True, **p):
+    """Mean over anchors of the per-anchor loss of `kind` (mean=False: the per-anchor losses, view-major),
+    views z: list of [N, D] float64 tensors."""
     u = unit(torch.cat(z))
     anchors = view_pairs(len(z), z[0].shape[0])
     if kind == "dclw":
@@ -61,10 +62,10 @@ def per_anchor(z, kind, **p):
             losses.append((w_pos * c_pos).sum() - (w_neg * c_neg).sum())
         else:
             losses.append(torch.stack(terms).mean())
-    return torch.stack(losses).mean()
+    return torch.stack(losses).mean() if mean else torch.stack(losses)
 
 
-def query_key(q, k, queue, kind, **p):
+def query_key(q, k, queue, kind, *, mean=True, **p):
     """MoCo setting: anchors are the queries, positive the key, negatives the queue rows."""
     q, k, queue = unit(q), unit(k), unit(queue)
     losses = []
@@ -77,14 +78,14 @@ def query_key(q, k, queue, kind, **p):
             losses.append(-torch.log(num / (num + torch.exp(s_neg / t).sum())))
         elif kind == "dcl":
             losses.append(-sp / t + torch.log(torch.exp(s_neg / t).sum()))
-    return torch.stack(losses).mean()
+    return torch.stack(losses).mean() if mean else torch.stack(losses)
 
 
-def unigrad(z1, z2, correlation, lam):
+def unigrad(z1, z2, correlation, lam, *, mean=True):
     """Eq. 15, symmetric, target = the other view detached; correlation given (already updated)."""
     u1, u2 = unit(z1), unit(z2)
     losses = []
     for a, t in ((u1, u2.detach()), (u2, u1.detach())):
         for i in range(a.shape[0]):
             losses.append(-(a[i] * t[i]).sum() + lam / 2 * a[i] @ correlation @ a[i])
-    return torch.stack(losses).mean()
+    return torch.stack(losses).mean() if mean else torch.stack(losses)

@@ -117,7 +117,7 @@ class ContrastkitClipLoss(nn.Module):
         all_image, all_text = gather_features(image, text, local_loss=True, gather_with_grad=False,
                                               rank=self.rank, world_size=self.world_size)
         if scale is None:
-            scale = self.loss.logit_scale()
+            scale = self.loss.default_logit_scale()
         dtype = torch.float64 if image.dtype == torch.float64 else torch.float32
         with torch.autocast(image.device.type, enabled=False):
             a, b = (normalize_rows(x.to(dtype)) for x in (image, text))

@@ -6,12 +6,12 @@
 """
 
 from contrastkit.losses import functional
-from contrastkit.losses.base import ContrastiveLoss
+from contrastkit.losses.base import Backend, ContrastiveLoss, Objective, Reduction
 from contrastkit.losses.cacr import CACRLoss
 from contrastkit.losses.dcl import DCLLoss, DCLWLoss
 from contrastkit.losses.infonce import EqCoLoss, InfoNCELoss
 from contrastkit.losses.registry import LOSSES, available_losses, build_loss
 from contrastkit.losses.unigrad import UniGradLoss
 
-__all__ = ["functional", "ContrastiveLoss", "InfoNCELoss", "DCLLoss", "DCLWLoss", "EqCoLoss", "CACRLoss",
+__all__ = ["functional", "Objective", "ContrastiveLoss", "Backend", "Reduction", "InfoNCELoss", "DCLLoss", "DCLWLoss", "EqCoLoss", "CACRLoss",
            "UniGradLoss", "LOSSES", "available_losses", "build_loss"]

@@ -8,6 +8,8 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -24,6 +26,9 @@ BLOCK_ELEMENTS = 2**22
 # How the negatives' statistics are computed: "auto" (Triton on CUDA, blockwise torch elsewhere), or one forced.
 BACKENDS = ("auto", "triton", "torch", "dense")
 KEEP_MAX_ELEMENTS = 2**26
+REDUCTIONS = ("mean", "sum", "none")
+Backend = Literal["auto", "triton", "torch", "dense"]
+Reduction = Literal["mean", "sum", "none"]
 
 
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True,
@@ -50,7 +55,55 @@ def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: b
             raise ValueError(f"{name}: {arg} has non-finite values (inf or NaN)")
 
 
-class ContrastiveLoss(nn.Module):
+class Objective(nn.Module):
+    """Base type of every loss that ``build_loss`` returns: the settings all objectives share and the
+    calls a user can make (``loss_fn(z1, z2)``, ``query_key``, ``cross_modal``); an objective without a
+    form for a setting says so with a ValueError.
+
+    ``normalize``: L2-normalise the features inside (False if they already are unit vectors).
+    ``reduction``: "mean" (default) over this process's anchors, "sum", or "none" for the per-anchor
+    losses (for sample weighting; the order of the anchors is given by each call). With
+    ``output_dict=True`` the diagnostics are reduced the same way.
+    """
+
+    name = "objective"
+
+    def __init__(self, *, normalize: bool = True, reduction: Reduction = "mean"):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{self.name}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+        self.normalize = normalize
+        self.reduction = reduction
+
+    def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
+                  output_dict: bool = False):
+        raise ValueError(f"{self.name} has no query/key (MoCo) form; use one of infonce, dcl, dclw, eqco, cacr")
+
+    def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
+                    output_dict: bool = False):
+        raise ValueError(f"{self.name} has no image-text (CLIP) form; use one of infonce, dcl, dclw, eqco, cacr")
+
+    def _unit(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x = x.to(dtype)
+        return normalize_rows(x) if self.normalize else x
+
+    def _apply_reduction(self, per_anchor: torch.Tensor) -> torch.Tensor:
+        if self.reduction == "mean":
+            return per_anchor.mean()
+        return per_anchor.sum() if self.reduction == "sum" else per_anchor
+
+    def _output(self, terms: Terms, output_dict: bool):
+        """The reduced loss, or with ``output_dict`` the dict of it and its reduced diagnostics."""
+        loss = self._apply_reduction(terms.loss)
+        if not output_dict:
+            return loss
+        return {"loss": loss, **{k: self._apply_reduction(v) for k, v in self._diagnostics(terms).items()}}
+
+    def _diagnostics(self, terms: Terms) -> dict[str, torch.Tensor]:
+        return {"pos_term": terms.pos_term, "neg_term": terms.neg_term, "npc_multiplier": terms.npc}
+
+
+class ContrastiveLoss(Objective):
     """Base of the score-based objectives (infonce, dcl, dclw, eqco, cacr).
 
     ``loss_fn(z1, z2)``: the two-view setting (SimCLR). Anchors are all 2N views; an anchor's positive
@@ -58,18 +111,24 @@ class ContrastiveLoss(nn.Module):
     ``loss_fn(z1, z2, z3, ...)``, give each anchor the V - 1 other views of its sample as positives.
     ``loss_fn.query_key(q, k, queue)``: the MoCo setting. Anchors are the queries, the positive is the
     key of the same sample, the negatives the queue, or without a queue the other keys of the batch.
+    ``loss_fn.cross_modal(image, text)``: the CLIP setting.
 
-    The loss is the mean over this process's anchors. With ``gather_distributed=True`` the negatives
-    come from every process (gathered with gradient), so that P processes (with DDP's gradient
-    averaging) match one process on the concatenated batch.
+    Settings (keyword arguments of every subclass):
 
-    ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
-    BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives with
-    a closed-form ``stat_grad`` get backward's products done in forward and keep no block; the others
-    (image-text on one process) keep the blocks' exponentials for backward up to KEEP_MAX_ELEMENTS
-    entries (the first blocks) and recompute the rest, so memory grows linearly in the batch; a positive
-    number: blocks of that many anchors, none kept; 0: the dense reference (one product, autograd through
-    logsumexp). All three give the same values and gradients.
+    - ``normalize`` (True), ``reduction`` ("mean" | "sum" | "none"): see Objective. With "none" the
+      per-anchor losses come view-major ([V N]: all first views, then all second views, ...), [N] for
+      query_key, [2 N] for cross_modal (images, then texts).
+    - ``gather_distributed`` (False): the negatives come from every process (gathered with gradient),
+      so that P processes (with DDP's gradient averaging) match one process on the concatenated batch.
+    - ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
+      BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives
+      with a closed-form ``stat_grad`` get backward's products done in forward and keep no block; the
+      others (image-text on one process) keep the blocks' exponentials for backward up to
+      KEEP_MAX_ELEMENTS entries (the first blocks) and recompute the rest, so memory grows linearly in
+      the batch; a positive number: blocks of that many anchors, none kept; 0: the dense reference (one
+      product, autograd through logsumexp). All three give the same values and gradients.
+    - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
+      "auto" is Triton on CUDA and the blockwise torch kernel elsewhere.
     """
 
     name = "contrastive"
@@ -77,20 +136,20 @@ class ContrastiveLoss(nn.Module):
     needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
 
     def __init__(self, *, normalize: bool = True, gather_distributed: bool = False, chunk_size: int | None = None,
-                 backend: str = "auto"):
-        super().__init__()
+                 backend: Backend = "auto", reduction: Reduction = "mean"):
+        super().__init__(normalize=normalize, reduction=reduction)
         if backend not in BACKENDS:
             raise ValueError(f"{self.name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 0):
             raise ValueError(f"{self.name}: chunk_size must be None (automatic), 0 (dense) or a positive number "
                              f"of anchors per block, got {chunk_size!r}")
-        self.normalize = normalize
         self.gather_distributed = gather_distributed
         self.chunk_size = chunk_size
         self.backend = backend
 
     # Subclasses define these two.
-    def logit_scale(self) -> float:
+    def default_logit_scale(self) -> float:
+        """The factor on cosines where no ``logit_scale=`` is given: 1 / temperature (CACR: 2 t_neg)."""
         raise NotImplementedError
 
     def stat_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
@@ -179,7 +238,7 @@ class ContrastiveLoss(nn.Module):
         loss's own scale (1 / temperature) when given."""
         features = {"image": image, "text": text}
         check_features(self.name, features, values=False)
-        scale = self.logit_scale() if logit_scale is None else logit_scale
+        scale = self.default_logit_scale() if logit_scale is None else logit_scale
         with torch.autocast(image.device.type, enabled=False):
             dtype = _compute_dtype(image, text)
             a, b = self._unit(image, dtype), self._unit(text, dtype)
@@ -215,10 +274,6 @@ class ContrastiveLoss(nn.Module):
 
     # ------------------------------------------------------------------ helpers
 
-    def _unit(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        x = x.to(dtype)
-        return normalize_rows(x) if self.normalize else x
-
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_distributed else (x, 0)
 
@@ -236,7 +291,7 @@ class ContrastiveLoss(nn.Module):
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
         (default M), for the kernel's guess of the gradient (see stat_grad)."""
-        scale = self.logit_scale() if scale is None else scale
+        scale = self.default_logit_scale() if scale is None else scale
         block, keep = self._blocking(candidates.shape[0])
         if block is None:
             logits = (anchors * scale) @ candidates.T
@@ -260,14 +315,10 @@ class ContrastiveLoss(nn.Module):
         return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale)
 
     def _reduce(self, terms: Terms, output_dict: bool, inputs: dict[str, torch.Tensor]):
-        """The mean loss (and with ``output_dict`` its diagnostics). Non-finite features always make a
+        """The reduced loss (and with ``output_dict`` its diagnostics). Non-finite features always make a
         non-finite loss, so the inputs are searched for them only then: one check per call, not one per
         input."""
-        loss = terms.loss.mean()
-        if not bool(torch.isfinite(loss)):
+        out = self._output(terms, output_dict)
+        if not bool(torch.isfinite(out["loss"] if output_dict else out).all()):
             check_features(self.name, inputs, same_shape=False)
-        return self._diagnostics(loss, terms) if output_dict else loss
-
-    def _diagnostics(self, loss: torch.Tensor, terms: Terms) -> dict[str, torch.Tensor]:
-        return {"loss": loss, "pos_term": terms.pos_term.mean(), "neg_term": terms.neg_term.mean(),
-                "npc_multiplier": terms.npc.mean()}
+        return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from contrastkit.losses.base import ContrastiveLoss
+from contrastkit.losses.base import Backend, ContrastiveLoss, Reduction
 from contrastkit.losses.functional import Terms, _check_temperature, cacr_stat_terms, cacr_terms
 
 
@@ -23,13 +23,15 @@ class CACRLoss(ContrastiveLoss):
     name = "cacr"
     needs_mean = True
 
-    def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, **options):
-        super().__init__(**options)
+    def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, *, normalize: bool = True, gather_distributed: bool = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+        super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
+                         backend=backend, reduction=reduction)
         _check_temperature(self.name, t_pos, "t_pos")
         _check_temperature(self.name, t_neg, "t_neg")
         self.t_pos, self.t_neg = t_pos, t_neg
 
-    def logit_scale(self) -> float:
+    def default_logit_scale(self) -> float:
         return 2.0 * self.t_neg  # softmax(-t_neg (2 - 2 s)) = softmax(2 t_neg s)
 
     def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
@@ -41,5 +43,5 @@ class CACRLoss(ContrastiveLoss):
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.stack([torch.zeros_like(neg_mean), torch.full_like(neg_mean, 2.0)])  # repulsion 2 mean - 2
 
-    def _diagnostics(self, loss, terms):
-        return {"loss": loss, "attraction": terms.pos_term.mean(), "repulsion": terms.neg_term.mean()}
+    def _diagnostics(self, terms):
+        return {"attraction": terms.pos_term, "repulsion": terms.neg_term}

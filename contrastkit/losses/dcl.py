@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from contrastkit.distributed import gather_no_grad
-from contrastkit.losses.base import ContrastiveLoss
+from contrastkit.losses.base import Backend, ContrastiveLoss, Reduction
 from contrastkit.losses.functional import Terms, _check_temperature, dclw_weights, softmax_terms
 
 
@@ -22,12 +22,14 @@ class DCLLoss(ContrastiveLoss):
 
     name = "dcl"
 
-    def __init__(self, temperature: float = 0.1, **options):
-        super().__init__(**options)
+    def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: bool = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+        super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
+                         backend=backend, reduction=reduction)
         _check_temperature(self.name, temperature)
         self.temperature = temperature
 
-    def logit_scale(self) -> float:
+    def default_logit_scale(self) -> float:
         return 1.0 / self.temperature
 
     def positive_weight(self, pos: torch.Tensor) -> torch.Tensor | None:
@@ -52,8 +54,10 @@ class DCLWLoss(DCLLoss):
 
     name = "dclw"
 
-    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, **options):
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, *, normalize: bool = True, gather_distributed: bool = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+        super().__init__(temperature, normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
+                         backend=backend, reduction=reduction)
         _check_temperature(self.name, sigma, "sigma")
         self.sigma = sigma
 

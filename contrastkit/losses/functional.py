@@ -164,6 +164,24 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
 
 
+def eqco_negatives(neg_lse: torch.Tensor, alpha: float, num_neg: int | torch.Tensor) -> torch.Tensor:
+    """EqCo's margin m = tau log(alpha / K) moved onto the negatives (EqCo, Eq. 5): e^{(s_p - m) / tau} =
+    e^{s_p / tau} K / alpha, so InfoNCE with the margin is InfoNCE with lse_n + log(alpha / K). num_neg:
+    K, one number or per anchor [M]."""
+    if isinstance(num_neg, torch.Tensor):
+        return neg_lse + torch.log(alpha / num_neg.to(neg_lse.dtype))
+    return neg_lse + math.log(alpha / num_neg)
+
+
+def unigrad_terms(u: torch.Tensor, t: torch.Tensor, correlation: torch.Tensor, lam: float) -> Terms:
+    """UniGrad per-anchor loss -<u, t> + (lam / 2) u^T F u (UniGrad, Eq. 15) from unit anchors u [M, D],
+    their detached targets t [M, D] and the correlation F [D, D]; its gradient in u is -t + lam F u
+    (Eq. 14). No negatives matrix, so no NPC multiplier (0)."""
+    pos = (u * t).sum(dim=-1)
+    quad = 0.5 * lam * ((u @ correlation) * u).sum(dim=-1)
+    return Terms(quad - pos, (-pos).detach(), quad.detach(), torch.zeros_like(pos))
+
+
 def dclw_weights(pos: torch.Tensor, sigma: float, all_pos: torch.Tensor | None = None) -> torch.Tensor:
     """DCLW's positive weights w = 2 - n softmax(pos / sigma) over all n positive pairs, detached.
 
@@ -274,9 +292,7 @@ def unigrad(anchor, target, correlation, *, lam: float = 100.0, normalize: bool 
     u, t = anchor.to(dtype), target.detach().to(dtype)
     if normalize:
         u, t = normalize_rows(u), normalize_rows(t)
-    pos = (u * t).sum(dim=-1)
-    quad = ((u @ correlation.detach().to(dtype)) * u).sum(dim=-1)
-    return -pos + 0.5 * lam * quad
+    return unigrad_terms(u, t, correlation.detach().to(dtype), lam).loss
 
 
 def _softmax_kernel(name, pos, neg, neg_mask, temperature, *, keep_positive, pos_weight=None,
@@ -285,7 +301,7 @@ def _softmax_kernel(name, pos, neg, neg_mask, temperature, *, keep_positive, pos
     pos, neg, neg_mask = check_scores(pos, neg, neg_mask, name)
     neg_lse = torch.logsumexp(_masked_logits(neg, neg_mask, 1.0 / temperature), dim=1)
     if alpha is not None:
-        neg_lse = neg_lse + torch.log(alpha / _valid_count(neg, neg_mask))
+        neg_lse = eqco_negatives(neg_lse, alpha, _valid_count(neg, neg_mask))
     if pos_weight is not None:
         if pos_weight.shape != pos.shape:
             raise ValueError(f"{name}: pos_weight has shape {tuple(pos_weight.shape)}, pos has {tuple(pos.shape)}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from contrastkit.losses.base import ContrastiveLoss
-from contrastkit.losses.functional import Terms, _check_temperature, softmax_terms
+from contrastkit.losses.base import Backend, ContrastiveLoss, Reduction
+from contrastkit.losses.functional import Terms, _check_temperature, eqco_negatives, softmax_terms
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -19,12 +19,14 @@ class InfoNCELoss(ContrastiveLoss):
 
     name = "infonce"
 
-    def __init__(self, temperature: float = 0.1, **options):
-        super().__init__(**options)
+    def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: bool = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+        super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
+                         backend=backend, reduction=reduction)
         _check_temperature(self.name, temperature)
         self.temperature = temperature
 
-    def logit_scale(self) -> float:
+    def default_logit_scale(self) -> float:
         return 1.0 / self.temperature
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
@@ -52,12 +54,12 @@ class EqCoLoss(InfoNCELoss):
 
     name = "eqco"
 
-    def __init__(self, temperature: float = 0.1, alpha: float = 256.0, **options):
-        super().__init__(temperature, **options)
+    def __init__(self, temperature: float = 0.1, alpha: float = 256.0, *, normalize: bool = True, gather_distributed: bool = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+        super().__init__(temperature, normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
+                         backend=backend, reduction=reduction)
         _check_temperature(self.name, alpha, "alpha")
         self.alpha = alpha
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
-        # exp((s_p - m) / tau) = exp(s_p / tau) K / alpha: the same as scaling the negatives' sum by alpha / K.
-        neg_lse = neg_lse + torch.log(torch.as_tensor(self.alpha / num_neg, dtype=pos.dtype))
-        return softmax_terms(pos * scale, neg_lse, keep_positive=True)
+        return softmax_terms(pos * scale, eqco_negatives(neg_lse, self.alpha, num_neg), keep_positive=True)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any, Literal, overload
 
+from contrastkit.losses.base import Objective
 from contrastkit.losses.cacr import CACRLoss
 from contrastkit.losses.dcl import DCLLoss, DCLWLoss
 from contrastkit.losses.infonce import EqCoLoss, InfoNCELoss
 from contrastkit.losses.unigrad import UniGradLoss
 
-LOSSES: dict[str, type[nn.Module]] = {
+LOSSES: dict[str, type[Objective]] = {
     "infonce": InfoNCELoss,
     "dcl": DCLLoss,
     "dclw": DCLWLoss,
@@ -24,8 +25,28 @@ def available_losses() -> list[str]:
     return list(LOSSES)
 
 
-def build_loss(name: str, **options) -> nn.Module:
-    """The loss called ``name`` with its options, e.g. ``build_loss("dcl", temperature=0.1)``."""
+@overload
+def build_loss(name: Literal["infonce"], **options: Any) -> InfoNCELoss: ...
+@overload
+def build_loss(name: Literal["dcl"], **options: Any) -> DCLLoss: ...
+@overload
+def build_loss(name: Literal["dclw"], **options: Any) -> DCLWLoss: ...
+@overload
+def build_loss(name: Literal["eqco"], **options: Any) -> EqCoLoss: ...
+@overload
+def build_loss(name: Literal["cacr"], **options: Any) -> CACRLoss: ...
+@overload
+def build_loss(name: Literal["unigrad"], **options: Any) -> UniGradLoss: ...
+@overload
+def build_loss(name: str, **options: Any) -> Objective: ...
+
+
+def build_loss(name: str, **options: Any) -> Objective:
+    """The loss called ``name`` built with the keyword arguments of its class, e.g.
+    ``build_loss("dcl", temperature=0.1, chunk_size=0)`` is ``DCLLoss(temperature=0.1, chunk_size=0)``.
+
+    Typed per name (a literal name gives its class); any name gives an ``Objective``, whose
+    ``query_key`` and ``cross_modal`` raise a ValueError for UniGrad."""
     key = name.lower()
     if key not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from contrastkit.distributed import all_reduce_sum
-from contrastkit.losses.base import check_features
-from contrastkit.losses.functional import _check_temperature, _compute_dtype, normalize_rows
+from contrastkit.losses.base import Objective, Reduction, check_features
+from contrastkit.losses.functional import Terms, _check_temperature, _compute_dtype, unigrad_terms
 
 
-class UniGradLoss(nn.Module):
+class UniGradLoss(Objective):
     """UniGrad (Eq. 14-15): per anchor -cos(u1, t2) + (lam / 2) u1^T F u1, whose gradient is -t2 + lam F u1.
 
     t2 is the target of the other view: a momentum encoder's output when given (``target1``,
     ``target2``), else the detached online view. F is a running average of the targets' correlation,
     F = rho F + (1 - rho) (T1^T T1 + T2^T T2) / (2N), set from the first batch, kept in float32 in a
     buffer (saved with the state dict) and averaged over processes. F is updated in training mode
-    only. The loss is symmetric over the views. Defaults: lam 100, rho 0.99.
+    only. The loss is symmetric over the views; with ``reduction="none"`` the per-anchor losses are
+    [2N], the first views' then the second views'. Defaults: lam 100, rho 0.99.
+
+    UniGrad has no negatives matrix (the repulsion goes through F), hence no query/key or image-text
+    form (a ValueError) and no ``gather_distributed``, ``chunk_size`` or ``backend``.
 
     >>> loss_fn = UniGradLoss(lam=100.0, rho=0.99)
     >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128))
@@ -25,15 +28,17 @@ class UniGradLoss(nn.Module):
 
     name = "unigrad"
 
-    def __init__(self, lam: float = 100.0, rho: float = 0.99, *, normalize: bool = True):
-        super().__init__()
+    def __init__(self, lam: float = 100.0, rho: float = 0.99, *, normalize: bool = True,
+                 reduction: Reduction = "mean"):
+        super().__init__(normalize=normalize, reduction=reduction)
         _check_temperature(self.name, lam, "lam")
         if not 0.0 <= rho < 1.0:
             raise ValueError(f"unigrad: rho must be in [0, 1), got {rho}")
-        self.lam, self.rho, self.normalize = lam, rho, normalize
+        self.lam, self.rho = lam, rho
         self.register_buffer("correlation", torch.zeros(0, 0))  # sized on the first batch
 
-    def forward(self, z1, z2, target1=None, target2=None, *, output_dict: bool = False):
+    def forward(self, z1: torch.Tensor, z2: torch.Tensor, target1: torch.Tensor | None = None,
+                target2: torch.Tensor | None = None, *, output_dict: bool = False):
         features = {"z1": z1, "z2": z2}
         if (target1 is None) != (target2 is None):
             raise ValueError("unigrad: give both target1 and target2, or neither")
@@ -49,17 +54,11 @@ class UniGradLoss(nn.Module):
                 self._update_correlation(t1, t2)
             elif self.correlation.numel() == 0:
                 raise RuntimeError("unigrad: the correlation matrix is empty; run one training-mode batch first")
-            corr = self.correlation.to(dtype)
-            pos = torch.cat([(u1 * t2).sum(-1), (u2 * t1).sum(-1)])
-            quad = torch.cat([((u1 @ corr) * u1).sum(-1), ((u2 @ corr) * u2).sum(-1)])
-            loss = (-pos + 0.5 * self.lam * quad).mean()
-        if not output_dict:
-            return loss
-        return {"loss": loss, "pos_term": -pos.detach().mean(), "neg_term": 0.5 * self.lam * quad.detach().mean()}
+            terms = unigrad_terms(torch.cat([u1, u2]), torch.cat([t2, t1]), self.correlation.to(dtype), self.lam)
+        return self._output(terms, output_dict)
 
-    def _unit(self, x, dtype):
-        x = x.to(dtype)
-        return normalize_rows(x) if self.normalize else x
+    def _diagnostics(self, terms: Terms) -> dict[str, torch.Tensor]:
+        return {"pos_term": terms.pos_term, "neg_term": terms.neg_term}
 
     @torch.no_grad()
     def _update_correlation(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
