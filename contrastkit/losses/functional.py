@@ -210,7 +210,7 @@ def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, neg
 
 def cacr_stat_terms(pos: torch.Tensor, neg_mean: torch.Tensor, *, t_pos: float) -> Terms:
     """CACR per-anchor loss from positive cosines [M, P] and the negatives' softmax-weighted mean cosine
-    neg_mean = E_pi[s] [M] (see cacr_terms): attraction - 2 + 2 neg_mean."""
+    neg_mean [M], E_pi[s] (see cacr_terms): attraction - 2 + 2 neg_mean."""
     pos_cost = 2.0 - 2.0 * pos
     with torch.no_grad():
         pos_w = torch.softmax(t_pos * pos_cost, dim=1)
