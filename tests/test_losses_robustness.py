@@ -21,8 +21,8 @@ def _project(seed=0, n=64, d_in=32, d=16):
     return layer, x1, x2
 
 
-def _loss_and_grad(name, dtype, temperature=None, collapsed=False):
-    layer, x1, x2 = _project()
+def _loss_and_grad(name, dtype, temperature=None, collapsed=False, **size):
+    layer, x1, x2 = _project(**size)
     if collapsed:
         x1 = x2 = torch.ones_like(x1)
     opts = {"temperature": temperature} if temperature and name not in ("cacr", "unigrad") else {}
@@ -37,12 +37,37 @@ def _loss_and_grad(name, dtype, temperature=None, collapsed=False):
 
 @pytest.mark.parametrize("name", available_losses())
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_autocast_within_one_percent_of_float32(name, dtype):
-    full, full_grad = _loss_and_grad(name, torch.float32)
-    low, low_grad = _loss_and_grad(name, dtype)
-    assert low.dtype == torch.float32  # kernels compute in float32 whatever the autocast dtype
-    assert abs(float(low - full)) <= 0.01 * abs(float(full)) + 1e-3
-    assert torch.isfinite(low_grad).all()
+def test_autocast_loss_is_the_float32_loss_of_the_same_features(name, dtype):
+    """The loss runs in float32 whatever the autocast dtype: on the low-precision features a model
+    gives, value and gradient equal the float32 computation on those features (the gradient up to its
+    final rounding to the features' dtype). A matrix product left in the autocast dtype fails this."""
+    layer, x1, x2 = _project(n=128, d_in=128, d=128)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        low = [layer(x).requires_grad_() for x in (x1, x2)]
+    full = [z.detach().float().requires_grad_() for z in low]
+    with torch.autocast("cpu", dtype=dtype):
+        got = build_loss(name)(*low)
+    expected = build_loss(name)(*full)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    info = torch.finfo(dtype)  # one rounding: eps relative, or float16's subnormal step (GradScaler's concern)
+    for g, e in zip(torch.autograd.grad(got, low), torch.autograd.grad(expected, full)):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), e, rtol=info.eps, atol=info.tiny * info.eps)
+
+
+@pytest.mark.parametrize("name", available_losses())
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_autocast_training_step_close_to_float32(name, dtype):
+    """A whole autocast step (the projection in low precision too) against float32 at a realistic width:
+    the loss within 0.1% and the weight gradient within 1.5% (measured: at most 3e-4 and 1e-2; the
+    gradient's error is the projection's own low-precision product)."""
+    size = dict(n=256, d_in=256, d=128)
+    full, full_grad = _loss_and_grad(name, torch.float32, **size)
+    low, low_grad = _loss_and_grad(name, dtype, **size)
+    assert low.dtype == torch.float32
+    assert abs(float(low - full)) <= 1e-3 * abs(float(full))
+    assert float((low_grad - full_grad).norm()) <= 0.015 * float(full_grad.norm())
 
 
 @pytest.mark.parametrize("name", available_losses())

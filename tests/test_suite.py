@@ -47,14 +47,13 @@ def test_report_has_every_number_and_its_settings(tiny_suite):
 def test_numbers_agree_with_the_eval_scripts_run_by_hand(tiny_suite, tmp_path):
     config, report = tiny_suite
     run = report["cells"][0]["commands"][0].split("--out-dir ")[1].split()[0]
-    knn = subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
-                          "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
+                    "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
     assert json.loads((tmp_path / "knn.json").read_text())["knn_top1"] == report["table"]["dcl"]["image kNN"]["mean"]
     subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--out",
                     str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True, capture_output=True)
     by_hand = json.loads((tmp_path / "lp.json").read_text())["sgd"]["test_top1"]
     assert by_hand == report["table"]["dcl"]["image linear probe"]["mean"]
-    assert knn.returncode == 0
 
 
 def test_finished_cells_are_not_redone(tiny_suite):

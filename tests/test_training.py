@@ -1,14 +1,24 @@
 import json
 
+import matplotlib.pyplot as plt
+from PIL import Image
+
 from contrastkit.training import MetricsLog, latest_checkpoint
 
 
-def test_metrics_log_plot_summary_and_resume(tmp_path):
+def test_metrics_log_plot_summary_and_resume(tmp_path, monkeypatch):
     log = MetricsLog(tmp_path)
     for step in range(1, 6):
         log.log(step, loss=1.0 / step, acc=None if step % 2 else 0.1 * step)
     assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5]
-    assert log.plot(["loss", "acc", "missing"]).exists()
+    figures = []  # the figure the plot drew, kept when it is closed, to read back what it shows
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    path = log.plot(["loss", "acc", "missing"])
+    (fig,) = figures
+    panels = {ax.get_title(): ax.lines[0].get_xydata().tolist() for ax in fig.axes}
+    assert panels == {"loss": [[s, 1.0 / s] for s in range(1, 6)], "acc": [[2, 0.2], [4, 0.4]]}  # no "missing" panel
+    assert Image.open(path).size == (2 * 540, 408)  # the PNG written is that figure: two 4.5 x 3.4 in panels, 120 dpi
     assert json.loads(log.summary({"top1": 0.5, "nan": float("nan")}).read_text()) == {"top1": 0.5, "nan": None}
     resumed = MetricsLog(tmp_path, resume_step=3)
     assert [r["step"] for r in resumed.records()] == [1, 2, 3]
