@@ -23,11 +23,13 @@ def _project(seed=0, n=64, d_in=32, d=16):
 
 def _loss_and_grad(name, dtype, temperature=None, collapsed=False, **size):
     layer, x1, x2 = _project(**size)
+    if dtype == torch.float64:
+        layer, x1, x2 = layer.double(), x1.double(), x2.double()
     if collapsed:
         x1 = x2 = torch.ones_like(x1)
     opts = {"temperature": temperature} if temperature and name not in ("cacr", "unigrad") else {}
     loss_fn = build_loss(name, **opts)
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype in LOW_PRECISION):
         z1, z2 = layer(x1), layer(x2)
         assert z1.dtype == dtype
         loss = loss_fn(z1, z2)
@@ -73,10 +75,20 @@ def test_autocast_training_step_close_to_float32(name, dtype):
 @pytest.mark.parametrize("name", available_losses())
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
 @pytest.mark.parametrize("temperature,collapsed", [(0.02, False), (0.02, True), (0.1, True)])
-def test_no_nan_at_low_temperature_or_collapse(name, dtype, temperature, collapsed):
+def test_low_temperature_and_collapse_match_float64(name, dtype, temperature, collapsed):
+    """At temperature 0.02 (logits up to 50) and with every feature equal, the loss and the weight
+    gradient match the same step in float64: within 1e-5 in float32, 2% (float16) and 5% (bfloat16),
+    whose projections round the features (measured: 2e-6, 1.3e-2, 3.5e-2). Collapsed features have an
+    exact gradient of 0 (every direction is symmetric); what is left must be rounding (norm < 1e-3,
+    against 0.1-10 for the others)."""
     loss, grad = _loss_and_grad(name, dtype, temperature, collapsed)
-    assert torch.isfinite(loss), f"{name} {dtype} loss {loss}"
-    assert torch.isfinite(grad).all(), f"{name} {dtype} grad"
+    ref_loss, ref_grad = _loss_and_grad(name, torch.float64, temperature, collapsed)
+    tol = {torch.float32: 1e-5, torch.float16: 0.02, torch.bfloat16: 0.05}[dtype]
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss)) + 1e-6, f"{name} {dtype} loss {loss}"
+    if collapsed:
+        assert float(grad.norm()) < 1e-3, f"{name} {dtype} grad {grad.norm()}"
+    else:
+        assert float((grad.double() - ref_grad).norm()) <= tol * float(ref_grad.norm()), f"{name} {dtype} grad"
 
 
 def test_collapsed_dcl_value_is_the_analytic_one():
