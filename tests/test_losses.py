@@ -49,8 +49,9 @@ def test_module_matches_float64_reference(kind, n, d, v, tau):
 
 
 @pytest.mark.parametrize("kind", list(SCORE_LOSSES))
-def test_float32_inputs_close_to_float64_reference(kind):
-    cls, opts, ref = _params(kind, 0.1)
+@pytest.mark.parametrize("tau", [0.1, 0.01])  # 0.01: logits up to 100, whose exponential overflows float32
+def test_float32_inputs_close_to_float64_reference(kind, tau):
+    cls, opts, ref = _params(kind, tau)
     z64 = _views(3, 16, 32)
     z32 = [z.detach().float().requires_grad_() for z in z64]
     got = cls(**opts)(*z32)
@@ -278,19 +279,6 @@ def test_modules_save_no_state_but_unigrad():
 def test_temperature_matters():
     z = _views(15, 8, 8)
     assert not torch.allclose(DCLLoss(temperature=0.1)(*z), DCLLoss(temperature=0.5)(*z))
-
-
-@pytest.mark.parametrize("kind", list(SCORE_LOSSES))
-def test_float32_at_temperature_0_01_matches_float64_reference(kind):
-    """Logits up to 100, whose exponential overflows float32: values and gradients still right."""
-    cls, opts, ref = _params(kind, 0.01)
-    z64 = _views(15, 12, 8)
-    z32 = [z.detach().float().requires_grad_() for z in z64]
-    got = cls(**opts)(*z32)
-    expected = reference.per_anchor(z64, kind, **ref)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
-    for g, e in zip(_grads(got, z32), _grads(expected, z64)):
-        torch.testing.assert_close(g.double(), e, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", list(SCORE_LOSSES))
