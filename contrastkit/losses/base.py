@@ -8,7 +8,7 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -24,11 +24,11 @@ from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
 # extra product does at D = 128).
 BLOCK_ELEMENTS = 2**22
 # How the negatives' statistics are computed: "auto" (Triton on CUDA, blockwise torch elsewhere), or one forced.
-BACKENDS = ("auto", "triton", "torch", "dense")
-KEEP_MAX_ELEMENTS = 2**26
-REDUCTIONS = ("mean", "sum", "none")
 Backend = Literal["auto", "triton", "torch", "dense"]
+BACKENDS = get_args(Backend)
+KEEP_MAX_ELEMENTS = 2**26
 Reduction = Literal["mean", "sum", "none"]
+REDUCTIONS = get_args(Reduction)
 
 
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True,
