@@ -27,6 +27,7 @@ class UniGradLoss(Objective):
     """
 
     name = "unigrad"
+    correlation: torch.Tensor  # F [D, D], a buffer
 
     def __init__(self, lam: float = 100.0, rho: float = 0.99, *, normalize: bool = True,
                  reduction: Reduction = "mean"):
@@ -40,15 +41,17 @@ class UniGradLoss(Objective):
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, target1: torch.Tensor | None = None,
                 target2: torch.Tensor | None = None, *, output_dict: bool = False):
         features = {"z1": z1, "z2": z2}
-        if (target1 is None) != (target2 is None):
-            raise ValueError("unigrad: give both target1 and target2, or neither")
-        if target1 is not None:
+        targets = None
+        if target1 is not None and target2 is not None:
             features.update(target1=target1, target2=target2)
+            targets = (target1, target2)
+        elif target1 is not None or target2 is not None:
+            raise ValueError("unigrad: give both target1 and target2, or neither")
         check_features(self.name, features)
         with torch.autocast(z1.device.type, enabled=False):
             dtype = _compute_dtype(z1, z2)
             u1, u2 = self._unit(z1, dtype), self._unit(z2, dtype)
-            t1, t2 = (u1, u2) if target1 is None else (self._unit(target1, dtype), self._unit(target2, dtype))
+            t1, t2 = (u1, u2) if targets is None else (self._unit(t, dtype) for t in targets)
             t1, t2 = t1.detach(), t2.detach()
             if self.training:
                 self._update_correlation(t1, t2)
