@@ -157,8 +157,19 @@ def test_blockwise_saves_nothing_quadratic():
 def test_automatic_choice():
     fn = build_loss("infonce")
     assert fn._blocking(1024) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
-    assert build_loss("infonce", chunk_size=0)._blocking(1024) == (None, 0)
     assert build_loss("infonce", chunk_size=7)._blocking(8) == (7, 0)  # none kept
+    cpu = torch.zeros(2, 2)
+    assert fn._resolve_backend(cpu) == "torch"
+    assert build_loss("infonce", chunk_size=0)._resolve_backend(cpu) == "dense"
+    assert build_loss("infonce", backend="dense")._resolve_backend(cpu) == "dense"
+    with pytest.raises(TypeError, match="float64"):
+        build_loss("infonce", backend="triton")._resolve_backend(cpu.double())
+
+
+@pytest.mark.parametrize("bad", ["cuda", "Triton", None])
+def test_bad_backend(bad):
+    with pytest.raises(ValueError, match="backend must be one of auto, triton, torch, dense"):
+        build_loss("dcl", backend=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "8"])

@@ -8,13 +8,14 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
+import os
 from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from contrastkit.distributed import gather_with_grad
-from contrastkit.losses.chunked import negative_stats
+from contrastkit.losses.chunked import host_checks_allowed, negative_stats
 from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
 
 # Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
@@ -29,6 +30,28 @@ BACKENDS = get_args(Backend)
 KEEP_MAX_ELEMENTS = 2**26
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS = get_args(Reduction)
+
+
+def triton_available() -> bool:
+    """Whether Triton kernels can run here: triton installed, and a CUDA device or its CPU interpreter."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
+    """bfloat16 or float16 where the features come in it or autocast asks for it, else None. The Triton
+    backend then takes the unit vectors in that dtype for its products (accumulated in float32): the
+    features carry no more precision, and the product runs at the low-precision GEMM speed."""
+    for f in features:
+        if f.dtype in (torch.bfloat16, torch.float16):
+            return f.dtype
+    device = features[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True,
@@ -178,6 +201,7 @@ class ContrastiveLoss(Objective):
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor, output_dict: bool = False):
         views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
         check_features(self.name, views, values=False)  # values: see _reduce
+        low = _low_precision(*views.values())
         with torch.autocast(z1.device.type, enabled=False):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
             dtype = _compute_dtype(*views.values())
@@ -194,13 +218,14 @@ class ContrastiveLoss(Objective):
                                  "the views of the other samples); use a batch of at least 2")
 
             # Positives: the other views of the same sample, from local features (no gather needed).
-            others = torch.tensor([[w for w in range(v) if w != a] for a in range(v)], device=u.device)  # [V, V-1]
+            idx = torch.arange(v, device=u.device)
+            others = idx[None, : v - 1] + (idx[None, : v - 1] >= idx[:, None]).long()  # [V, V-1]: w != a
             gram = torch.einsum("and,bnd->nab", u, u)  # [n, V, V]
             pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
 
             # Negatives: every view of every sample but the anchor's own sample's views.
             own = torch.arange(v, device=u.device)[None] * total + (start + torch.arange(n, device=u.device))[:, None]
-            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1))
+            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low)
             return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
@@ -213,12 +238,13 @@ class ContrastiveLoss(Objective):
         check_features(self.name, features, same_shape=False, values=False)
         if keys.shape[0] != query.shape[0]:
             raise ValueError(f"{self.name}: query has {query.shape[0]} rows but key has {keys.shape[0]}")
+        low = _low_precision(*features.values())
         with torch.autocast(query.device.type, enabled=False):
             dtype = _compute_dtype(query, key)
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
-                terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0])
+                terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0], low=low)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
             all_k, start = self._gather(k.reshape(n, -1))
@@ -227,7 +253,7 @@ class ContrastiveLoss(Objective):
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
             own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
-            terms = self.negative_terms(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p)
+            terms = self.negative_terms(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p, low=low)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -239,6 +265,7 @@ class ContrastiveLoss(Objective):
         features = {"image": image, "text": text}
         check_features(self.name, features, values=False)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
+        low = _low_precision(image, text)
         with torch.autocast(image.device.type, enabled=False):
             dtype = _compute_dtype(image, text)
             a, b = self._unit(image, dtype), self._unit(text, dtype)
@@ -255,17 +282,17 @@ class ContrastiveLoss(Objective):
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
             own = (start + torch.arange(n, device=a.device))[:, None]
-            block, keep = self._blocking(total)
-            if total != n or (block is not None and self.needs_mean):  # each direction on its own
-                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n)
-                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n)
-            elif block is None:  # one process, dense: one product serves both directions
+            backend = self._resolve_backend(a)
+            if total != n or (backend != "dense" and self.needs_mean):  # each direction on its own
+                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low)
+                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low)
+            elif backend == "dense":  # one process: one product serves both directions
                 logits = (a * scale) @ b.T
                 logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
                 image_terms = self.terms(pos, logits, total - 1, scale)
                 text_terms = self.terms(pos, logits.T, total - 1, scale)
-            else:  # one process, blockwise: the columns' statistics come from the same blocks
-                stats = negative_stats(a, b, scale, exclude=own, block=block, columns=True, keep=keep)
+            else:  # one process: the columns' statistics come from the same blocks
+                stats = self._negative_stats(backend, a, b, scale, own, low, columns=True)
                 half = stats.shape[0] // 2
                 image_terms = self._stat_terms(pos, stats[:half], total - 1, scale)
                 text_terms = self._stat_terms(pos, stats[half:], total - 1, scale)
@@ -277,38 +304,72 @@ class ContrastiveLoss(Objective):
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_distributed else (x, 0)
 
-    def _blocking(self, k: int) -> tuple[int | None, int]:
-        """(anchors per block, entries that may be kept for backward) for a matrix of k columns; block
-        None means dense."""
-        if self.chunk_size == 0:
-            return None, 0
+    def _resolve_backend(self, features: torch.Tensor) -> str:
+        """The backend of this call: "dense" (chunk_size=0 or asked), "triton" (asked, or "auto" on CUDA
+        where Triton is installed and the features are not float64), else "torch" (blockwise)."""
+        if self.backend == "dense" or self.chunk_size == 0:
+            return "dense"
+        if self.backend == "triton":
+            if features.dtype == torch.float64:
+                raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
+                                "features; use backend='torch' for float64")
+            if not triton_available():
+                raise RuntimeError(f"{self.name}: backend='triton' needs the triton package (pip install triton), "
+                                   "and on CPU tensors TRITON_INTERPRET=1 set before triton is imported")
+            return "triton"
+        if (self.backend == "auto" and features.is_cuda and features.dtype != torch.float64
+                and self.chunk_size is None and triton_available()):
+            return "triton"
+        return "torch"
+
+    def _blocking(self, k: int) -> tuple[int, int]:
+        """(anchors per block, entries that may be kept for backward) of the blockwise torch kernel for a
+        matrix of k columns."""
         if self.chunk_size is not None:
             return self.chunk_size, 0
         return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
 
-    def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None) -> Terms:
+    def _negative_stats(self, backend, anchors, candidates, scale, exclude, low, *, columns=False, row_grad=None):
+        """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) through the
+        Triton kernels (products in ``low`` precision where given, see _low_precision) or the blockwise torch
+        kernel (float32 or float64 products)."""
+        if backend == "triton":
+            from contrastkit.losses.triton_stats import negative_stats_triton
+
+            if low is not None:
+                same = candidates is anchors
+                anchors = anchors.to(low)
+                candidates = anchors if same else candidates.to(low)
+            return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
+                                         columns=columns)
+        block, keep = self._blocking(candidates.shape[0])
+        return negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
+                              columns=columns, keep=keep, row_grad=row_grad)
+
+    def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
+                       low=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
-        (default M), for the kernel's guess of the gradient (see stat_grad)."""
+        (default M), for the kernel's guess of the gradient (see stat_grad); low: the Triton backend's
+        product dtype (see _low_precision)."""
         scale = self.default_logit_scale() if scale is None else scale
-        block, keep = self._blocking(candidates.shape[0])
-        if block is None:
+        backend = self._resolve_backend(anchors)
+        if backend == "dense":
             logits = (anchors * scale) @ candidates.T
             if exclude is not None:
                 rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
                 logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
             return self.terms(pos, logits, num_neg, scale)
         row_grad = None
-        if type(self).stat_grad is not ContrastiveLoss.stat_grad:
+        if backend == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
             count = anchors.shape[0] if mean_over is None else mean_over
 
             def row_grad(stats, r0, r1):
                 mean = stats[1] if self.needs_mean else None
                 return self.stat_grad(pos[r0:r1], stats[0], mean, num_neg, scale) / count
 
-        stats = negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
-                               keep=keep, row_grad=row_grad)
+        stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low, row_grad=row_grad)
         return self._stat_terms(pos, stats, num_neg, scale)
 
     def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:
@@ -319,6 +380,7 @@ class ContrastiveLoss(Objective):
         non-finite loss, so the inputs are searched for them only then: one check per call, not one per
         input."""
         out = self._output(terms, output_dict)
-        if not bool(torch.isfinite(out["loss"] if output_dict else out).all()):
+        loss = out["loss"] if output_dict else out
+        if host_checks_allowed(loss) and not bool(torch.isfinite(loss).all()):
             check_features(self.name, inputs, same_shape=False)
         return out

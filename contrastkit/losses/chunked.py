@@ -86,7 +86,21 @@ def _sampled_max(a_s, b, exclude):
         hit = exclude % stride == 0  # excluded candidates that are in the sample
         rows = torch.arange(a_s.shape[0], device=a_s.device)[:, None].expand_as(exclude)
         logits.index_put_((rows[hit], exclude[hit] // stride), logits.new_tensor(_excluded(logits.dtype)))
-    return logits.amax(dim=1)
+    return _operand_exact(logits.amax(dim=1))
+
+
+def _operand_exact(shift):
+    """The shift rounded to 8 significant bits (a bfloat16 value, so a TF32 one too). It enters the matrix
+    product as an operand, and a product in TF32 (torch.backends.cuda.matmul.allow_tf32) rounds its
+    operands to 11 bits: rounded first, it is subtracted exactly, the very shift that lse adds back.
+    Any value near the row's maximum serves as a shift."""
+    return shift.to(torch.bfloat16).to(shift.dtype)
+
+
+def host_checks_allowed(x: torch.Tensor) -> bool:
+    """Whether a call may read values of x's device on the host: in eager CPU calls only. There it costs
+    nothing; on a GPU each read stalls the pipeline, and under torch.compile it breaks the graph."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _with_shift(x, shift):
@@ -152,10 +166,13 @@ class _BlockStats(torch.autograd.Function):
         a_s = a * scale
         if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
             keep, row_grad = 0, None
+        # The fast path's checks (overflow, the columns' error bound) and backward's check of the guess read
+        # values on the host; elsewhere (CUDA, torch.compile) the safe path runs, exact with no check.
+        fast = host_checks_allowed(a)
         state = None
-        if columns and not with_mean:
+        if fast and columns and not with_mean:
             state = _fast_columns(a_s, b, exclude, block, keep)
-        elif not columns:
+        elif fast and not columns:
             state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None, row_grad)
         ctx.fast = state is not None
         spec = ()
@@ -480,7 +497,7 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
         m = anchors.shape[0]
         if candidates.shape[0] != m:
             raise ValueError(f"columns=True needs a square matrix, got {m} x {candidates.shape[0]}")
-        if exclude is not None and not torch.equal(exclude, torch.arange(m, device=exclude.device)[:, None]):
+        if exclude is not None and host_checks_allowed(exclude) and not torch.equal(exclude, torch.arange(m, device=exclude.device)[:, None]):
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
