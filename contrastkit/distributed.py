@@ -16,11 +16,26 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+_HOST_GROUPS: dict[object, object] = {}
+
+
+def _host_group():
+    """A process group that takes CPU tensors: the default one where it has gloo, else a gloo group made
+    once (every process makes it at the same call, its first gather)."""
+    if "gloo" in dist.get_backend():
+        return None
+    world_group = dist.group.WORLD
+    if world_group not in _HOST_GROUPS:
+        _HOST_GROUPS[world_group] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[world_group]
+
+
 def _sizes(x: torch.Tensor) -> list[int]:
-    """The first-dimension size of x on every process."""
-    n = torch.tensor([x.shape[0]], device=x.device)
+    """The first-dimension size of x on every process, exchanged between the hosts: sizes are known there,
+    so no GPU stream waits (a size gathered on the GPU and read back would stall it every step)."""
+    n = torch.tensor([x.shape[0]])
     sizes = [torch.zeros_like(n) for _ in range(world()[1])]
-    dist.all_gather(sizes, n)
+    dist.all_gather(sizes, n, group=_host_group())
     return [int(s) for s in sizes]
 
 
