@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from contrastkit.losses.chunked import host_checks_allowed
+
 __all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights", "normalize_rows"]
 
 
@@ -103,6 +105,11 @@ def check_scores(pos, neg, neg_mask, name: str) -> tuple[torch.Tensor, torch.Ten
             raise ValueError(f"{name}: neg_mask is on {neg_mask.device} but neg is on {neg.device}")
     if neg.shape[1] == 0:
         raise ValueError(f"{name}: no negatives (neg has shape {tuple(neg.shape)}); every anchor needs at least one")
+    if not host_checks_allowed(neg):  # CUDA or torch.compile: no host read of values (see host_checks_allowed)
+        if neg_mask is not None and neg.is_cuda and not torch.compiler.is_compiling():
+            torch._assert_async(neg_mask.any(dim=1).all(), f"{name}: an anchor has no valid negative in neg_mask")
+        dtype = _compute_dtype(pos, neg)
+        return (pos if pos.dim() == 2 else pos[:, None]).to(dtype), neg.to(dtype), neg_mask
     if neg_mask is not None:
         empty = int((~neg_mask.any(dim=1)).sum())
         if empty:

@@ -69,5 +69,4 @@ class FrameObjective:
                                                    gather_no_grad(pos))[:, 0]
         if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
             return neg.sum() * 0.0, dropped
-        mask = None if bool(valid.all()) else valid
-        return self.kernel(pos, neg, neg_mask=mask, **options).sum(), dropped
+        return self.kernel(pos, neg, neg_mask=valid, **options).sum(), dropped
