@@ -19,3 +19,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=["cpu", "cuda"], default=os.environ.get("CONTRASTKIT_TEST_DEVICE", "cpu"),
+                     help="device of the loss-core tests' tensors (GPU test mode: --device cuda; "
+                          "tests/test_cuda.py runs wherever CUDA is present)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The device the loss-core tests put their tensors on (--device; CPU by default, as in CI)."""
+    name = request.config.getoption("--device")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.exit("--device cuda: no CUDA device here", returncode=2)
+    return torch.device(name)

@@ -18,11 +18,11 @@ SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 SETTINGS = ["2views", "3views", "query_key", "queue", "multi_key", "cross_modal", "cross_modal_scale"]
 
 
-def _inputs(seed, n, d, dtype):
+def _inputs(seed, n, d, dtype, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    x = [torch.randn(n, d, generator=g, dtype=dtype) for _ in range(3)]
-    extra = {"queue": torch.randn(2 * n + 1, d, generator=g, dtype=dtype),
-             "keys": torch.randn(n, 2, d, generator=g, dtype=dtype)}
+    x = [torch.randn(n, d, generator=g, dtype=dtype).to(device) for _ in range(3)]
+    extra = {"queue": torch.randn(2 * n + 1, d, generator=g, dtype=dtype).to(device),
+             "keys": torch.randn(n, 2, d, generator=g, dtype=dtype).to(device)}
     return x, extra
 
 
@@ -43,7 +43,7 @@ def _loss(name, setting, chunk, x, extra, output_dict=False, **opts):
         return fn.query_key(leaves[0], keys, output_dict=output_dict), [leaves[0], keys]
     if setting == "cross_modal":
         return fn.cross_modal(*leaves[:2], output_dict=output_dict), leaves[:2]
-    scale = torch.tensor(14.0, dtype=x[0].dtype, requires_grad=True)  # CLIP's learnable exp(t)
+    scale = torch.tensor(14.0, dtype=x[0].dtype, device=x[0].device, requires_grad=True)  # CLIP's learnable exp(t)
     return fn.cross_modal(*leaves[:2], logit_scale=scale, output_dict=output_dict), [*leaves[:2], scale]
 
 
@@ -54,8 +54,8 @@ def _value_and_grads(name, setting, chunk, x, extra):
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_blockwise_equals_dense_float64(name, setting):
-    x, extra = _inputs(hash((name, setting)) % 2**31, 11, 6, torch.float64)
+def test_blockwise_equals_dense_float64(name, setting, device):
+    x, extra = _inputs(hash((name, setting)) % 2**31, 11, 6, torch.float64, device)
     want, want_grads = _value_and_grads(name, setting, 0, x, extra)
     for chunk in (1, 4, None):  # single rows, ragged blocks (11 = 4 + 4 + 3 anchors), automatic
         got, grads = _value_and_grads(name, setting, chunk, x, extra)
@@ -66,22 +66,24 @@ def test_blockwise_equals_dense_float64(name, setting):
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 @pytest.mark.parametrize("setting", ["2views", "3views", "query_key", "cross_modal_scale"])
-def test_blockwise_equals_dense_float32(name, setting):
-    """Relative error under 1e-5 in float32, at the low temperature where exp() is most sensitive."""
+def test_blockwise_equals_dense_float32(name, setting, device):
+    """Relative error under 1e-5 in float32, at the low temperature where exp() is most sensitive (on CUDA
+    the automatic choice, chunk_size None, is the Triton backend)."""
     opts = {} if name == "cacr" else {"temperature": 0.05}
-    x, extra = _inputs(7, 96, 32, torch.float32)
+    x, extra = _inputs(7, 96, 32, torch.float32, device)
     want, leaves = _loss(name, setting, 0, x, extra, **opts)
     want_grads = torch.autograd.grad(want, leaves)
-    got, leaves = _loss(name, setting, 13, x, extra, **opts)
-    grads = torch.autograd.grad(got, leaves)
-    assert abs(float(got.detach() - want.detach())) <= 1e-5 * abs(float(want.detach()))
-    for g, w in zip(grads, want_grads):
-        assert float((g - w).norm() / w.norm()) < 1e-5
+    for chunk in (13, None):
+        got, leaves = _loss(name, setting, chunk, x, extra, **opts)
+        grads = torch.autograd.grad(got, leaves)
+        assert abs(float(got.detach() - want.detach())) <= 1e-5 * abs(float(want.detach())), f"chunk {chunk}"
+        for g, w in zip(grads, want_grads):
+            assert float((g - w).norm() / w.norm()) < 1e-5, f"chunk {chunk}"
 
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
-def test_diagnostics_are_the_same(name):
-    x, extra = _inputs(3, 10, 5, torch.float64)
+def test_diagnostics_are_the_same(name, device):
+    x, extra = _inputs(3, 10, 5, torch.float64, device)
     dense = _loss(name, "2views", 0, x, extra, output_dict=True)[0]
     blocks = _loss(name, "2views", 3, x, extra, output_dict=True)[0]
     assert dense.keys() == blocks.keys()

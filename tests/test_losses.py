@@ -25,9 +25,9 @@ def _params(kind, tau):
     return cls, opts, ref
 
 
-def _views(seed, n, d, v=2, dtype=torch.float64):
+def _views(seed, n, d, v=2, dtype=torch.float64, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(v)]
+    return [torch.randn(n, d, generator=g, dtype=dtype).to(device).requires_grad_() for _ in range(v)]
 
 
 def _grads(loss, views):
@@ -36,10 +36,10 @@ def _grads(loss, views):
 
 @pytest.mark.parametrize("kind", list(SCORE_LOSSES))
 @pytest.mark.parametrize("n,d,v,tau", [(2, 3, 2, 0.1), (7, 16, 2, 0.5), (12, 5, 2, 0.05), (5, 8, 3, 0.2), (4, 6, 4, 1.0)])
-def test_module_matches_float64_reference(kind, n, d, v, tau):
+def test_module_matches_float64_reference(kind, n, d, v, tau, device):
     seed = hash((kind, n, d, v)) % 2**31
     cls, opts, ref = _params(kind, tau)
-    z = _views(seed, n, d, v)
+    z = _views(seed, n, d, v, device=device)
     expected = reference.per_anchor(z, kind, **ref)
     got = cls(**opts)(*z)
     assert got.dtype == torch.float64
@@ -51,9 +51,9 @@ def test_module_matches_float64_reference(kind, n, d, v, tau):
 @pytest.mark.parametrize("kind", list(SCORE_LOSSES))
 # tau 0.01 at d = 8: logit gaps past 88, where the exponential overflows float32
 @pytest.mark.parametrize("tau,d", [(0.1, 32), (0.01, 8)])
-def test_float32_inputs_close_to_float64_reference(kind, tau, d):
+def test_float32_inputs_close_to_float64_reference(kind, tau, d, device):
     cls, opts, ref = _params(kind, tau)
-    z64 = _views(3, 16, d)
+    z64 = _views(3, 16, d, device=device)
     z32 = [z.detach().float().requires_grad_() for z in z64]
     got = cls(**opts)(*z32)
     assert got.dtype == torch.float32

@@ -1,0 +1,157 @@
+"""CUDA-only checks of the loss core, run wherever a GPU is present (skipped elsewhere: CI has none).
+
+The GPU test mode is one command on a GPU machine:
+
+    python -m pytest -q --device cuda        # the loss-core tests' tensors on CUDA, and these tests
+
+These cover what a CPU cannot: no host synchronisation in a training step (sync-debug mode), fp16
+autocast with GradScaler, bf16, TF32 products, torch.compile on CUDA, and memory at a large batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contrastkit.losses import build_loss
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: runs where a GPU is present")
+SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
+
+
+def _encoder(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).cuda()
+
+
+def _batch(n=512, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, 64, device="cuda", generator=g)
+    return x, x + 0.3 * torch.randn(n, 64, device="cuda", generator=g)
+
+
+def _step(model, loss_fn, setting, x1, x2, optimizer, scale=None):
+    z1, z2 = model(x1), model(x2)
+    loss = loss_fn.cross_modal(z1, z2, logit_scale=scale) if setting == "image_text" else loss_fn(z1, z2)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+def test_training_step_has_no_host_sync(name, setting, backend):
+    model, loss_fn = _encoder(), build_loss(name, backend=backend)
+    scale = torch.tensor(14.0, device="cuda", requires_grad=True)
+    optimizer = torch.optim.SGD([*model.parameters(), scale], lr=1e-3)
+    x1, x2 = _batch()
+    _step(model, loss_fn, setting, x1, x2, optimizer, scale)  # warm-up: kernels compiled, allocator primed
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = _step(model, loss_fn, setting, x1, x2, optimizer, scale)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+def test_fp16_autocast_with_grad_scaler_matches_float32(name, setting):
+    x1, x2 = _batch()
+    results = []
+    for fp16 in (False, True):
+        model, loss_fn = _encoder(), build_loss(name)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=fp16):
+            z1, z2 = model(x1), model(x2)
+            loss = loss_fn.cross_modal(z1, z2, logit_scale=14.0) if setting == "image_text" else loss_fn(z1, z2)
+        assert loss.dtype == torch.float32
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert scaler.get_scale() >= 2.0**16 or not fp16  # no step skipped for inf/NaN gradients
+        results.append((loss.detach(), model[0].weight.detach().clone()))
+    (want, want_w), (got, got_w) = results
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+def test_bf16_features_close_to_float64(name):
+    """bf16 features go into the Triton products as bf16 (float32 accumulation): within bf16's precision of
+    the float64 loss of the same (bf16-rounded) features."""
+    x1, x2 = _batch(1024)
+    z = [x.bfloat16().requires_grad_() for x in (x1, x2)]
+    z64 = [x.detach().double().requires_grad_() for x in z]
+    got = build_loss(name)(*z)
+    want = build_loss(name)(*z64)
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+    grads, want_grads = torch.autograd.grad(got, z), torch.autograd.grad(want, z64)
+    for g, w in zip(grads, want_grads):
+        assert float((g.double() - w).norm() / w.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_tf32_within_dense_error(setting):
+    x1, x2 = _batch(4096)
+    x1, x2 = x1 @ torch.randn(64, 512, device="cuda"), x2 @ torch.randn(64, 512, device="cuda")
+
+    def run(backend, dtype):
+        z = [x.to(dtype).requires_grad_() for x in (x1, x2)]
+        scale = torch.tensor(100.0, device="cuda", dtype=dtype, requires_grad=True)
+        fn = build_loss("infonce", backend=backend)
+        loss = fn.cross_modal(*z, logit_scale=scale) if setting == "image_text" else fn(*z)
+        return [loss.detach().double(), *(g.double() for g in torch.autograd.grad(loss, [*z, scale], allow_unused=True)
+                                          if g is not None)]
+
+    want = run("torch", torch.float64)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        errors = {b: [float((r - w).abs().max() / w.abs().max()) for r, w in zip(run(b, torch.float32), want)]
+                  for b in ("dense", "auto", "torch")}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    for backend in ("auto", "torch"):
+        for err, ref in zip(errors[backend], errors["dense"]):
+            assert err <= 2 * ref + 1e-6, (backend, errors)
+
+
+@pytest.mark.parametrize("name", ["dcl", "cacr"])
+def test_compiled_training_step_equals_eager(name):
+    x1, x2 = _batch()
+    results = []
+    for compiled in (False, True):
+        model, loss_fn = _encoder(), build_loss(name)
+
+        def loss_of(a, b):
+            return loss_fn(model(a), model(b))
+
+        fn = torch.compile(loss_of, fullgraph=True) if compiled else loss_of
+        loss = fn(x1, x2)
+        loss.backward()
+        results.append((loss.detach(), model[0].weight.grad.clone()))
+    (want, want_g), (got, got_g) = results
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_g, want_g, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_memory_linear_at_a_large_batch(setting):
+    """N = 65536, D = 256: the loss's extra memory beyond the features and their gradients stays under
+    512 MiB (the dense matrix alone would take 16 GiB in float32)."""
+    n, d = 65536, 256
+    z = [torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn = build_loss("dcl")
+    loss = fn.cross_modal(*z, logit_scale=14.0) if setting == "image_text" else fn(*z)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - sum(t.grad.numel() * t.grad.element_size() for t in z)
+    assert extra < 512 * 2**20, f"{extra / 2**20:.0f} MiB"
