@@ -4,13 +4,19 @@
     python benchmarks/losses.py --sizes 256,1024,4096,16384,65536 --dims 128,512 --repeats 5
     python benchmarks/losses.py --methods floor-2v,infonce,lightly-ntxent --sizes 1024,4096 --no-memory
     python benchmarks/losses.py --methods infonce,clip --sizes 65536 --dims 256 --repeats 0 --no-time
+    # GPU (the issue-14 table): every objective, both settings, bf16 and float32, N 4096..262144, D 512 and 768
+    python benchmarks/losses.py --device cuda --dtype bfloat16 --sizes 4096,16384,32768,65536,131072,262144 \
+        --dims 512,768 --repeats 5 --mem-limit-gib 60 --out benchmarks/results/gpu/bf16
 
 Forward + backward of the loss on random features, for every method:
 
 - two views (N samples, 2N anchors, a [2N, 2N] matrix): contrastkit infonce, dcl, dclw, eqco, cacr
   (automatic path), infonce-dense (chunk_size=0), lightly's NTXentLoss, DCLLoss, DCLWLoss;
 - image-text (N pairs, an [N, N] matrix, learnable logit scale): contrastkit cross_modal (clip,
-  clip-dcl) and open_clip's ClipLoss (features normalised first, as the CLIP model does);
+  clip-dcl), open_clip's ClipLoss (features normalised first, as the CLIP model does) and, on CUDA,
+  Inf-CL's Triton loss (`inf-cl`, both directions);
+- infonce-torch / clip-torch: contrastkit with the blockwise torch backend forced (on CUDA the automatic
+  choice is the Triton backend), infonce-dense: the dense reference;
 - floor-2v / floor-clip: the matrix products every one of them must do for that matrix (forward 1,
   backward 2: S = A B^T, S B, S^T A), the fastest of whole, row blocks, and row blocks with the
   B gradient accumulated transposed.
@@ -47,16 +53,17 @@ import sys
 import time
 from pathlib import Path
 
-TWO_VIEW = {"infonce", "dcl", "dclw", "eqco", "cacr", "infonce-dense", "lightly-ntxent", "lightly-dcl",
-            "lightly-dclw", "floor-2v"}
-IMAGE_TEXT = {"clip", "clip-dcl", "openclip", "floor-clip"}
-METHODS = ["floor-2v", "infonce", "dcl", "dclw", "eqco", "cacr", "infonce-dense", "lightly-ntxent", "lightly-dcl",
-           "lightly-dclw", "floor-clip", "clip", "clip-dcl", "openclip"]
+TWO_VIEW = {"infonce", "dcl", "dclw", "eqco", "cacr", "infonce-torch", "infonce-dense", "lightly-ntxent",
+            "lightly-dcl", "lightly-dclw", "floor-2v"}
+IMAGE_TEXT = {"clip", "clip-dcl", "clip-torch", "openclip", "infcl", "floor-clip"}
+METHODS = ["floor-2v", "infonce", "dcl", "dclw", "eqco", "cacr", "infonce-torch", "infonce-dense", "lightly-ntxent",
+           "lightly-dcl", "lightly-dclw", "floor-clip", "clip", "clip-dcl", "clip-torch", "openclip", "infcl"]
 # Methods that hold the whole matrix (and its gradient): skipped where that would not fit.
 QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "openclip"}
-# contrastkit method -> the peer it is compared with
-PEERS = {"infonce": "lightly-ntxent", "dcl": "lightly-dcl", "dclw": "lightly-dclw", "clip": "openclip",
-         "clip-dcl": "openclip"}
+CUDA_ONLY = {"infcl"}  # Inf-CL's Triton kernels (pip install inf-cl)
+# contrastkit method -> the peers it is compared with (the first is the table's "/ peer")
+PEERS = {"infonce": ["lightly-ntxent"], "dcl": ["lightly-dcl"], "dclw": ["lightly-dclw"],
+         "clip": ["openclip", "infcl"], "clip-dcl": ["openclip", "infcl"]}
 GIB = 2**30
 
 
@@ -82,9 +89,21 @@ def _step(method: str, n: int, d: int, args) -> dict:
 
             clip_loss = ClipLoss()
             return {method: lambda: clip_loss(F.normalize(x, dim=-1), F.normalize(y, dim=-1), scale).backward()}
+        if method == "infcl":  # Inf-CL, one process: both directions, as its README's CLIP loss
+            from inf_cl import cal_inf_loss
+
+            head_dim = next(h for h in (256, 128, 64, 32, 16) if d % h == 0)
+
+            def infcl():
+                u, v = F.normalize(x, dim=-1), F.normalize(y, dim=-1)
+                loss = (cal_inf_loss(scale * u, v, head_dim=head_dim) + cal_inf_loss(scale * v, u, head_dim=head_dim))
+                (loss / 2).backward()
+
+            return {method: infcl}
         from contrastkit.losses import build_loss
 
-        loss_fn = build_loss("infonce" if method == "clip" else "dcl")
+        loss_fn = build_loss("dcl" if method == "clip-dcl" else "infonce",
+                             backend="torch" if method == "clip-torch" else "auto")
         return {method: lambda: loss_fn.cross_modal(x, y, logit_scale=scale).backward()}
     if method.startswith("lightly"):
         from lightly.loss import DCLLoss, DCLWLoss, NTXentLoss
@@ -94,8 +113,8 @@ def _step(method: str, n: int, d: int, args) -> dict:
     else:
         from contrastkit.losses import build_loss
 
-        name, _, dense = method.partition("-")
-        loss_fn = build_loss(name, **({"chunk_size": 0} if dense else {}))
+        name, _, backend = method.partition("-")  # infonce-dense, infonce-torch: that backend forced
+        loss_fn = build_loss(name, backend=backend or "auto")
     return {method: lambda: loss_fn(x, y).backward()}
 
 
@@ -107,7 +126,8 @@ def _floor(a, b) -> dict:
 
     from contrastkit.losses.base import BLOCK_ELEMENTS
 
-    rows = max(1, BLOCK_ELEMENTS // b.shape[0])
+    # Blocks of 2^28 entries on CUDA (no cache to fit; the launches must stay few), of the CPU loss's size there.
+    rows = max(1, (2**28 if a.is_cuda else BLOCK_ELEMENTS) // b.shape[0])
     buffer = a.new_empty(min(rows, a.shape[0]), b.shape[0])  # one block's products, reused: no allocation
 
     def blocks():
@@ -178,6 +198,9 @@ def worker(method: str, sizes: list[int], d: int, args) -> None:
         if estimate := _too_big(method, n, last, args.mem_limit_gib):
             print(json.dumps({"n": n, **_oom(estimate)}), flush=True)
             continue
+        if method in CUDA_ONLY and not cuda:
+            print(json.dumps({"n": n, "status": "skipped", "note": "CUDA only"}), flush=True)
+            continue
         steps, peak = _step(method, n, d, args), 0
         for step in steps.values():
             if args.repeats > 0:
@@ -236,6 +259,9 @@ def time_size(methods, n, d, args, last) -> dict:
         if estimate := _too_big(method, n, last.get(method), args.mem_limit_gib):
             out[method] = _oom(estimate)
             continue
+        if method in CUDA_ONLY and not args.device.startswith("cuda"):
+            out[method] = {"status": "skipped", "note": "CUDA only"}
+            continue
         try:
             fns = _step(method, n, d, args)
             for fn in fns.values() if args.repeats > 0 else []:
@@ -277,7 +303,7 @@ def run(args) -> list[dict]:
     records = {(m, n, d): {"method": m, "n": n, "d": d, "setting": setting(m), "device": args.device,
                            "dtype": args.dtype, "status": "ok", "time_s": None, "time_median_s": None,
                            "peak_extra_bytes": None, "load_avg_1min": None, "vs_floor": None, "vs_peer": None,
-                           "peer": None} for d in args.dims for m in args.methods for n in args.sizes}
+                           "peer": None, "vs_peers": {}} for d in args.dims for m in args.methods for n in args.sizes}
     total = len(records) * (args.memory + args.time)
     with tqdm(total=total, desc="losses", unit="run") as bar:
         for d in args.dims if args.memory else []:  # first, so that the subprocesses have the device to themselves
@@ -313,9 +339,10 @@ def _ratios(records):
         floor = by_key.get(("floor-2v" if r["setting"] == "two-view" else "floor-clip", r["n"], r["d"]))
         if floor:
             r["vs_floor"] = r["time_s"] / floor["time_s"]
-        peer = PEERS.get(r["method"])
-        if (peer, r["n"], r["d"]) in by_key:
-            r["vs_peer"], r["peer"] = r["time_s"] / by_key[peer, r["n"], r["d"]]["time_s"], peer
+        r["vs_peers"] = {peer: r["time_s"] / by_key[peer, r["n"], r["d"]]["time_s"]
+                         for peer in PEERS.get(r["method"], []) if (peer, r["n"], r["d"]) in by_key}
+        if r["vs_peers"]:
+            r["peer"], r["vs_peer"] = next(iter(r["vs_peers"].items()))
 
 
 def _fmt(value, scale=1.0, digits=1) -> str:
@@ -341,7 +368,7 @@ def markdown(records) -> str:
         if r["status"] != "ok":
             lines.append(f"{row} {r['status']} {r.get('note', '')} | | | | |")
             continue
-        peer = f"{r['vs_peer']:.2f} ({r['peer']})" if r["vs_peer"] is not None else ""
+        peer = ", ".join(f"{ratio:.2f} ({name})" for name, ratio in (r.get("vs_peers") or {}).items())
         lines.append(f"{row} {_fmt(r['time_s'], 1e3)} | {_fmt(r['time_median_s'], 1e3)} | "
                      f"{_fmt(r['peak_extra_bytes'], 2**-20)} | {_fmt(r['vs_floor'], digits=2)} | {peer} |")
     return "\n".join(lines) + "\n"

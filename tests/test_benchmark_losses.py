@@ -15,7 +15,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 KEYS = {"method", "n", "d", "setting", "device", "dtype", "status", "time_s", "time_median_s", "peak_extra_bytes",
-        "load_avg_1min", "vs_floor", "vs_peer", "peer"}
+        "load_avg_1min", "vs_floor", "vs_peer", "peer", "vs_peers"}
 
 
 def _run(tmp_path, *argv):
@@ -45,7 +45,7 @@ def test_time_interleaved(tmp_path):
         assert records["infonce", n]["peer"] == "lightly-ntxent"
         assert records["infonce", n]["vs_peer"] == pytest.approx(
             records["infonce", n]["time_s"] / records["lightly-ntxent", n]["time_s"])
-        assert records["clip", n]["vs_peer"] is None  # its peer (openclip) was not run
+        assert records["clip", n]["vs_peer"] is None  # its peers (openclip, infcl) were not run
     assert "| median (ms) |" in md and "(lightly-ntxent)" in md
 
 
@@ -69,3 +69,11 @@ def test_keep_freed_memory_runs_in_a_child_with_the_variables(tmp_path):
                       "--keep-freed-memory")
     meta = json.loads((tmp_path / "losses.json").read_text())["meta"]
     assert meta["keep_freed_memory"] and records["infonce", 64]["vs_floor"] > 0
+
+
+def test_cuda_only_peer_is_skipped_on_cpu(tmp_path):
+    records, md = _run(tmp_path, "--methods", "clip,infcl,clip-torch", "--sizes", "64", "--repeats", "1",
+                       "--no-memory")
+    assert records["infcl", 64]["status"] == "skipped" and records["infcl", 64]["time_s"] is None
+    assert records["clip-torch", 64]["status"] == "ok" and records["clip", 64]["vs_peers"] == {}
+    assert "skipped CUDA only" in md
