@@ -82,6 +82,35 @@ def test_blockwise_equals_dense_float32(name, setting, device):
 
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_triton_backend_equals_dense(name, setting, device):
+    """backend="triton" (on CPU under Triton's interpreter, see conftest) in every setting: float32 to 1e-5,
+    ragged against its tiles (21 anchors, 6 dimensions)."""
+    opts = {} if name == "cacr" else {"temperature": 0.05}
+    x, extra = _inputs(hash((name, setting, 1)) % 2**31, 21, 6, torch.float32, device)
+    want, leaves = _loss(name, setting, 0, x, extra, **opts)
+    want_grads = torch.autograd.grad(want, leaves)
+    got, leaves = _loss(name, setting, None, x, extra, backend="triton", **opts)
+    grads = torch.autograd.grad(got, leaves)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want_grads):
+        assert float((g - w).norm() / w.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["infonce", "cacr"])
+def test_triton_backend_takes_bf16_products_under_autocast(name, device):
+    """Under bf16 autocast the Triton products take the unit vectors in bf16 (float32 accumulation): the
+    loss within bf16's precision of the dense float32 one."""
+    x, extra = _inputs(31, 40, 16, torch.float32, device)
+    want = _loss(name, "2views", 0, x, extra)[0]
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        got, leaves = _loss(name, "2views", None, [t.bfloat16() for t in x], extra, backend="triton")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert all(g.dtype == torch.bfloat16 for g in torch.autograd.grad(got, leaves))
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_diagnostics_are_the_same(name, device):
     x, extra = _inputs(3, 10, 5, torch.float64, device)
     dense = _loss(name, "2views", 0, x, extra, output_dict=True)[0]

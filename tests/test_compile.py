@@ -31,11 +31,11 @@ def _value_and_grads(call, inputs):
     return loss.detach(), torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
-def _check(name, setting, compiler, chunk_size=None):
+def _check(name, setting, compiler, **options):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(hash((name, setting)) % 2**31)
     inputs = [torch.randn(24, 16, generator=g) for _ in range(3)] + [torch.tensor(14.0)]
-    fn = build_loss(name, chunk_size=chunk_size)
+    fn = build_loss(name, **options)
 
     def call(*x):
         return _call(fn, setting, x)
@@ -61,3 +61,10 @@ CASES += [("cacr", "image_text")]  # CACR's mean, each image-text direction as r
 def test_every_objective_and_setting_has_no_graph_break(name, setting):
     # aot_eager: the same capture as inductor (dynamo with fullgraph, autograd traced), without code generation.
     _check(name, setting, "aot_eager", chunk_size=7)  # 7: several blocks, a ragged last one
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_triton_backend_stays_in_the_graph(setting):
+    """The Triton kernels are custom ops: a compiled call keeps them in one graph (on CPU, under the
+    interpreter, as opaque custom ops; on CUDA as triton_op, which inductor can see into)."""
+    _check("dcl", setting, "aot_eager", backend="triton")
