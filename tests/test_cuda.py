@@ -57,6 +57,23 @@ def test_training_step_has_no_host_sync(name, setting, backend):
     assert torch.isfinite(loss)
 
 
+def test_unigrad_step_has_no_host_sync():
+    model, loss_fn = _encoder(), build_loss("unigrad")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x1, x2 = _batch()
+    for sync_debug in (False, True):  # the first step sizes the correlation matrix
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if sync_debug else 0)
+        try:
+            loss = loss_fn(model(x1), model(x2))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss)
+
+
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_fp16_autocast_with_grad_scaler_matches_float32(name, setting):

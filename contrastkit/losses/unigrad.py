@@ -6,6 +6,7 @@ import torch
 
 from contrastkit.distributed import all_reduce_sum
 from contrastkit.losses.base import Objective, Reduction, check_features
+from contrastkit.losses.chunked import host_checks_allowed
 from contrastkit.losses.functional import Terms, _check_temperature, _compute_dtype, unigrad_terms
 
 
@@ -47,7 +48,7 @@ class UniGradLoss(Objective):
             targets = (target1, target2)
         elif target1 is not None or target2 is not None:
             raise ValueError("unigrad: give both target1 and target2, or neither")
-        check_features(self.name, features)
+        check_features(self.name, features, values=host_checks_allowed(z1))
         with torch.autocast(z1.device.type, enabled=False):
             dtype = _compute_dtype(z1, z2)
             u1, u2 = self._unit(z1, dtype), self._unit(z2, dtype)
@@ -68,7 +69,7 @@ class UniGradLoss(Objective):
         dtype = torch.promote_types(t1.dtype, torch.float32)  # float32 under autocast, float64 if given
         t1, t2 = t1.to(dtype), t2.to(dtype)
         total = all_reduce_sum(t1.T @ t1 + t2.T @ t2)
-        count = all_reduce_sum(torch.tensor(2.0 * t1.shape[0], dtype=dtype, device=t1.device))
+        count = all_reduce_sum(t1.new_full((), 2.0 * t1.shape[0]))  # filled on the device: no host copy
         batch = total / count
         if self.correlation.numel() == 0:
             self.correlation = batch
