@@ -287,7 +287,7 @@ def unigrad(anchor, target, correlation, *, lam: float = 100.0, normalize: bool 
     for arg, t in (("anchor", anchor), ("target", target), ("correlation", correlation)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"unigrad: {arg} must be a floating-point tensor")
-        if not bool(torch.isfinite(t).all()):
+        if host_checks_allowed(t) and not bool(torch.isfinite(t).all()):
             raise ValueError(f"unigrad: {arg} has non-finite values (inf or NaN)")
     if anchor.dim() != 2 or anchor.shape != target.shape:
         raise ValueError(f"unigrad: anchor and target must both be [M, D], got {tuple(anchor.shape)} "
