@@ -33,7 +33,7 @@ from triton.runtime.jit import JITFunction
 
 # Excluded pairs get a finite, hugely negative logit (as in chunked.py): exp() of it is 0 and, unlike -inf,
 # it never meets -inf - (-inf) in the online maximum.
-_EXCLUDED = -0.25 * 3.4028234663852886e38
+_EXCLUDED = tl.constexpr(-0.25 * 3.4028234663852886e38)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
