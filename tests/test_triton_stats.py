@@ -97,6 +97,21 @@ def test_rows_with_many_excluded_columns():
     _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, with_mean=True)
 
 
+def test_row_with_every_column_excluded():
+    """A row with no valid column: a hugely negative lse, mean 0, no gradient, nothing non-finite."""
+    g = torch.Generator().manual_seed(12)
+    a = _features(g, 5, 16).to(DEVICE).requires_grad_()
+    b = _features(g, 18, 16).to(DEVICE).requires_grad_()
+    exclude = torch.stack([torch.randperm(18, generator=g) for _ in range(5)])
+    exclude[1:, 1:] = exclude[1:, :1]  # the other rows leave out only their first index (repeated)
+    stats = negative_stats_triton(a, b, 3.0, exclude=exclude.to(DEVICE), with_mean=True, **TILES)
+    assert float(stats[0, 0]) < -1e37 and float(stats[1, 0]) == 0.0
+    want = reference(a.detach().double().cpu()[1:], b.detach().double().cpu(), 3.0, exclude[1:, :1], True)
+    _close(stats[:, 1:], want, 2e-6, "other rows")
+    da, db = torch.autograd.grad((stats * torch.rand(stats.shape, generator=g).to(DEVICE)).sum(), [a, b])
+    assert torch.isfinite(da).all() and torch.isfinite(db).all() and float(da[0].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("diagonal", [True, False])
 def test_columns_equal_float64_reference(diagonal):
     """Image-text on one process: the columns' lse too, the diagonal (each image's caption) excluded or not."""

@@ -84,7 +84,7 @@ def _stats_fwd(a_ptr, b_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, M, K, D, s_am
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     w = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(0, K, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
+        cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         s = _logits(a_ptr, b_ptr, rows, cols, M, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
                     PRECISION, UPCAST) * scale
         ok = _valid(ex_ptr, rows, cols, M, K, E)
@@ -284,6 +284,9 @@ def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks):
         if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
             raise ValueError(f"negative_stats_triton: {name} must be a non-empty [rows, D] matrix, "
                              f"got shape {tuple(x.shape)}")
+    if anchors.device.type == "cpu" and not _INTERPRETED:
+        raise ValueError("negative_stats_triton: CPU tensors run only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1 set before triton is imported); use the torch backend on CPU")
     if anchors.dtype != candidates.dtype or anchors.device != candidates.device:
         raise TypeError(f"negative_stats_triton: anchors ({anchors.dtype}, {anchors.device}) and candidates "
                         f"({candidates.dtype}, {candidates.device}) must share dtype and device")
@@ -324,7 +327,8 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     number or a 0-dim tensor (gets its gradient); exclude [M, E] int64 column indices left out of each row.
     Rows: lse, then mean (with_mean); with columns (square, exclude None or the diagonal) then the columns'
     lse. A row whose every column is excluded gets a hugely negative lse (as chunked.py's), mean 0, and no
-    gradient. block_m, block_n, block_d: the tiles (powers of two >= 16).
+    gradient; an exclude index outside [0, K) excludes nothing (indices are not checked: that would sync).
+    block_m, block_n, block_d: the tiles (powers of two >= 16).
     """
     _check(anchors, candidates, scale, exclude, with_mean, columns, (block_m, block_n, block_d))
     if isinstance(scale, torch.Tensor):
