@@ -48,17 +48,21 @@ def _dot(x, y, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptr, rows, n, d, D, s_r, s_d):
+    """x[rows, d] of an [n, D] matrix with strides (s_r, s_d); zeros outside it."""
+    return tl.load(ptr + rows[:, None] * s_r + d[None, :] * s_d, mask=(rows[:, None] < n) & (d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
 def _logits(a_ptr, b_ptr, rows, cols, M, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """a[rows] b[cols]^T in float32, the D loop chunked (rows and columns past the end load zeros)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dims = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
-        d = d0 + dims
-        a = tl.load(a_ptr + rows[:, None] * s_am + d[None, :] * s_ad, mask=(rows[:, None] < M) & (d[None, :] < D),
-                    other=0.0)
-        b = tl.load(b_ptr + cols[:, None] * s_bk + d[None, :] * s_bd, mask=(cols[:, None] < K) & (d[None, :] < D),
-                    other=0.0)
+        d = d0 + tl.arange(0, BLOCK_D)
+        a = _load_rows(a_ptr, rows, M, d, D, s_am, s_ad)
+        b = _load_rows(b_ptr, cols, K, d, D, s_bk, s_bd)
         acc = _dot(a, tl.trans(b), acc, PRECISION, UPCAST)
     return acc
 
@@ -123,11 +127,32 @@ def _dlogits(s, ok, rows, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN: tl.con
 
 
 @triton.jit
-def _times(dl, x, acc, DL_BF16: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + dl [R, N] @ x [N, BLOCK_D] in float32: dl as bfloat16 for bfloat16 x, else x in float32."""
-    if DL_BF16:
-        return _dot(dl.to(tl.bfloat16), x, acc, PRECISION, UPCAST)
-    return _dot(dl, x.to(tl.float32), acc, PRECISION, UPCAST)
+def _tile_dlogits(a_ptr, b_ptr, ex_ptr, stats_ptr, grad_ptr, scale, rows, cols, M, K, D, s_am, s_ad, s_bk, s_bd,
+                  E: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The tile recomputed: (a b^T, d loss / dL) on rows x cols."""
+    dots = _logits(a_ptr, b_ptr, rows, cols, M, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
+                   PRECISION, UPCAST)
+    ok = _valid(ex_ptr, rows, cols, M, K, E)
+    return dots, _dlogits(dots * scale, ok, rows, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, COLUMNS)
+
+
+@triton.jit
+def _add_product(out_ptr, out_rows, n_out, dl, x_ptr, x_rows, n_x, s_xr, s_xd, D, BLOCK_D: tl.constexpr,
+                 DL_BF16: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """out[out_rows] (float32 [n_out, D]) += dl @ x[x_rows], chunk by chunk of D: dl as bfloat16 for
+    bfloat16 x, else x in float32."""
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = _load_rows(x_ptr, x_rows, n_x, d, D, s_xr, s_xd)
+        at = out_ptr + out_rows[:, None] * D + d[None, :]
+        inside = (out_rows[:, None] < n_out) & (d[None, :] < D)
+        acc = tl.load(at, mask=inside, other=0.0)
+        if DL_BF16:
+            acc = _dot(dl.to(tl.bfloat16), x, acc, PRECISION, UPCAST)
+        else:
+            acc = _dot(dl, x.to(tl.float32), acc, PRECISION, UPCAST)
+        tl.store(at, acc, mask=inside)
 
 
 @triton.jit
@@ -138,24 +163,14 @@ def _grad_anchors(a_ptr, b_ptr, scale_ptr, ex_ptr, stats_ptr, grad_ptr, da_ptr, 
     """One row tile: da[rows] (float32 [M, D]) = scale dL b, ds[rows] = sum_k dL_ik a_i.b_k."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     scale = tl.load(scale_ptr)
-    dims = tl.arange(0, BLOCK_D)
     ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(0, K, BLOCK_N):
         cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        dots = _logits(a_ptr, b_ptr, rows, cols, M, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
-                       PRECISION, UPCAST)
-        ok = _valid(ex_ptr, rows, cols, M, K, E)
-        dl = _dlogits(dots * scale, ok, rows, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, COLUMNS)
+        dots, dl = _tile_dlogits(a_ptr, b_ptr, ex_ptr, stats_ptr, grad_ptr, scale, rows, cols, M, K, D, s_am, s_ad,
+                                 s_bk, s_bd, E, WITH_MEAN, COLUMNS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, UPCAST)
         ds += tl.sum(dl * dots, axis=1)
-        dl = dl * scale
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + dims
-            b = tl.load(b_ptr + cols[:, None] * s_bk + d[None, :] * s_bd, mask=(cols[:, None] < K) & (d[None, :] < D),
-                        other=0.0)
-            at = da_ptr + rows[:, None] * D + d[None, :]
-            inside = (rows[:, None] < M) & (d[None, :] < D)
-            tl.store(at, _times(dl, b, tl.load(at, mask=inside, other=0.0), DL_BF16, PRECISION, UPCAST),
-                     mask=inside)
+        _add_product(da_ptr, rows, M, dl * scale, b_ptr, cols, K, s_bk, s_bd, D, BLOCK_D, DL_BF16, PRECISION,
+                     UPCAST)
     tl.store(ds_ptr + rows, ds, mask=rows < M)
 
 
@@ -167,22 +182,12 @@ def _grad_candidates(a_ptr, b_ptr, scale_ptr, ex_ptr, stats_ptr, grad_ptr, db_pt
     """One column tile: db[cols] (float32 [K, D]) = scale dL^T a."""
     cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     scale = tl.load(scale_ptr)
-    dims = tl.arange(0, BLOCK_D)
     for m0 in range(0, M, BLOCK_M):
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        dots = _logits(a_ptr, b_ptr, rows, cols, M, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
-                       PRECISION, UPCAST)
-        ok = _valid(ex_ptr, rows, cols, M, K, E)
-        dl_t = tl.trans(_dlogits(dots * scale, ok, rows, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN,
-                                 COLUMNS) * scale)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + dims
-            a = tl.load(a_ptr + rows[:, None] * s_am + d[None, :] * s_ad, mask=(rows[:, None] < M) & (d[None, :] < D),
-                        other=0.0)
-            at = db_ptr + cols[:, None] * D + d[None, :]
-            inside = (cols[:, None] < K) & (d[None, :] < D)
-            tl.store(at, _times(dl_t, a, tl.load(at, mask=inside, other=0.0), DL_BF16, PRECISION, UPCAST),
-                     mask=inside)
+        _, dl = _tile_dlogits(a_ptr, b_ptr, ex_ptr, stats_ptr, grad_ptr, scale, rows, cols, M, K, D, s_am, s_ad,
+                              s_bk, s_bd, E, WITH_MEAN, COLUMNS, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, UPCAST)
+        _add_product(db_ptr, cols, K, tl.trans(dl * scale), a_ptr, rows, M, s_am, s_ad, D, BLOCK_D, DL_BF16,
+                     PRECISION, UPCAST)
 
 
 _INTERPRETED = not isinstance(_stats_fwd, JITFunction)  # TRITON_INTERPRET=1 (CPU tests)
