@@ -175,6 +175,32 @@ def test_number_scale_and_no_grad():
     _close(grad, want, 2e-6, "d anchors")
 
 
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_dot_precision_follows_allow_tf32(monkeypatch, allow_tf32):
+    """float32 inputs: TF32 products exactly when torch.backends.cuda.matmul.allow_tf32 is set; float16: TF32
+    always (only dL is rounded: float16 operands are exact in TF32). The kernels still run."""
+    from contrastkit.losses import triton_stats
+
+    seen, launch = [], triton_stats._launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["PRECISION"])
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_stats, "_launch", spy)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        a = torch.randn(16, 16, device=DEVICE)
+        for dtype, want in ((torch.float32, "tf32" if allow_tf32 else "ieee"), (torch.float16, "tf32")):
+            seen.clear()
+            x = a.to(dtype).requires_grad_()
+            negative_stats_triton(x, x, 1.0, **TILES).sum().backward()
+            assert seen == [want] * 3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def test_bad_inputs_raise_clear_errors():
     a = torch.randn(8, 16, device=DEVICE)
     with pytest.raises(TypeError, match="float64"):

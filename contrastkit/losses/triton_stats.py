@@ -17,7 +17,7 @@ tiles): deterministic, no atomics. Cost in [M, K, D] matrix products: forward 1 
 are the rows of b a^T), backward 4 (each kernel recomputes the tile, then one product), so 5 (6).
 
 Products accumulate in float32; float32 inputs use TF32 when torch.backends.cuda.matmul.allow_tf32 is set.
-In backward, dL meets b (or a) as bfloat16 for bfloat16 inputs, and in float32 for float16 ones (float16's
+In backward, dL meets b (or a) as bfloat16 for bfloat16 inputs, and as TF32 for float16 ones (float16's
 range would flush small dL to zero). Statistics are float32; gradients come back in the inputs' dtype.
 No host synchronisation: the scale is read on the device, shapes never depend on values.
 """
@@ -342,6 +342,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         scale = torch.full((), float(scale), dtype=torch.float32, device=anchors.device)
     if exclude is not None:
         exclude = exclude.contiguous()
-    tf32 = anchors.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    # float16: dL meets the float16 operand as TF32 (float16's mantissa, float32's range) on the tensor cores
+    tf32 = anchors.dtype == torch.float16 or (anchors.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
     return _negative_stats(anchors, candidates, scale, exclude, with_mean, columns, block_m, block_n, block_d,
                            tf32)
