@@ -246,18 +246,20 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                              exclude: torch.Tensor | None, stats: torch.Tensor, with_mean: bool, columns: bool,
                              block_m: int, block_n: int, block_d: int,
                              tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dA, dB, per-row terms of d scale through the logits)."""
-    da = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
-    db = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
-    ds = a.new_empty(a.shape[0], dtype=torch.float32)
+    """(dA, dB, per-row terms of d scale through the logits). Each gradient is summed in a float32 buffer,
+    cast to the inputs' dtype before the next is made: one such buffer at a time."""
     config = _launch_config(a, b, exclude, block_m, block_n, block_d, tf32)
     flags = dict(WITH_MEAN=with_mean, COLUMNS=columns, DL_BF16=a.dtype == torch.bfloat16)
     ex = a if exclude is None else exclude
+    da = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+    ds = a.new_empty(a.shape[0], dtype=torch.float32)
     _launch(_grad_anchors, (triton.cdiv(a.shape[0], block_m),), a, b, scale, ex, stats, grad, da, ds, **flags,
             **config)
+    da = da.to(a.dtype)
+    db = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
     _launch(_grad_candidates, (triton.cdiv(b.shape[0], block_n),), a, b, scale, ex, stats, grad, db, **flags,
             **config)
-    return da.to(a.dtype), db.to(b.dtype), ds
+    return da, db.to(b.dtype), ds
 
 
 def _setup_context(ctx, inputs, output):
