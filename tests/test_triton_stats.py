@@ -1,0 +1,270 @@
+"""The Triton kernels of the negatives' statistics (losses/triton_stats.py) against dense float64 references
+written from the formula: values and gradients of anchors, candidates and a learnable scale. On CPU they run
+under Triton's interpreter (conftest.py sets TRITON_INTERPRET), on CUDA unchanged; small shapes and 16-wide
+tiles keep the interpreter quick, and leave partial tiles in every dimension (37 = 16 + 16 + 5 rows,
+53 = 3 * 16 + 5 columns, D = 24 = 16 + 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contrastkit.losses.triton_stats import negative_stats_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILES = dict(block_m=16, block_n=16, block_d=16)
+
+
+def reference(a, b, scale, exclude=None, with_mean=False, columns=False):
+    """Dense float64 statistics of L = scale a b^T, excluded pairs masked: rows' lse (and softmax-weighted
+    mean of L / scale), then the columns' lse."""
+    logits = scale * a @ b.T
+    mask = torch.zeros_like(logits, dtype=torch.bool)
+    if exclude is not None:
+        mask.scatter_(1, exclude.to(mask.device), True)
+    masked = logits.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(masked, dim=1)
+    stats = [lse]
+    if with_mean:
+        stats.append((torch.exp(masked - lse[:, None]) * logits.masked_fill(mask, 0)).sum(1) / scale)
+    if columns:
+        stats.append(torch.logsumexp(masked, dim=0))
+    return torch.stack(stats)
+
+
+def _features(g, rows, d, dtype=torch.float32):
+    return torch.nn.functional.normalize(torch.randn(rows, d, generator=g, dtype=torch.float64), dim=1).to(dtype)
+
+
+def _compare(a, b, scale, tol, grad_tol, *, scale_tol=None, same=False, **options):
+    """Values and the gradients of sum(w * stats) for random w: kernel (inputs as given) against the float64
+    reference of the same (rounded) inputs. Errors relative to the reference's largest entry; the scale's
+    gradient (float32 whatever the inputs) within scale_tol (default grad_tol)."""
+    a64, b64 = a.detach().double().cpu().requires_grad_(), b.detach().double().cpu().requires_grad_()
+    s64 = torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)
+    a_k, b_k = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    s_k = torch.tensor(float(scale), device=a.device, requires_grad=True)
+    want = reference(a64, a64 if same else b64, s64, **options)
+    got = negative_stats_triton(a_k, a_k if same else b_k, s_k, **options, **TILES)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    _close(got, want, tol, "values")
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    leaves64, leaves = ([a64, s64], [a_k, s_k]) if same else ([a64, b64, s64], [a_k, b_k, s_k])
+    want_grads = torch.autograd.grad((want * w).sum(), leaves64)
+    grads = torch.autograd.grad((got * w.to(got)).sum(), leaves)
+    for name, g, wg, leaf in zip(["anchors", "candidates", "scale"][: len(leaves)], grads, want_grads, leaves):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape
+        _close(g, wg, (scale_tol or grad_tol) if name == "scale" else grad_tol, f"d {name}")
+
+
+def _close(got, want, tol, what):
+    error = float((got.detach().double().cpu() - want.detach()).abs().max())
+    bound = tol * float(want.detach().abs().max())
+    assert error <= bound, f"{what}: max error {error:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("views, with_mean", [(0, False), (1, True), (2, False), (3, True), (2, True)])
+def test_rows_equal_float64_reference(views, with_mean):
+    """Query/queue (no exclusion), one excluded column (a positive), two and three (several views or
+    positives), with and without CACR's mean; ragged tiles, a learnable scale."""
+    g = torch.Generator().manual_seed(10 + views)
+    a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
+    exclude = None
+    if views:  # distinct columns per row, as a sample's views are
+        exclude = torch.stack([torch.randperm(53, generator=g)[:views] for _ in range(37)]).to(DEVICE)
+    _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, with_mean=with_mean)
+
+
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_two_views_same_tensor(with_mean):
+    """Two views on one process: anchors are the candidates (one tensor), each row leaves out itself and its
+    other view; the tensor's gradient is the sum of both roles."""
+    g = torch.Generator().manual_seed(2)
+    n = 20
+    z = _features(g, 2 * n, 24).to(DEVICE)
+    own = torch.arange(2 * n)
+    exclude = torch.stack([own, (own + n) % (2 * n)], dim=1).to(DEVICE)
+    _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=with_mean)
+
+
+def test_rows_with_many_excluded_columns():
+    """17 of 20 columns excluded (and one of them twice): the whole first column tile for every row, so the
+    online maximum starts on excluded pairs and must drop them when the valid ones come."""
+    g = torch.Generator().manual_seed(3)
+    a, b = _features(g, 21, 24).to(DEVICE), _features(g, 20, 24).to(DEVICE)
+    last = torch.randint(16, 20, (21, 1), generator=g)
+    exclude = torch.cat([torch.arange(16).expand(21, 16), last, last], dim=1).to(DEVICE)
+    _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, with_mean=True)
+
+
+def test_row_with_every_column_excluded():
+    """A row with no valid column: a hugely negative lse, mean 0, no gradient, nothing non-finite."""
+    g = torch.Generator().manual_seed(12)
+    a = _features(g, 5, 16).to(DEVICE).requires_grad_()
+    b = _features(g, 18, 16).to(DEVICE).requires_grad_()
+    exclude = torch.stack([torch.randperm(18, generator=g) for _ in range(5)])
+    exclude[1:, 1:] = exclude[1:, :1]  # the other rows leave out only their first index (repeated)
+    stats = negative_stats_triton(a, b, 3.0, exclude=exclude.to(DEVICE), with_mean=True, **TILES)
+    assert float(stats[0, 0]) < -1e37 and float(stats[1, 0]) == 0.0
+    want = reference(a.detach().double().cpu()[1:], b.detach().double().cpu(), 3.0, exclude[1:, :1], True)
+    _close(stats[:, 1:], want, 2e-6, "other rows")
+    da, db = torch.autograd.grad((stats * torch.rand(stats.shape, generator=g).to(DEVICE)).sum(), [a, b])
+    assert torch.isfinite(da).all() and torch.isfinite(db).all() and float(da[0].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("diagonal", [True, False])
+def test_columns_equal_float64_reference(diagonal):
+    """Image-text on one process: the columns' lse too, the diagonal (each image's caption) excluded or not."""
+    g = torch.Generator().manual_seed(4)
+    a, b = _features(g, 37, 24).to(DEVICE), _features(g, 37, 24).to(DEVICE)
+    exclude = torch.arange(37, device=DEVICE)[:, None] if diagonal else None
+    _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, columns=True)
+
+
+def test_clip_scale_with_duplicate_pairs():
+    """CLIP's largest scale (100) with duplicated pairs: logits spread over 200, ties at the maximum."""
+    g = torch.Generator().manual_seed(5)
+    a, b = _features(g, 19, 24), _features(g, 19, 24)
+    a, b = torch.cat([a, a[:7]]).to(DEVICE), torch.cat([b, b[:7]]).to(DEVICE)
+    _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(26, device=DEVICE)[:, None], columns=True)
+
+
+def test_columns_far_below_zero():
+    """Anti-aligned image and text features at scale 100: every logit near -100, so exp(0 - column lse)
+    overflows float32; the rows past the end of the last tile (21 = 16 + 5) must not bring it into dB."""
+    g = torch.Generator().manual_seed(11)
+    u = _features(g, 1, 24)
+    a = torch.nn.functional.normalize(u + 0.05 * torch.randn(21, 24, generator=g), dim=1).to(DEVICE)
+    b = torch.nn.functional.normalize(-u + 0.05 * torch.randn(21, 24, generator=g), dim=1).to(DEVICE)
+    _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(21, device=DEVICE)[:, None], columns=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_half_precision_inputs(dtype, with_mean):
+    """bfloat16 / float16 features against the float64 reference of the same rounded features: the
+    statistics are exact up to float32 sums; the gradients come back in the inputs' dtype (rounding
+    2^-9 / 2^-12 relative) after dL meets b (or a) in bfloat16 (float32 for float16)."""
+    g = torch.Generator().manual_seed(6)
+    a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 53, 24, dtype).to(DEVICE)
+    exclude = torch.randint(0, 53, (37, 2), generator=g).to(DEVICE)
+    grad_tol = 1e-2 if dtype == torch.bfloat16 else 1e-3  # measured: 5e-3, 2.5e-4
+    _compare(a, b, 14.0, 2e-6, grad_tol, scale_tol=2e-6, exclude=exclude, with_mean=with_mean)
+
+
+def test_non_contiguous_inputs():
+    """A transposed anchor matrix (stride 1 along rows) and every other row of the candidates."""
+    g = torch.Generator().manual_seed(7)
+    a = _features(g, 37, 24).to(DEVICE).T.contiguous().T
+    b = _features(g, 106, 24).to(DEVICE)[::2]
+    assert not a.is_contiguous() and not b.is_contiguous()
+    _compare(a, b, 10.0, 2e-6, 2e-6, exclude=torch.randint(0, 53, (37, 1), generator=g).to(DEVICE))
+
+
+def test_number_scale_and_no_grad():
+    """A Python float scale (no gradient to return) and a call under no_grad."""
+    g = torch.Generator().manual_seed(8)
+    a, b = _features(g, 17, 24).to(DEVICE), _features(g, 18, 24).to(DEVICE)
+    with torch.no_grad():
+        got = negative_stats_triton(a, b, 7.5, **TILES)
+    _close(got, reference(a.double().cpu(), b.double().cpu(), 7.5), 2e-6, "values")
+    a.requires_grad_()
+    (grad,) = torch.autograd.grad(negative_stats_triton(a, b, 7.5, **TILES).sum(), [a])
+    a64 = a.detach().double().cpu().requires_grad_()
+    (want,) = torch.autograd.grad(reference(a64, b.double().cpu(), 7.5).sum(), [a64])
+    _close(grad, want, 2e-6, "d anchors")
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_dot_precision_follows_allow_tf32(monkeypatch, allow_tf32):
+    """float32 inputs: TF32 products exactly when torch.backends.cuda.matmul.allow_tf32 is set; float16: TF32
+    always (only dL is rounded: float16 operands are exact in TF32). The kernels still run."""
+    from contrastkit.losses import triton_stats
+
+    seen, launch = [], triton_stats._launch
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["PRECISION"])
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_stats, "_launch", spy)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        a = torch.randn(16, 16, device=DEVICE)
+        for dtype, want in ((torch.float32, "tf32" if allow_tf32 else "ieee"), (torch.float16, "tf32")):
+            seen.clear()
+            x = a.to(dtype).requires_grad_()
+            negative_stats_triton(x, x, 1.0, **TILES).sum().backward()
+            assert seen == [want] * 3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_bad_inputs_raise_clear_errors():
+    a = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="float64"):
+        negative_stats_triton(a.double(), a.double(), 1.0)
+    with pytest.raises(ValueError, match="with_mean=True with columns"):
+        negative_stats_triton(a, a, 1.0, columns=True, with_mean=True)
+    with pytest.raises(ValueError, match="square"):
+        negative_stats_triton(a, a[:5], 1.0, columns=True)
+    with pytest.raises(ValueError, match="diagonal"):
+        negative_stats_triton(a, a, 1.0, columns=True, exclude=torch.zeros(8, 1, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="exclude must be int64"):
+        negative_stats_triton(a, a, 1.0, exclude=torch.zeros(8, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="D = 16"):
+        negative_stats_triton(a, a[:, :8], 1.0)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        negative_stats_triton(a, a, 1.0, block_n=24)
+    with pytest.raises(ValueError, match="0-dim"):
+        negative_stats_triton(a, a, torch.ones(1, device=DEVICE))
+
+
+def test_compiles_into_one_graph():
+    """torch.compile(fullgraph=True) keeps the op in the graph (no break) with its backward: values and
+    gradients equal eager's."""
+    g = torch.Generator().manual_seed(9)
+    a, b = _features(g, 20, 24).to(DEVICE), _features(g, 21, 24).to(DEVICE)
+    exclude = torch.randint(0, 21, (20, 2), generator=g).to(DEVICE)
+
+    def loss(a, b, scale):
+        stats = negative_stats_triton(a, b, scale, exclude=exclude, with_mean=True, **TILES)
+        return (stats[0] - 2 * stats[1]).mean()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        leaves = [a.clone().requires_grad_(), b.clone().requires_grad_(), torch.tensor(5.0, requires_grad=True)]
+        value = fn(*leaves)
+        results.append([value.detach(), *torch.autograd.grad(value, leaves)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+_COMPILE_FOR_H100 = """
+import inspect, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from contrastkit.losses import triton_stats as ts
+consts = dict(E=2, WITH_MEAN=True, COLUMNS=False, DL_BF16=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
+              PRECISION="ieee", UPCAST=False)
+for kernel in (ts._stats_fwd, ts._grad_anchors, ts._grad_candidates):
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {n: "constexpr" if n in consts else "*bf16" if n in ("a_ptr", "b_ptr") else "*i64" if n == "ex_ptr"
+             else "*fp32" if n.endswith("_ptr") else "i32" for n in names}
+    source = ASTSource(kernel, types, {(names.index(n),): v for n, v in consts.items() if n in names})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA every test compiles the kernels")
+def test_kernels_compile_for_h100():
+    """The interpreter runs the kernels' Python; this compiles them for sm_90 (no GPU needed), which catches
+    what only the compiler rejects (a non-constexpr global, a bad dot shape or dtype)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
