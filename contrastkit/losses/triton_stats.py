@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
+
+from contrastkit.losses.chunked import host_checks_allowed
 from triton.runtime.jit import JITFunction
 
 # Excluded pairs get a finite, hugely negative logit (as in chunked.py): exp() of it is 0 and, unlike -inf,
@@ -316,7 +318,7 @@ def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks):
                              "with columns is not supported (take each direction as rows)")
         if k != m:
             raise ValueError(f"negative_stats_triton: columns=True needs a square matrix, got {m} x {k}")
-        if exclude is not None and (exclude.shape[1] != 1 or (exclude.device.type == "cpu" and not torch.equal(
+        if exclude is not None and (exclude.shape[1] != 1 or (host_checks_allowed(exclude) and not torch.equal(
                 exclude, torch.arange(m)[:, None]))):  # the values are checked on CPU only: no sync on GPU
             raise ValueError("negative_stats_triton: columns=True supports excluding the diagonal only "
                              "(exclude = arange(M)[:, None])")
