@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 open_clip = pytest.importorskip("open_clip")
 
-from contrastkit.adapters.open_clip import (CLIP_LOSSES, build_clip_loss, check_open_clip_version, patch)  # noqa: E402
+from contrastkit.adapters.open_clip import (CLIP_LOSSES, active_objective, build_clip_loss,  # noqa: E402
+                                            check_open_clip_version, patch)
 from contrastkit.losses import functional  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,15 +113,17 @@ def test_patch_makes_create_loss_return_the_loss():
 
     args = argparse.Namespace(distill=False, model="ViT-B-32", siglip=False, local_loss=False,
                               gather_with_grad=False, rank=0, world_size=1, horovod=False)
-    undo = patch("dclw", sigma=0.3)
-    try:
+    original = open_clip.create_loss
+    with patch("dclw", sigma=0.3) as handle:
         loss = open_clip.create_loss(args)
         assert loss.name == "dclw" and loss.loss.sigma == 0.3
+        assert active_objective() is handle.objective and active_objective().name == "dclw"
         with pytest.raises(ValueError, match="replaces ClipLoss only; this run uses SigLIP"):
             open_clip.create_loss(argparse.Namespace(**{**vars(args), "siglip": True}))
-    finally:
-        undo()
-    assert isinstance(open_clip.create_loss(args), open_clip.ClipLoss)
+        patch("dcl").undo()  # a second patch replaces the first; undoing it restores open_clip
+        assert open_clip.create_loss is original
+    handle.undo()  # nothing left to undo: a no-op
+    assert isinstance(open_clip.create_loss(args), open_clip.ClipLoss) and active_objective() is None
 
 
 # ---------------------------------------------------------------------------- 2 processes

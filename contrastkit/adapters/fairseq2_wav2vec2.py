@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from contrastkit.adapters import patching
+from contrastkit.adapters.patching import Patch
 from contrastkit.speech.objective import FrameObjective
 
 
@@ -31,55 +33,30 @@ def model_class():
     return Wav2Vec2Model
 
 
-class Patch:
-    """What ``patch`` did; ``undo()`` (or leaving the ``with`` block) restores the original method."""
-
-    def __init__(self, target, objective: FrameObjective):
-        self.target, self.objective = target, objective
-
-    def undo(self) -> None:
-        if self.target is not None:
-            unpatch(self.target)
-            self.target = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.undo()
-
-
 def patch(target=None, loss: str = "dcl", **options) -> Patch:
-    """Make ``target`` (a fairseq2 ``Wav2Vec2Model`` instance, the class, or None for the class) use
-    ``loss`` (infonce, dcl, dclw, eqco, cacr) with ``options`` for its contrastive term."""
+    """Make ``target`` (a fairseq2 ``Wav2Vec2Model`` instance or a wrapper of one, the class, or None for
+    the class) use ``loss`` (infonce, dcl, dclw, eqco, cacr) with ``options`` for its contrastive term.
+    Returns the handle of every adapter (adapters/patching.py): ``undo()``, or a ``with`` block."""
     objective = FrameObjective(loss, **options)
     cls = model_class()
-    target = cls if target is None else target
+    target = cls if target is None else patching.unwrap(target)
     if not (target is cls or isinstance(target, cls)):
         raise TypeError(f"fairseq2_wav2vec2.patch: expected a fairseq2 Wav2Vec2Model, got {type(target).__name__}")
-    unpatch(target)
     method = _contrastive_loss(objective)
-    if target is cls:
-        cls.compute_contrastive_loss = method
-    else:
-        target.compute_contrastive_loss = functools.partial(method, target)
-        target.compute_contrastive_loss.__contrastkit_objective__ = objective
-    return Patch(target, objective)
+    handle = Patch(objective)
+    patching.replace_attribute(handle, target, "compute_contrastive_loss",
+                               method if target is cls else functools.partial(method, target))
+    return handle
 
 
 def unpatch(target=None) -> None:
     """Restore the original ``compute_contrastive_loss`` of ``target`` (instance, or the class)."""
-    cls = model_class()
-    target = cls if target is None else target
-    if target is cls:
-        method = cls.__dict__["compute_contrastive_loss"]
-        cls.compute_contrastive_loss = getattr(method, "__contrastkit_original__", method)
-    elif "compute_contrastive_loss" in vars(target):
-        del target.compute_contrastive_loss
+    patching.remove(model_class() if target is None else patching.unwrap(target))
 
 
 def active_objective(model) -> FrameObjective | None:
-    return getattr(model.compute_contrastive_loss, "__contrastkit_objective__", None)
+    """The objective ``model`` (or a DDP/accelerate wrapper of it) uses, or None when it is unpatched."""
+    return patching.active_objective(model)
 
 
 def frame_scores(logits: torch.Tensor, logit_temp: float):
@@ -103,7 +80,6 @@ def _contrastive_loss(objective: FrameObjective):
         return total
 
     compute_contrastive_loss.__contrastkit_original__ = original
-    compute_contrastive_loss.__contrastkit_objective__ = objective
     return compute_contrastive_loss
 
 

@@ -5,6 +5,8 @@
 >>> out = model(input_values, mask_time_indices=m, sampled_negative_indices=n)   # out.loss uses DCL
 >>> handle.undo()                                      # or: with hf_wav2vec2.patch(...): ...
 
+The returned handle is the ``Patch`` of every adapter (adapters/patching.py).
+
 What changes: the contrastive term L_m (wav2vec 2.0 paper, Eq. 3) of ``Wav2Vec2ForPreTraining`` and
 ``Wav2Vec2ConformerForPreTraining``. The patched forward runs the model's own forward and recomputes
 L_m from its outputs with the same scores the model uses: cosine similarity (in float32) of each masked
@@ -22,12 +24,12 @@ Without ``sampled_negative_indices`` the model computes no loss and the patched 
 
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 
 import torch
 
+from contrastkit.adapters import patching
+from contrastkit.adapters.patching import Patch
 from contrastkit.speech.objective import FrameObjective
 
 SUPPORTED = (
@@ -49,62 +51,37 @@ def supported_classes() -> list[type]:
     return found
 
 
-class Patch:
-    """What ``patch`` did; ``undo()`` (or leaving the ``with`` block) restores the original forwards."""
-
-    def __init__(self, targets: list, objective: FrameObjective):
-        self.targets, self.objective = targets, objective
-
-    def undo(self) -> None:
-        for target in self.targets:
-            unpatch(target)
-        self.targets = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.undo()
-
-
 def patch(target=None, loss: str = "dcl", **options) -> Patch:
-    """Make ``target``'s forward use ``loss`` (infonce, dcl, dclw, eqco, cacr) with ``options``
+    """Make ``target``'s calls use ``loss`` (infonce, dcl, dclw, eqco, cacr) with ``options``
     (temperature, sigma, alpha, t_pos, t_neg) for its contrastive term.
 
-    target: a model instance, a model class, or None for every supported class. Patching again
-    replaces the objective; ``unpatch`` or the returned handle's ``undo()`` restores the original.
+    target: a model instance (or a DDP/accelerate wrapper of one), a model class, or None for every
+    supported class. Patching again replaces the objective; the returned handle's ``undo()`` (or
+    ``unpatch``) restores the original. The patch sits around the model's call, not in its ``forward``,
+    so accelerate's mixed-precision wrapper stays in place in either order (see adapters/patching.py).
     """
     objective = FrameObjective(loss, **options)
-    targets = supported_classes() if target is None else [target]
+    targets = supported_classes() if target is None else [patching.unwrap(target)]
     for t in targets:
         cls = t if isinstance(t, type) else type(t)
         if not any(issubclass(cls, c) for c in supported_classes()):
             raise TypeError(f"hf_wav2vec2.patch: {cls.__name__} is not a wav2vec 2.0 pre-training model; "
                             f"supported: {', '.join(c.__name__ for c in supported_classes())}")
-        unpatch(t)
-        original = getattr(cls.forward, "__contrastkit_original__", cls.forward)
-        if isinstance(t, type):
-            t.forward = _patched_forward(original, objective)
-        else:  # an instance attribute shadows the class's method for this model only
-            t.forward = functools.partial(_patched_forward(original, objective), t)
-            t.forward.__contrastkit_objective__ = objective
-    return Patch(targets, objective)
+    handle = Patch(objective)
+    for t in targets:
+        patching.wrap_call(handle, t, _pre, _post(objective))
+    return handle
 
 
 def unpatch(target=None) -> None:
-    """Restore the original forward of ``target`` (instance, class, or None for all supported classes)."""
-    for t in supported_classes() if target is None else [target]:
-        if isinstance(t, type):
-            forward = t.__dict__.get("forward")
-            if forward is not None and hasattr(forward, "__contrastkit_original__"):
-                t.forward = forward.__contrastkit_original__
-        elif "forward" in vars(t):
-            del t.forward
+    """Restore ``target`` (instance, class, or None for all supported classes)."""
+    for t in supported_classes() if target is None else [patching.unwrap(target)]:
+        patching.remove(t)
 
 
 def active_objective(model) -> FrameObjective | None:
-    """The objective ``model``'s forward uses, or None when it is unpatched."""
-    return getattr(model.forward, "__contrastkit_objective__", None)
+    """The objective ``model`` (or a DDP/accelerate wrapper of it) uses, or None when it is unpatched."""
+    return patching.active_objective(model)
 
 
 def contrastive_scores(projected_states: torch.Tensor, projected_quantized: torch.Tensor,
@@ -124,38 +101,33 @@ def contrastive_scores(projected_states: torch.Tensor, projected_quantized: torc
     return pos, neg, valid
 
 
-def _patched_forward(original, objective: FrameObjective):
-    signature = inspect.signature(original)
-    var_keyword = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+def _pre(model, args, kwargs):
+    """Before a call with sampled_negative_indices: every argument by name, a dict output asked for."""
+    arguments = patching.call_arguments(model, args, kwargs)
+    negatives = arguments.get("sampled_negative_indices")
+    if negatives is None:
+        return args, kwargs, None
+    mask = arguments.get("mask_time_indices")
+    if mask is None:
+        raise ValueError("sampled_negative_indices needs mask_time_indices (the frames to contrast)")
+    wish = arguments.pop("return_dict", None)
+    return (), {**arguments, "return_dict": True}, (wish, negatives, mask)
 
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        # Every argument by name (transformers 5 takes return_dict through **kwargs, 4.x by name).
-        arguments = dict(signature.bind(self, *args, **kwargs).arguments)
-        arguments.pop("self")
-        for name in var_keyword:
-            arguments.update(arguments.pop(name, {}))
-        negatives = arguments.get("sampled_negative_indices")
-        if negatives is None:
-            return original(self, **arguments)
-        mask = arguments.get("mask_time_indices")
-        if mask is None:
-            raise ValueError("sampled_negative_indices needs mask_time_indices (the frames to contrast)")
-        return_dict = arguments.pop("return_dict", None)
+
+def _post(objective: FrameObjective):
+    def post(model, state, out):
+        return_dict, negatives, mask = state
         if return_dict is None:  # the config's default (transformers 5 renamed use_return_dict to return_dict)
-            return_dict = getattr(self.config, "return_dict", True)
-        out = original(self, **arguments, return_dict=True)
+            return_dict = getattr(model.config, "return_dict", True)
         pos, neg, valid = contrastive_scores(out.projected_states, out.projected_quantized_states, negatives, mask)
         contrastive, dropped = objective.summed(pos, neg, valid,
-                                                model_temperature=self.config.contrastive_logits_temperature)
-        self._contrastkit_dropped_frames = dropped
-        loss = contrastive + self.config.diversity_loss_weight * out.diversity_loss
+                                                model_temperature=model.config.contrastive_logits_temperature)
+        object.__setattr__(model, "_contrastkit_dropped_frames", dropped)
+        loss = contrastive + model.config.diversity_loss_weight * out.diversity_loss
         out = type(out)(**{**out, "loss": loss, "contrastive_loss": contrastive})
         if return_dict:
             return out
         extra = tuple(x for x in (out.hidden_states, out.attentions) if x is not None)
         return (loss, out.projected_states, out.projected_quantized_states, out.codevector_perplexity) + extra
 
-    forward.__contrastkit_original__ = original
-    forward.__contrastkit_objective__ = objective
-    return forward
+    return post

@@ -4,14 +4,11 @@
 
 It calls ``hf_wav2vec2.patch(None, loss=...)`` on import. The objective is DCL unless the environment
 variable CONTRASTKIT_LOSS names another (infonce, dclw, eqco, cacr); CONTRASTKIT_TEMPERATURE sets the
-temperature (default: the model's ``contrastive_logits_temperature``). ``hf_wav2vec2.unpatch()`` undoes it.
+temperature (default: the model's ``contrastive_logits_temperature``). Both are checked here, at import,
+with errors that name the variable. ``PATCH.undo()`` (or ``hf_wav2vec2.unpatch()``) undoes it.
 """
 
-import os
-
 from contrastkit.adapters import hf_wav2vec2
+from contrastkit.adapters.patching import patch_from_env
 
-_options = {}
-if os.environ.get("CONTRASTKIT_TEMPERATURE"):
-    _options["temperature"] = float(os.environ["CONTRASTKIT_TEMPERATURE"])
-PATCH = hf_wav2vec2.patch(None, loss=os.environ.get("CONTRASTKIT_LOSS", "dcl"), **_options)
+PATCH = patch_from_env(hf_wav2vec2.patch)

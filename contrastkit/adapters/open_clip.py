@@ -6,7 +6,8 @@ Three ways in:
   called exactly like ``open_clip.ClipLoss`` (image_features, text_features, logit_scale, logit_bias=None,
   output_dict=False), with the same distributed options.
 - ``patch("dcl")``: from then on ``open_clip.create_loss(args)`` returns that loss (also the copy that
-  ``open_clip_train.main`` imported by name), for people who keep their own training code.
+  ``open_clip_train.main`` imported by name), for people who keep their own training code; it returns
+  the handle every adapter returns (``undo()``, a ``with`` block).
 - ``python -m contrastkit.adapters.open_clip --loss dcl <open_clip_train arguments>``: runs open_clip's own
   trainer with the loss swapped, on GPUs or on several CPU processes (torchrun with gloo).
 
@@ -30,6 +31,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from contrastkit.adapters import patching
+from contrastkit.adapters.patching import Patch
 from contrastkit.losses import build_loss
 
 SUPPORTED_OPEN_CLIP = (3,)  # major versions
@@ -140,9 +143,10 @@ def build_clip_loss(name: str, **options) -> ContrastkitClipLoss:
     return ContrastkitClipLoss(name, **options)
 
 
-def patch(name: str = "dcl", **loss_options):
+def patch(name: str = "dcl", **loss_options) -> Patch:
     """Make ``open_clip.create_loss(args)`` return the contrastkit loss ``name`` built from args' distributed
-    options (also in ``open_clip_train.main``, which imported it by name). Returns a function that undoes it.
+    options (also in ``open_clip_train.main``, which imported it by name). Returns the handle of every
+    adapter (adapters/patching.py): ``undo()``, or a ``with`` block; ``active_objective()`` tells the loss.
 
     Only plain CLIP training is patched: CoCa, distillation and SigLIP runs get a clear error.
     """
@@ -150,7 +154,7 @@ def patch(name: str = "dcl", **loss_options):
     import open_clip
     import open_clip.factory
 
-    build_clip_loss(name, **loss_options)  # fail now on a bad name or option, not at the first step
+    objective = build_clip_loss(name, **loss_options)  # fail now on a bad name or option, not at the first step
 
     def create_loss(args):
         model = str(getattr(args, "model", ""))
@@ -167,15 +171,18 @@ def patch(name: str = "dcl", **loss_options):
     modules = [open_clip, open_clip.factory]
     if "open_clip_train.main" in sys.modules:
         modules.append(sys.modules["open_clip_train.main"])
-    originals = [(m, m.create_loss) for m in modules]
+    handle = Patch(objective)
     for m in modules:
-        m.create_loss = create_loss
+        patching.replace_attribute(handle, m, "create_loss", create_loss)
+    return handle
 
-    def undo():
-        for m, original in originals:
-            m.create_loss = original
 
-    return undo
+def active_objective() -> ContrastkitClipLoss | None:
+    """The loss (a ContrastkitClipLoss of the patch's name and options) ``open_clip.create_loss`` builds
+    under a patch, or None."""
+    import open_clip
+
+    return patching.active_objective(open_clip)
 
 
 @contextmanager
@@ -222,12 +229,8 @@ def main(argv: list[str] | None = None):
     from contrastkit.clip_train import register_configs
 
     register_configs()  # contrastkit's small configs (contrastkit-tiny) join open_clip's
-    undo = patch(ours.loss, **dict(ours.loss_option))
-    try:
-        with cpu_ddp():
-            return open_clip_train.main.main(rest)
-    finally:
-        undo()
+    with patch(ours.loss, **dict(ours.loss_option)), cpu_ddp():
+        return open_clip_train.main.main(rest)
 
 
 if __name__ == "__main__":
