@@ -3,6 +3,8 @@ tests. Nothing is downloaded."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 VOCAB, LENGTH, IMAGE = 64, 7, 16
@@ -47,22 +49,35 @@ def config(name: str):
     raise KeyError(name)
 
 
-def model(name: str, seed: int = 0):
+def model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     import transformers as T
 
     torch.manual_seed(seed)
-    return getattr(T, name)(config(name)).eval()
+    return getattr(T, name)(config(name)).to(dtype).eval()
 
 
-def batch(name: str, n: int = 6, seed: int = 0, offset: int = 0) -> dict:
+def batch(name: str, n: int = 6, seed: int = 0, offset: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """A batch of n pairs (rows offset .. offset + n of a fixed larger batch, for splitting over processes)."""
     g = torch.Generator().manual_seed(seed)
-    total = offset + n
+    total = max(16, offset + n)  # drawn at one size, so that slices of it agree
     ids = torch.randint(3, VOCAB, (total, LENGTH), generator=g)
-    out = {"input_ids": ids[offset:], "attention_mask": torch.ones_like(ids[offset:])}
+    rows = slice(offset, offset + n)
+    out = {"input_ids": ids[rows], "attention_mask": torch.ones_like(ids[rows])}
     if name == "ClapModel":
-        out["input_features"] = torch.randn(total, 1, 32, 16, generator=g)[offset:]
+        out["input_features"] = torch.randn(total, 1, 32, 16, generator=g, dtype=dtype)[rows]
     else:
         size = 32 if name == "AlignModel" else IMAGE
-        out["pixel_values"] = torch.randn(total, 3, size, size, generator=g)[offset:]
+        out["pixel_values"] = torch.randn(total, 3, size, size, generator=g, dtype=dtype)[rows]
     return out
+
+
+@contextmanager
+def float64():
+    """float64 as torch's default dtype, for running the models in float64 (CLIP's text model builds its
+    causal mask in the default dtype from the hidden states' dtype minimum)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

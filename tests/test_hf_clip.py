@@ -1,0 +1,329 @@
+"""The Hugging Face dual-encoder adapter (CLIP family, ALIGN, CLAP): per class, infonce is the model's own
+loss and gradients, every objective equals a float64 reference from the formula on the model's
+embeddings and scale, 2 gloo processes with gathering equal 1 process, patches survive accelerate's
+mixed precision in either order, the one-import module validates its environment at import, and
+(with a transformers 5 folder) the same on transformers 5."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hf_tiny
+from contrastkit.adapters import hf_clip
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+OTHER = {"ClapModel": "audio_embeds"}
+OPTIONS = {"infonce": {}, "dcl": {}, "dclw": {"sigma": 0.3}, "eqco": {"alpha": 4.0}, "cacr": {"t_neg": 1.5}}
+
+
+def _scales(model, name):
+    if name == "ClapModel":
+        return [model.logit_scale_t.exp(), model.logit_scale_a.exp()]
+    if name == "AlignModel":
+        return [1.0 / model.temperature]
+    return [model.logit_scale.exp()]
+
+
+def _direction(anchors, candidates, scale, kind, **p):
+    """Mean over anchors i of the loss with positive candidates[i] and negatives candidates[j != i],
+    float64, from the papers' formulas (tau = 1 / scale)."""
+    a = anchors / anchors.norm(dim=-1, keepdim=True)
+    b = candidates / candidates.norm(dim=-1, keepdim=True)
+    n = a.shape[0]
+    s = a @ b.T
+    pos = s.diagonal()
+    if kind == "dclw":
+        e = torch.exp(pos.detach() / p["sigma"])
+        weight = 2 - e / e.mean()
+    losses = []
+    for i in range(n):
+        neg = torch.stack([s[i, j] for j in range(n) if j != i])
+        if kind == "cacr":  # squared distances 2 - 2s; one positive, so its weight is 1
+            c_pos, c_neg = 2 - 2 * pos[i], 2 - 2 * neg
+            w = torch.exp(-p.get("t_neg", 2.0) * c_neg) / torch.exp(-p.get("t_neg", 2.0) * c_neg).sum()
+            losses.append(c_pos - (w * c_neg).sum())
+            continue
+        if kind in ("infonce", "eqco"):
+            m = math.log(p["alpha"] / (n - 1)) / scale if kind == "eqco" else 0.0
+            num = torch.exp((pos[i] - m) * scale)
+            losses.append(-torch.log(num / (num + torch.exp(neg * scale).sum())))
+        else:
+            w = weight[i] if kind == "dclw" else 1.0
+            losses.append(-w * pos[i] * scale + torch.log(torch.exp(neg * scale).sum()))
+    return torch.stack(losses).mean()
+
+
+def reference(name, kind, text, other, scales, **p):
+    """The adapter's loss from the formulas: CLIP-like models both directions (plus ALIGN's label
+    smoothing), CLAP texts against audio clips with each of its two scales."""
+    text, other = text.double(), other.double()
+    scales = [s.double() for s in scales]
+    if name == "ClapModel":
+        return sum(_direction(text, other, s, kind, **p) for s in scales) / 2
+    loss = (_direction(other, text, scales[0], kind, **p) + _direction(text, other, scales[0], kind, **p)) / 2
+    if name == "AlignModel" and kind != "cacr":  # cross entropy with labels smoothed by 0.1
+        logits = scales[0] * (text / text.norm(dim=-1, keepdim=True)) @ (other / other.norm(dim=-1, keepdim=True)).T
+        smooth = sum((m.diagonal() - m.mean(1)).mean() for m in (logits, logits.T)) / 2
+        loss = loss + 0.1 * smooth
+    return loss
+
+
+@pytest.fixture
+def float64():
+    with hf_tiny.float64():
+        yield
+
+
+@pytest.mark.parametrize("name", hf_tiny.CLASSES)
+def test_infonce_equals_model_loss_and_gradients(name, float64):
+    # float64 end to end, so that the two computations agree to rounding
+    model, batch = hf_tiny.model(name, dtype=torch.float64), hf_tiny.batch(name, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    own = model(**batch, return_loss=True)
+    own_grads = torch.autograd.grad(own.loss, params, allow_unused=True)
+    with hf_clip.patch(model, loss="infonce") as handle:
+        assert hf_clip.active_objective(model) is handle.objective
+        ours = model(**batch, return_loss=True)
+        ours_grads = torch.autograd.grad(ours.loss, params, allow_unused=True)
+        as_tuple = model(**batch, return_loss=True, return_dict=False)
+    assert type(ours) is type(own) and list(ours.keys()) == list(own.keys())
+    torch.testing.assert_close(ours.loss, own.loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours.logits_per_text, own.logits_per_text, rtol=0, atol=0)
+    for got, want in zip(ours_grads, own_grads):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == len(own.to_tuple())
+    torch.testing.assert_close(as_tuple[0], own.loss, rtol=1e-12, atol=1e-12)
+    assert hf_clip.active_objective(model) is None
+
+
+@pytest.mark.parametrize("kind", ["dcl", "dclw", "eqco", "cacr", "infonce"])
+@pytest.mark.parametrize("name", hf_tiny.CLASSES)
+def test_objectives_equal_formula_on_model_embeddings(name, kind, float64):
+    model, batch = hf_tiny.model(name, seed=1, dtype=torch.float64), hf_tiny.batch(name, seed=1, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with hf_clip.patch(type(model), loss=kind, **OPTIONS[kind]):  # the class this time
+        out = model(**batch, return_loss=True)
+    expected = reference(name, kind, out.text_embeds, out[OTHER.get(name, "image_embeds")],
+                         _scales(model, name), **OPTIONS[kind])
+    torch.testing.assert_close(out.loss, expected, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
+    want = torch.autograd.grad(expected, params, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is None:  # CACR leaves the scale in the graph with a zero gradient
+            assert g is None or not bool(g.any())
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
+    scale_grads = torch.autograd.grad(out.loss, [s for s in params if s.dim() == 0])
+    if kind == "cacr":
+        assert all(float(g) == 0.0 for g in scale_grads)
+    else:  # the model's scale stands in for 1/tau and learns
+        assert any(abs(float(g)) > 1e-6 for g in scale_grads)
+
+
+def test_patch_targets_replace_and_undo():
+    from transformers import AlignModel, CLIPModel
+
+    a, b = hf_tiny.model("CLIPModel"), hf_tiny.model("CLIPModel")
+    batch = hf_tiny.batch("CLIPModel")
+    base = a(**batch, return_loss=True).loss
+    handle = hf_clip.patch(a, loss="dcl")  # one instance
+    assert hf_clip.active_objective(a).name == "dcl" and hf_clip.active_objective(b) is None
+    assert a(**batch, return_loss=True).loss < base  # DCL leaves the positive out of the denominator
+    assert a(**batch).loss is None  # no return_loss: the model's own call
+    with hf_clip.patch(None, loss="dclw", sigma=1.0) as every:  # every class; the instance keeps its own
+        assert CLIPModel in every.targets and AlignModel in every.targets
+        assert hf_clip.active_objective(b).name == "dclw" and hf_clip.active_objective(a).name == "dcl"
+        again = hf_clip.patch(CLIPModel, loss="eqco")  # patching again replaces the objective
+        assert hf_clip.active_objective(b).name == "eqco"
+    # the with block restored every class it still owned; CLIPModel is the second patch's now
+    assert hf_clip.active_objective(hf_tiny.model("AlignModel")) is None
+    assert hf_clip.active_objective(b).name == "eqco"
+    again.undo()
+    assert hf_clip.active_objective(b) is None and "__call__" not in CLIPModel.__dict__
+    handle.undo()
+    torch.testing.assert_close(a(**batch, return_loss=True).loss, base)
+    assert not a._forward_pre_hooks and not a._forward_hooks
+
+
+def test_bad_arguments():
+    from transformers import SiglipConfig, SiglipModel
+
+    with pytest.raises(TypeError, match="SigLIP's pairwise sigmoid loss"):
+        hf_clip.patch(SiglipModel)
+    with pytest.raises(TypeError, match="SigLIP"):
+        hf_clip.patch(SiglipModel(SiglipConfig(text_config=hf_tiny.TEXT, vision_config=hf_tiny.VISION)))
+    with pytest.raises(TypeError, match="not a supported dual encoder; supported: CLIPModel"):
+        hf_clip.patch(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="UniGrad has no image-text form"):
+        hf_clip.patch(None, loss="unigrad")
+    with pytest.raises(ValueError, match="unsupported loss 'nce'"):
+        hf_clip.patch(None, loss="nce")
+    with pytest.raises(ValueError, match="sigma"):
+        hf_clip.patch(None, loss="dcl", sigma=0.5)
+    with pytest.raises(ValueError, match="cacr has no temperature"):
+        hf_clip.patch(None, loss="cacr", temperature=0.1)
+    model = hf_tiny.model("CLIPModel")
+    with hf_clip.patch(model), pytest.raises(ValueError, match="batch of 1"):
+        model(**hf_tiny.batch("CLIPModel", n=1), return_loss=True)
+
+
+def test_fixed_temperature_keeps_the_scale_in_the_graph():
+    model, batch = hf_tiny.model("CLIPModel"), hf_tiny.batch("CLIPModel")
+    with hf_clip.patch(model, loss="dcl", temperature=0.5):
+        out = model(**batch, return_loss=True)
+    expected = reference("CLIPModel", "dcl", out.text_embeds, out.image_embeds, [torch.tensor(2.0)])
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    assert model.logit_scale.grad is not None and float(model.logit_scale.grad) == 0.0
+
+
+# ----------------------------------------------------------------------------- one import
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"CONTRASTKIT_TEMPERATURE": "abc"}, "CONTRASTKIT_TEMPERATURE='abc' is not a number"),
+    ({"CONTRASTKIT_TEMPERATURE": "0"}, "CONTRASTKIT_TEMPERATURE='0': the temperature must be a positive"),
+    ({"CONTRASTKIT_TEMPERATURE": "nan"}, "CONTRASTKIT_TEMPERATURE='nan'"),
+    ({"CONTRASTKIT_LOSS": "unigrad"}, "CONTRASTKIT_LOSS='unigrad': hf_clip: unsupported loss"),
+    ({"CONTRASTKIT_GATHER": "maybe"}, "CONTRASTKIT_GATHER='maybe'"),
+])
+def test_one_import_rejects_a_bad_environment_at_import(monkeypatch, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    sys.modules.pop("contrastkit.adapters.hf_clip_dcl", None)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        importlib.import_module("contrastkit.adapters.hf_clip_dcl")
+    sys.modules.pop("contrastkit.adapters.hf_clip_dcl", None)
+    assert hf_clip.active_objective(hf_tiny.model("CLIPModel")) is None
+
+
+def test_one_import_patches_every_class(monkeypatch):
+    monkeypatch.setenv("CONTRASTKIT_LOSS", "dclw")
+    monkeypatch.setenv("CONTRASTKIT_TEMPERATURE", "0.2")
+    monkeypatch.setenv("CONTRASTKIT_GATHER", "yes")
+    sys.modules.pop("contrastkit.adapters.hf_clip_dcl", None)
+    module = importlib.import_module("contrastkit.adapters.hf_clip_dcl")
+    try:
+        for name in ("CLIPModel", "ClapModel"):
+            objective = hf_clip.active_objective(hf_tiny.model(name))
+            assert objective.name == "dclw" and objective.options == {"temperature": 0.2}
+            assert objective.gather_with_grad
+    finally:
+        module.PATCH.undo()
+        sys.modules.pop("contrastkit.adapters.hf_clip_dcl", None)
+    monkeypatch.delenv("CONTRASTKIT_LOSS")
+    monkeypatch.delenv("CONTRASTKIT_TEMPERATURE")
+    monkeypatch.delenv("CONTRASTKIT_GATHER")
+    module = importlib.import_module("contrastkit.adapters.hf_clip_dcl")
+    try:
+        objective = hf_clip.active_objective(hf_tiny.model("AlignModel"))
+        assert objective.name == "dcl" and not objective.gather_with_grad and objective.model_scale
+    finally:
+        module.PATCH.undo()
+        sys.modules.pop("contrastkit.adapters.hf_clip_dcl", None)
+
+
+# ----------------------------------------------------------------------------- accelerate, mixed precision
+
+
+@pytest.mark.parametrize("order", ["patch_then_prepare", "prepare_then_patch"])
+def test_patch_survives_accelerate_bf16_in_either_order(order):
+    from accelerate import Accelerator
+
+    model, batch = hf_tiny.model("CLIPModel"), hf_tiny.batch("CLIPModel")
+    dtypes = []
+    model.text_model.encoder.layers[0].mlp.fc1.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    if order == "patch_then_prepare":
+        handle = hf_clip.patch(model, loss="dcl")
+        prepared = accelerator.prepare(model)
+    else:
+        prepared = accelerator.prepare(model)
+        handle = hf_clip.patch(prepared, loss="dcl")
+    out = prepared(**batch, return_loss=True)
+    assert dtypes[-1] == torch.bfloat16, "accelerate's autocast is gone"
+    assert out.loss.dtype == torch.float32 and hf_clip.active_objective(prepared).name == "dcl"
+    expected = reference("CLIPModel", "dcl", out.text_embeds, out.image_embeds, _scales(model, "CLIPModel"))
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+    handle.undo()
+    own = prepared(**batch, return_loss=True)
+    assert dtypes[-1] == torch.bfloat16, "undo removed accelerate's autocast"
+    assert hf_clip.active_objective(prepared) is None
+    infonce = reference("CLIPModel", "infonce", own.text_embeds, own.image_embeds, _scales(model, "CLIPModel"))
+    torch.testing.assert_close(own.loss.double(), infonce, rtol=2e-2, atol=2e-2)  # the model's own, in bf16
+
+
+# ----------------------------------------------------------------------------- 2 processes = 1 process
+
+GATHERED = [("CLIPModel", "dcl"), ("CLIPModel", "dclw"), ("AlignModel", "infonce"), ("ClapModel", "eqco")]
+
+
+def _loss_and_grads(name, kind, n, offset, gather, ddp=False):
+    """Loss and gradients of a float64 model on rows offset .. offset + n (float64: rounding far below the
+    tolerance)."""
+    model = hf_tiny.model(name, dtype=torch.float64)
+    # find_unused_parameters: ALIGN's text pooler takes no part in its embeddings (as the Trainer sets it)
+    runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
+    with hf_clip.patch(runner, loss=kind, gather_with_grad=gather, **OPTIONS[kind]):
+        if ddp:
+            assert hf_clip.active_objective(runner).name == kind  # seen through the DDP wrapper
+        loss = runner(**hf_tiny.batch(name, n=n, offset=offset, seed=2, dtype=torch.float64), return_loss=True).loss
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for name, kind in GATHERED:
+        for gather in (True, False):
+            # DDP averages the gradients over the processes, as in training
+            results[name, kind, gather] = _loss_and_grads(name, kind, 4, 4 * rank, gather, ddp=True)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_processes_with_gathering_equal_one(tmp_path, float64):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, kind in GATHERED:
+        total, grads = _loss_and_grads(name, kind, 8, 0, False)
+        losses = [p[name, kind, True][0] for p in parts]
+        assert sum(losses) / 2 == pytest.approx(total, rel=1e-10), (name, kind)
+        for key, g in grads.items():
+            torch.testing.assert_close(parts[0][name, kind, True][1][key], g, rtol=1e-8, atol=1e-11)
+            torch.testing.assert_close(parts[1][name, kind, True][1][key], g, rtol=1e-8, atol=1e-11)
+        # without gathering each process contrasts its own 4 pairs only: not the whole batch's loss
+        local = sum(p[name, kind, False][0] for p in parts) / 2
+        assert abs(local - total) > 1e-3, (name, kind)
+
+
+# ----------------------------------------------------------------------------- transformers 5
+
+
+@pytest.mark.skipif(not os.environ.get("CONTRASTKIT_TRANSFORMERS5_PATH"),
+                    reason="set CONTRASTKIT_TRANSFORMERS5_PATH to a `pip install --target` folder of transformers 5")
+def test_transformers5():
+    """The equality checks above, run in a subprocess that imports transformers 5 from the given folder."""
+    path = os.environ["CONTRASTKIT_TRANSFORMERS5_PATH"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([path, str(ROOT), str(ROOT / "tests")])}
+    code = ("import transformers, sys; assert transformers.__version__.startswith('5'), transformers.__version__; "
+            "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+            f"'{__file__}', '-k', 'infonce_equals or formula or targets or accelerate']))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
