@@ -5,9 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  # libsndfile for fairseq2's audio, espeak-ng as the fallback voice of the embedded speech data
-  if ! ldconfig -p | grep -q libsndfile.so.1 || ! command -v espeak-ng >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsndfile1 espeak-ng >/dev/null
+  # libsndfile for fairseq2's audio, espeak-ng as the fallback voice of the embedded speech data,
+  # FFmpeg's shared libraries (libavcodec, libavformat, ...) for torchcodec, which datasets decodes audio with
+  if ! ldconfig -p | grep -q libsndfile.so.1 || ! command -v espeak-ng >/dev/null || ! ldconfig -p | grep -q libavformat.so; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libsndfile1 espeak-ng ffmpeg >/dev/null
   fi
 fi
 python3 -m venv .venv
