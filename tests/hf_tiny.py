@@ -81,3 +81,29 @@ def float64():
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def dual_encoder_dir(root, captions: list[str], image_size: int = 32):
+    """A tiny VisionTextDualEncoderModel (ViT + BERT, no dropout) saved with save_pretrained under root,
+    with a word-level BERT tokenizer over the captions' words and a ViT image processor: what
+    transformers' run_clip.py loads from --model_name_or_path. Nothing is downloaded."""
+    from pathlib import Path
+
+    import transformers as T
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    words = sorted({w for c in captions for w in c.lower().split()})
+    (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tokenizer = T.BertTokenizerFast(vocab_file=str(root / "vocab.txt"))
+    vision = T.ViTConfig(**dict(VISION, image_size=image_size), hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+    text = T.BertConfig(**dict(BERT, vocab_size=len(tokenizer)))
+    torch.manual_seed(0)
+    model = T.VisionTextDualEncoderModel(T.VisionTextDualEncoderConfig.from_vision_text_configs(
+        vision, text, projection_dim=16))
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    T.ViTImageProcessor(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
+                        image_std=[0.5] * 3).save_pretrained(root)
+    return root
