@@ -185,13 +185,75 @@ def test_one_import_makes_an_unchanged_script_train_with_dcl(tmp_path):
     assert dcl[0]["type"] == base[0]["type"] == "Wav2Vec2ForPreTrainingOutput"
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"CONTRASTKIT_TEMPERATURE": "abc"}, "CONTRASTKIT_TEMPERATURE='abc' is not a number"),
+    ({"CONTRASTKIT_TEMPERATURE": "0"}, "CONTRASTKIT_TEMPERATURE='0': the temperature must be a positive"),
+    ({"CONTRASTKIT_TEMPERATURE": "-1"}, "CONTRASTKIT_TEMPERATURE='-1'"),
+    ({"CONTRASTKIT_LOSS": "unigrad"}, "CONTRASTKIT_LOSS='unigrad': .*UniGrad has no distractor form"),
+])
+def test_one_import_rejects_a_bad_environment_at_import(monkeypatch, env, message):
+    """Checked at import, before any preprocessing, with the variable's name in the message."""
+    import importlib
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    sys.modules.pop("contrastkit.adapters.hf_wav2vec2_dcl", None)
+    with pytest.raises(ValueError, match=message):
+        importlib.import_module("contrastkit.adapters.hf_wav2vec2_dcl")
+    sys.modules.pop("contrastkit.adapters.hf_wav2vec2_dcl", None)
+    assert hf_wav2vec2.active_objective(hf_model()) is None
+    monkeypatch.delenv(next(iter(env)))
+    monkeypatch.setenv("CONTRASTKIT_TEMPERATURE", "0.3")
+    module = importlib.import_module("contrastkit.adapters.hf_wav2vec2_dcl")
+    try:
+        assert hf_wav2vec2.active_objective(hf_model()).options == {"temperature": 0.3}
+    finally:
+        module.PATCH.undo()
+        sys.modules.pop("contrastkit.adapters.hf_wav2vec2_dcl", None)
+
+
+@pytest.mark.parametrize("order", ["patch_then_prepare", "prepare_then_patch"])
+def test_patch_survives_accelerate_bf16_in_either_order(order):
+    """accelerate's mixed precision wraps the instance's forward in autocast: patching (before or after)
+    leaves that wrapper working, and undo leaves it in place."""
+    from accelerate import Accelerator
+
+    model = hf_model()
+    x, mask, neg = _batch(model)
+    dtypes = []
+    model.wav2vec2.encoder.layers[0].feed_forward.intermediate_dense.register_forward_hook(
+        lambda m, i, o: dtypes.append(o.dtype))
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    if order == "patch_then_prepare":
+        handle = hf_wav2vec2.patch(model, loss="dcl")
+        prepared = accelerator.prepare(model)
+    else:
+        prepared = accelerator.prepare(model)
+        handle = hf_wav2vec2.patch(prepared, loss="dcl")
+    out = _run(prepared, x, mask, neg)
+    assert dtypes[-1] == torch.bfloat16, "accelerate's autocast is gone"
+    assert hf_wav2vec2.active_objective(prepared).name == "dcl"
+    pos, negs, valid = hf_wav2vec2.contrastive_scores(out.projected_states, out.projected_quantized_states, neg, mask)
+    keep = valid.any(1)
+    expected = K.dcl(pos[keep], negs[keep].masked_fill(~valid[keep], 0.0), neg_mask=valid[keep],
+                     temperature=model.config.contrastive_logits_temperature).sum()
+    torch.testing.assert_close(out.contrastive_loss, expected, rtol=1e-5, atol=1e-4)
+    handle.undo()
+    assert hf_wav2vec2.active_objective(prepared) is None
+    _run(prepared, x, mask, neg)
+    assert dtypes[-1] == torch.bfloat16, "undo removed accelerate's autocast"
+
+
 # ----------------------------------------------------------------------------- 2 processes = 1 process
 
 
-def _grads(model, x, mask, neg, lo, hi, loss):
+def _grads(model, x, mask, neg, lo, hi, loss, ddp=False):
     model.zero_grad()
-    with hf_wav2vec2.patch(model, loss=loss):
-        out = model(x[lo:hi], mask_time_indices=mask[lo:hi], sampled_negative_indices=neg[lo:hi] - lo * mask.shape[1])
+    runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
+    with hf_wav2vec2.patch(runner, loss=loss):
+        if ddp:
+            assert hf_wav2vec2.active_objective(runner).name == loss  # seen through the DDP wrapper
+        out = runner(x[lo:hi], mask_time_indices=mask[lo:hi], sampled_negative_indices=neg[lo:hi] - lo * mask.shape[1])
     out.contrastive_loss.backward()  # the diversity term is a batch statistic (perplexity), not per frame
     return float(out.contrastive_loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -203,11 +265,8 @@ def _worker(rank, world, init_file, out_dir):
     x, mask, neg = _batch(model, batch=4)
     results = {}
     for loss in ("dcl", "dclw"):
-        value, grads = _grads(model, x, mask, neg, 2 * rank, 2 * rank + 2, loss)
-        for g in grads.values():  # what DDP does: average the gradients
-            dist.all_reduce(g)
-            g.div_(world)
-        results[loss] = (value, grads)
+        # DDP averages the gradients over the processes
+        results[loss] = _grads(model, x, mask, neg, 2 * rank, 2 * rank + 2, loss, ddp=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
