@@ -441,3 +441,82 @@ def test_run_clip_two_processes_with_gathering_equal_one(clip_data, one_process_
     losses, _ = _run_clip(tmp_path, train, model_dir, processes=2, steps=STEPS, CONTRASTKIT_GATHER="1")
     assert losses[:5] == pytest.approx(one_process_losses[:5], abs=2e-3)
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+# ----------------------------------------------------------------------------- CLAP on spoken commands
+
+
+def _clap_batches(rows, steps):
+    """Per step, one clip of each of the 12 commands (a different speaker and take each time), so that a
+    batch's transcripts are all different: 12 audio-text pairs."""
+    by_command = {}
+    for r in rows:
+        by_command.setdefault(r["transcription"], []).append(r)
+    commands = sorted(by_command)
+    return commands, [[by_command[c][(step * 5 + i) % len(by_command[c])] for i, c in enumerate(commands)]
+                      for step in range(steps)]
+
+
+def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
+    """The embedded spoken commands loaded as a Hugging Face audio dataset from their files (decoded by
+    torchcodec), a tiny ClapModel with its own feature extractor, AdamW, 200 steps with DCL: every step's
+    loss is DCL's, and audio-to-transcript retrieval on held-out speakers beats the untrained model.
+    (200 steps of 12 pairs: about 30 s on one CPU thread.)"""
+    import datasets
+    from transformers import BertTokenizerFast, ClapFeatureExtractor, ClapModel
+
+    from contrastkit.data.speech import default_speech_data, read_fsc
+
+    root = default_speech_data() / "fsc"
+    train, test = read_fsc(root, "train"), read_fsc(root, "test")
+    commands, batches = _clap_batches(train, 200)
+    clips = datasets.Dataset.from_dict({"audio": [r["path"] for r in train + test]}).cast_column(
+        "audio", datasets.Audio(sampling_rate=16_000))
+    index = {p: i for i, p in enumerate(r["path"] for r in train + test)}
+    features = ClapFeatureExtractor(feature_size=16, sampling_rate=16_000, hop_length=512, fft_window_size=1024,
+                                    max_length_s=2, frequency_min=50, frequency_max=8000, padding="repeatpad",
+                                    truncation="rand_trunc")
+    vocab = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]", *sorted({w for c in commands for w in c.lower().split()})]
+    vocab_file = tmp_path / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(vocab_file))
+    texts = tokenizer(commands, padding="max_length", max_length=12, return_tensors="pt")
+
+    def inputs(rows):
+        audio = [clips[index[r["path"]]]["audio"] for r in rows]
+        waves = [a.get_all_samples().data.mean(0).numpy() if hasattr(a, "get_all_samples") else a["array"]
+                 for a in audio]
+        return features(waves, sampling_rate=16_000, return_tensors="pt").input_features
+
+    torch.manual_seed(0)
+    model = ClapModel(hf_tiny.config("ClapModel"))
+    model.config.text_config.vocab_size = len(vocab)
+
+    def retrieval(rows):
+        """Top-1 accuracy of each held-out clip's transcript among the 12 commands."""
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=texts.input_ids, attention_mask=texts.attention_mask, input_features=inputs(rows))
+        model.train()
+        truth = torch.tensor([commands.index(r["transcription"]) for r in rows])
+        return float((out.logits_per_audio.argmax(1) == truth).float().mean())
+
+    before = retrieval(test)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    with hf_clip.patch(ClapModel, loss="dcl") as handle:
+        model.train()
+        for rows in batches:
+            out = model(input_ids=texts.input_ids, attention_mask=texts.attention_mask,
+                        input_features=inputs(rows), return_loss=True)
+            expected = reference("ClapModel", "dcl", out.text_embeds, out.audio_embeds, _scales(model, "ClapModel"))
+            torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-5)  # DCL's, every step
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+            losses.append(float(out.loss.detach()))
+        assert handle.targets == [ClapModel]
+    after = retrieval(test)
+    # measured: loss 2.77 -> 1.5 (chance level log 11 = 2.40), held-out retrieval 0.07 -> 0.28 (chance 1/12)
+    assert sum(losses[-10:]) / 10 < losses[0] - 0.7, losses
+    assert after >= before + 0.1 and after >= 2 / 12, (before, after)
