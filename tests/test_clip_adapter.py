@@ -120,8 +120,9 @@ def test_patch_makes_create_loss_return_the_loss():
         assert active_objective() is handle.objective and active_objective().name == "dclw"
         with pytest.raises(ValueError, match="replaces ClipLoss only; this run uses SigLIP"):
             open_clip.create_loss(argparse.Namespace(**{**vars(args), "siglip": True}))
-        patch("dcl").undo()  # a second patch replaces the first; undoing it restores open_clip
-        assert open_clip.create_loss is original
+        patch("dcl")  # a second patch replaces the first
+        assert active_objective().name == "dcl"
+    assert open_clip.create_loss is original  # leaving the block restored open_clip
     handle.undo()  # nothing left to undo: a no-op
     assert isinstance(open_clip.create_loss(args), open_clip.ClipLoss) and active_objective() is None
 

@@ -1,9 +1,10 @@
 """One patch mechanism and one handle type for every adapter.
 
 A *target* (a class, a model instance, or a module such as ``open_clip``) holds at most one contrastkit
-patch, recorded on the target itself; patching it again first restores it. ``Patch`` is the handle that
-every adapter's ``patch`` returns: ``undo()`` (or leaving its ``with`` block) restores the targets it
-still owns, and ``objective`` is what it installed.
+patch, recorded on the target itself; patching it again first restores it (the new objective replaces
+the old). ``Patch`` is the handle that every adapter's ``patch`` returns: ``undo()`` (or leaving its
+``with`` block) restores its targets to their original state, whichever patch is on them by then, and
+``objective`` is what it installed.
 
 Two ways to change a target:
 
@@ -44,21 +45,17 @@ class Patch:
     def __init__(self, objective):
         self.objective = objective
         self.targets: list = []
-        self._records: list[tuple[object, _Record]] = []
 
     def add(self, target, restore) -> None:
         """Record that ``target`` was changed (``restore()`` undoes it); replaces an earlier patch's record."""
-        record = _Record(self.objective, restore)
-        _set(target, RECORD, record)
-        self._records.append((target, record))
+        _set(target, RECORD, _Record(self.objective, restore))
         if not any(t is target for t in self.targets):
             self.targets.append(target)
 
     def undo(self) -> None:
-        for target, record in reversed(self._records):
-            if _own(target).get(RECORD) is record:  # not since replaced by another patch
-                remove(target)
-        self._records, self.targets = [], []
+        for target in reversed(self.targets):
+            remove(target)
+        self.targets = []
 
     def __enter__(self):
         return self
