@@ -141,7 +141,8 @@ class ClipObjective:
             loss = self.loss.cross_modal(other, text, logit_scale=scale)
             smoothing = family.label_smoothing if self.label_smoothing is None else self.label_smoothing
             if smoothing and self.name != "cacr":
-                loss = loss + smoothing * self._smoothing_term(other, text, self.loss.logit_scale() if scale is None else scale)
+                fixed = self.loss.default_logit_scale() if scale is None else scale
+                loss = loss + smoothing * self._smoothing_term(other, text, fixed)
         return loss + unused
 
     def _units(self, *features: torch.Tensor) -> list[torch.Tensor]:
@@ -158,7 +159,7 @@ class ClipObjective:
             all_b, start = self._all(b)
             if all_b.shape[0] < 2:
                 raise ValueError(f"hf_clip {self.name}: a batch of 1 pair has no negatives; use at least 2")
-            scale = self.loss.logit_scale() if scale is None else scale.to(a.dtype)
+            scale = self.loss.default_logit_scale() if scale is None else scale.to(a.dtype)
             own = (start + torch.arange(a.shape[0], device=a.device))[:, None]
             pos = (a * b).sum(-1, keepdim=True)
             return self.loss.negative_terms(pos, a, all_b, own, all_b.shape[0] - 1, scale).loss.mean()
