@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contrastkit.cli import arg
+from contrastkit.losses import available_losses
+
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: recipes/ and eval/ live beside the package
 
 # Columns of the report: (domain, metric key in cell.json, column title).
@@ -73,6 +76,44 @@ class Cell:
     def name(self) -> str:
         return "/".join(x for x in (self.domain + (f"-{self.variant}" if self.variant else ""), self.objective,
                                     f"seed{self.seed}"))
+
+
+DOMAINS = tuple(DEFAULT_CONFIG["domains"])
+
+
+@dataclass
+class SuiteArgs:
+    """The command line of eval/suite.py (its --config is the suite's own YAML or TOML, see load_config)."""
+
+    config: str | None = arg(None, "YAML or TOML file; keys: output_dir, objectives, seeds, domains, sweep")
+    output_dir: str | None = arg(None, "overrides the config's output_dir")
+    objectives: list[str] | None = arg(None, "overrides the config's objectives", choices=available_losses())
+    seeds: list[int] | None = arg(None, "overrides the config's seeds")
+    domains: list[str] | None = arg(None, "a subset of the domains to run", choices=DOMAINS)
+    sweep: bool = arg(True, "run the batch-size sweep (--no-sweep skips it)")
+    print_config: bool = arg(False, "print the resolved config and exit")
+    progress: bool = arg(True, "show progress")
+
+    def resolve(self) -> dict:
+        """The suite config: the file (or the default) with the command line's overrides."""
+        config = load_config(self.config)
+        if self.output_dir:
+            config["output_dir"] = self.output_dir
+        if self.objectives:
+            config["objectives"] = self.objectives
+        if self.seeds:
+            config["seeds"] = self.seeds
+        if self.domains:
+            unknown = set(self.domains) - set(config["domains"])
+            if unknown:
+                raise ValueError(f"--domains {sorted(unknown)} not in the config's domains {sorted(config['domains'])}")
+            config["domains"] = {d: config["domains"][d] for d in self.domains}
+        if not self.sweep:
+            config["sweep"] = {}
+        return config
+
+    def check(self) -> None:
+        self.resolve()
 
 
 def load_config(path: str | Path | None) -> dict:
@@ -319,7 +360,9 @@ def _flags(options: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
-        elif value is not False and value is not None:
+        elif value is False:
+            argv += [flag, "false"]  # every recipe flag is a dataclass bool: --x false works for all
+        elif value is not None:
             argv += [flag, str(value)]
     return argv
 
@@ -382,7 +425,7 @@ def image_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
         if (run / "checkpoints").exists():
             argv.append("--resume")
         commands.append(("train", argv, None))
-        checkpoint = str(run / "checkpoints" / f"step_{steps}")
+        checkpoint = str(run / "checkpoints" / f"checkpoint_{steps}")
     out = cell_dir / "zeroshot"
     commands.append(("zeroshot", ["eval/zeroshot.py", "--model", model, "--checkpoint", checkpoint,
                                   *_flags({"data": settings.get("zeroshot")}), "--out-dir", str(out)],

@@ -6,28 +6,18 @@
 Writes knn.json (accuracy at --k and at a range of k) and knn.png (accuracy against k) next to --out.
 """
 
-import argparse
 import json
 from pathlib import Path
 
-from contrastkit.evaluation.knn import knn_accuracy
+from contrastkit.cli import parse
+from contrastkit.evaluation.knn import KnnArgs, knn_accuracy
 from contrastkit.vision.train import frozen_features, load_backbone
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", required=True, help="output folder of recipes/vision/train.py")
-    parser.add_argument("--checkpoint", default=None, help="a checkpoints/step_<n> folder (default: final backbone)")
-    parser.add_argument("--data", default=None, help="ImageFolder root or saved HF DatasetDict (default: the run's)")
-    parser.add_argument("--image-size", type=int, default=None)
-    parser.add_argument("--k", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.1)
-    parser.add_argument("--out", default=None, help="report path (default: <run>/knn.json)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-
-    backbone, cfg = load_backbone(args.run, args.checkpoint)
-    train, test, classes = frozen_features(backbone, cfg, args.data, args.image_size, progress=not args.no_progress)
+    args = parse(KnnArgs, description=__doc__, argv=argv)
+    backbone, cfg = load_backbone(args.run, args.checkpoint, args.device)
+    train, test, classes = frozen_features(backbone, cfg, args.data, args.image_size, progress=args.progress)
     ks = sorted({1, 5, 20, 50, 100, 200, args.k})
     curve = {k: knn_accuracy(*train, *test, k=k, temperature=args.temperature, num_classes=len(classes)) for k in ks}
     report = {"run": args.run, "data": args.data or cfg.data or "shapes", "k": args.k,

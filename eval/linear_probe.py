@@ -7,39 +7,25 @@ logistic regression (CLIP's).
 Writes linear_probe.json and linear_probe.png (the SGD training loss) next to --out.
 """
 
-import argparse
 import json
 from pathlib import Path
 
-from contrastkit.evaluation.linear_probe import linear_probe_sgd, logistic_regression_lbfgs
+from contrastkit.cli import parse
+from contrastkit.evaluation.linear_probe import ProbeArgs, linear_probe_sgd, logistic_regression_lbfgs
 from contrastkit.vision.train import frozen_features, load_backbone
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", required=True, help="output folder of recipes/vision/train.py")
-    parser.add_argument("--checkpoint", default=None, help="a checkpoints/step_<n> folder (default: final backbone)")
-    parser.add_argument("--data", default=None, help="ImageFolder root or saved HF DatasetDict (default: the run's)")
-    parser.add_argument("--image-size", type=int, default=None)
-    parser.add_argument("--classifier", choices=["sgd", "lbfgs", "both"], default="both")
-    parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
-    parser.add_argument("--lbfgs-weight-decay", type=float, default=1e-4)
-    parser.add_argument("--out", default=None, help="report path (default: <run>/linear_probe.json)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-
-    backbone, cfg = load_backbone(args.run, args.checkpoint)
+    args = parse(ProbeArgs, description=__doc__, argv=argv)
+    backbone, cfg = load_backbone(args.run, args.checkpoint, args.device)
     (train_x, train_y), (test_x, test_y), classes = frozen_features(backbone, cfg, args.data, args.image_size,
-                                                                    progress=not args.no_progress)
+                                                                    progress=args.progress)
     report = {"run": args.run, "data": args.data or cfg.data or "shapes", "train_size": len(train_y),
               "test_size": len(test_y), "classes": len(classes), "feature_dim": train_x.shape[1]}
     if args.classifier in ("sgd", "both"):
         report["sgd"] = linear_probe_sgd(train_x, train_y, test_x, test_y, epochs=args.epochs, lr=args.lr,
                                          batch_size=args.batch_size, weight_decay=args.weight_decay,
-                                         num_classes=len(classes), progress=not args.no_progress)
+                                         num_classes=len(classes), progress=args.progress)
     if args.classifier in ("lbfgs", "both"):
         report["lbfgs"] = logistic_regression_lbfgs(train_x, train_y, test_x, test_y,
                                                     weight_decay=args.lbfgs_weight_decay, num_classes=len(classes))

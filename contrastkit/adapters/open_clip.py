@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None):
     check_open_clip_version()
     import open_clip_train.main
 
-    from contrastkit.clip_train import register_configs
+    from contrastkit.clip.models import register_configs
 
     register_configs()  # contrastkit's small configs (contrastkit-tiny) join open_clip's
     with patch(ours.loss, **dict(ours.loss_option)), cpu_ddp():

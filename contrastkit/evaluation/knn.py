@@ -9,11 +9,51 @@ class c adding exp(s / T) to class c; the class with the largest vote wins. Defa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
+
+from contrastkit.cli import arg, check_device, default_device, existing, positive
+
+
+@dataclass
+class FrozenRunArgs:
+    """What eval/knn.py and eval/linear_probe.py share: a vision recipe run and the data to judge it on."""
+
+    run: str = arg(help="output folder of recipes/vision/train.py")
+    checkpoint: str | None = arg(None, "a checkpoints/checkpoint_<step> folder (default: the final backbone)")
+    data: str | None = arg(None, "ImageFolder root or saved HF DatasetDict (default: the run's)")
+    image_size: int | None = arg(None, "image side (default: the run's)")
+    device: str = arg(default_device(), "where the backbone runs (cpu, cuda, cuda:1)")
+    out: str | None = arg(None, "report path (default: inside --run)")
+    progress: bool = arg(True, "show progress bars")
+
+    def check(self) -> None:
+        existing("run", self.run, "run folder")
+        if not (Path(self.run) / "config.json").is_file():
+            raise FileNotFoundError(f"--run {self.run!r} is not a vision recipe run (no config.json)")
+        existing("checkpoint", self.checkpoint, "checkpoint")
+        existing("data", self.data, "image data")
+        positive("image_size", self.image_size)
+        check_device(self.device)
+
+
+@dataclass
+class KnnArgs(FrozenRunArgs):
+    """The command line of eval/knn.py."""
+
+    k: int = arg(200, "neighbours that vote")
+    temperature: float = arg(0.1, "vote temperature: a neighbour adds exp(s / T)")
+
+    def check(self) -> None:
+        positive("k", self.k)
+        positive("temperature", self.temperature)
+        super().check()
 
 
 @torch.no_grad()
@@ -48,14 +88,16 @@ def knn_predict(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feat
     num_classes = num_classes or int(train_labels.max()) + 1
     k = min(k, train_feats.shape[0])
     bank = F.normalize(train_feats.float(), dim=1)
+    labels = train_labels.to(bank.device)  # votes are built on the features' device (CUDA features stay there)
     preds = []
-    for part in F.normalize(test_feats.float(), dim=1).split(chunk):
+    for part in F.normalize(test_feats.float().to(bank.device), dim=1).split(chunk):
         sims, idx = (part @ bank.T).topk(k, dim=1)
-        votes = torch.zeros(part.shape[0], num_classes).scatter_add_(1, train_labels[idx], (sims / temperature).exp())
+        votes = part.new_zeros(part.shape[0], num_classes).scatter_add_(1, labels[idx], (sims / temperature).exp())
         preds.append(votes.argmax(1))
     return torch.cat(preds)
 
 
 def knn_accuracy(train_feats, train_labels, test_feats, test_labels, **options) -> float:
     """Top-1 accuracy of ``knn_predict`` on the test features."""
-    return (knn_predict(train_feats, train_labels, test_feats, **options) == test_labels).float().mean().item()
+    predicted = knn_predict(train_feats, train_labels, test_feats, **options)
+    return (predicted == test_labels.to(predicted.device)).float().mean().item()

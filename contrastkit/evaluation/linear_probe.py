@@ -10,9 +10,33 @@ backbones whose features differ in scale.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from tqdm.auto import trange
+
+from contrastkit.cli import arg, positive
+from contrastkit.evaluation.knn import FrozenRunArgs
+
+
+@dataclass
+class ProbeArgs(FrozenRunArgs):
+    """The command line of eval/linear_probe.py."""
+
+    classifier: str = arg("both", "which linear classifier", choices=("sgd", "lbfgs", "both"))
+    epochs: int = arg(100, "SGD epochs")
+    lr: float = arg(0.1, "SGD learning rate")
+    batch_size: int = arg(256, "SGD batch size")
+    weight_decay: float = arg(0.0, "SGD weight decay")
+    lbfgs_weight_decay: float = arg(1e-4, "L-BFGS weight decay")
+
+    def check(self) -> None:
+        for name in ("epochs", "lr", "batch_size"):
+            positive(name, getattr(self, name))
+        for name in ("weight_decay", "lbfgs_weight_decay"):
+            positive(name, getattr(self, name), zero=True)
+        super().check()
 
 
 def _check(train_x, train_y, test_x, test_y):

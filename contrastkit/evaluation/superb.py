@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contrastkit.cli import arg, check_device, default_device, existing, parse, positive
 from contrastkit.data import speech as data
 
 
@@ -33,8 +34,9 @@ from contrastkit.data import speech as data
 class Upstream:
     """A frozen upstream: ``hidden_states(wave [T]) -> [L + 1, frames, dim]`` (input of layer 1 .. output of L)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
         path = Path(path)
+        self.device = torch.device(device)
         if (path / "upstream").is_dir():
             path = path / "upstream"
         if not path.exists():
@@ -50,10 +52,11 @@ class Upstream:
         else:
             raise ValueError(f"{path}: neither a Hugging Face model folder (config.json) nor a fairseq2 export "
                              "(fairseq2_wav2vec2.pt) nor a recipe run folder (upstream/)")
-        self.model.eval().requires_grad_(False)
+        self.model.to(self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def hidden_states(self, wave: torch.Tensor) -> torch.Tensor:
+        wave = wave.to(self.device)
         x = ((wave - wave.mean()) / (wave.std() + 1e-7))[None]
         if self.backend == "hf":
             return torch.stack(self.model(x, output_hidden_states=True).hidden_states)[:, 0]
@@ -91,7 +94,11 @@ def _load_fairseq2(path: Path):
 
 
 class Downstream(nn.Module):
-    """Softmax-weighted sum of layers -> linear -> mean pooling -> one linear classifier per task."""
+    """Softmax-weighted sum of layers -> linear -> mean pooling -> one linear classifier per task.
+
+    The weighted sum and the projection are affine, so they commute with the mean over frames: the model
+    takes each utterance's per-layer frame means [B, L, D] and computes exactly what it would on the frames,
+    while the features kept in memory do not grow with the frames."""
 
     def __init__(self, num_layers: int, dim: int, classes: dict[str, int], proj: int = 128):
         super().__init__()
@@ -99,13 +106,10 @@ class Downstream(nn.Module):
         self.proj = nn.Linear(dim, proj)
         self.heads = nn.ModuleDict({k: nn.Linear(proj, n) for k, n in classes.items()})
 
-    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
-        # feats [B, L, T, D] zero-padded in T; lengths [B]
-        x = torch.einsum("l,bltd->btd", torch.softmax(self.layer_logits, 0), feats)
-        x = self.proj(x)
-        valid = (torch.arange(x.shape[1])[None] < lengths[:, None]).to(x.dtype)
-        pooled = (x * valid[..., None]).sum(1) / lengths[:, None].to(x.dtype)
-        return {k: head(pooled) for k, head in self.heads.items()}
+    def forward(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
+        # pooled [B, L, D]: each layer's mean over the utterance's frames
+        x = self.proj(torch.einsum("l,bld->bd", torch.softmax(self.layer_logits, 0), pooled))
+        return {k: head(x) for k, head in self.heads.items()}
 
 
 @dataclasses.dataclass
@@ -117,19 +121,13 @@ class DownstreamConfig:
     seed: int = 0
 
 
-def _features(upstream: Upstream, records: list[dict], desc: str) -> tuple[list[torch.Tensor], list[dict]]:
+def _features(upstream: Upstream, records: list[dict], desc: str) -> tuple[torch.Tensor, list[dict]]:
+    """Per utterance, each layer's mean over its frames: [utterances, L + 1, D] (float32, CPU)."""
     from tqdm import tqdm
 
     waves, kept = data.load_waveforms(records)
-    return [upstream.hidden_states(w) for w in tqdm(waves, desc=desc, leave=False)], kept
-
-
-def _stack(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([f.shape[1] for f in feats])
-    out = feats[0].new_zeros(len(feats), feats[0].shape[0], int(lengths.max()), feats[0].shape[2])
-    for i, f in enumerate(feats):
-        out[i, :, : f.shape[1]] = f
-    return out, lengths
+    return torch.stack([upstream.hidden_states(w).float().mean(1).cpu()
+                        for w in tqdm(waves, desc=desc, leave=False)]), kept
 
 
 def _labels(records: list[dict], tasks: list[str], vocab: dict[str, list[str]]) -> dict[str, torch.Tensor]:
@@ -138,12 +136,12 @@ def _labels(records: list[dict], tasks: list[str], vocab: dict[str, list[str]]) 
     return {t: torch.tensor([index[t].get(r[t], -1) for r in records]) for t in tasks}
 
 
-def _accuracy(model: Downstream, feats, lengths, labels, batch_size: int) -> float:
+def _accuracy(model: Downstream, feats, labels, batch_size: int) -> float:
     model.eval()
-    right = torch.ones(len(lengths), dtype=torch.bool)
+    right = torch.ones(len(feats), dtype=torch.bool)
     with torch.no_grad():
-        for s in range(0, len(lengths), batch_size):
-            logits = model(feats[s:s + batch_size], lengths[s:s + batch_size])
+        for s in range(0, len(feats), batch_size):
+            logits = model(feats[s:s + batch_size])
             for t, y in labels.items():
                 right[s:s + batch_size] &= logits[t].argmax(-1) == y[s:s + batch_size]
     return float(right.float().mean())
@@ -157,20 +155,20 @@ def run_downstream(upstream: Upstream, splits: dict[str, list[dict]], tasks: lis
     if any(len(v) < 2 for v in vocab.values()):
         raise ValueError(f"{name}: the train split needs at least 2 classes per task, got "
                          f"{ {t: len(v) for t, v in vocab.items()} }")
-    tensors = {s: (*_stack(f), _labels(recs, tasks, vocab)) for s, (f, recs) in feats.items()}
-    num_layers, _, dim = feats["train"][0][0].shape
+    tensors = {s: (f, _labels(recs, tasks, vocab)) for s, (f, recs) in feats.items()}
+    _, num_layers, dim = feats["train"][0].shape
     torch.manual_seed(cfg.seed)
     model = Downstream(num_layers, dim, {t: len(v) for t, v in vocab.items()}, cfg.proj)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    x, lengths, y = tensors["train"]
+    x, y = tensors["train"]
     rng = np.random.default_rng(cfg.seed)
     history, best = [], (-1.0, None)
     for epoch in range(1, cfg.epochs + 1):
         model.train()
-        order = torch.from_numpy(rng.permutation(len(lengths)))
+        order = torch.from_numpy(rng.permutation(len(x)))
         for s in range(0, len(order), cfg.batch_size):
             idx = order[s:s + cfg.batch_size]
-            logits = model(x[idx], lengths[idx])
+            logits = model(x[idx])
             loss = sum(F.cross_entropy(logits[t], y[t][idx]) for t in tasks)
             optimizer.zero_grad()
             loss.backward()
@@ -183,24 +181,26 @@ def run_downstream(upstream: Upstream, splits: dict[str, list[dict]], tasks: lis
     return {"task": name, "upstream": str(upstream.path), "backend": upstream.backend,
             "test_accuracy": _accuracy(model, *tensors["test"], cfg.batch_size), "dev_accuracy": best[0],
             "best_epoch": best[2], "classes": {t: len(v) for t, v in vocab.items()},
-            "utterances": {s: len(t[1]) for s, t in tensors.items()},
+            "utterances": {s: len(t[0]) for s, t in tensors.items()},
             "layer_weights": torch.softmax(model.layer_logits.detach(), 0).tolist(),
             "config": dataclasses.asdict(cfg), "history": history}
 
 
-def speaker_id(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None) -> dict:
+def speaker_id(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
+               device: str = "cpu") -> dict:
     """VoxCeleb1 speaker identification accuracy (iden_split.txt: 1 train, 2 dev, 3 test)."""
     root = Path(data_root) if data_root else data.default_speech_data() / "voxceleb1"
     splits = {s: data.read_voxceleb_iden(root, s) for s in ("train", "dev", "test")}
-    return run_downstream(Upstream(upstream), splits, ["speaker"], cfg or DownstreamConfig(), "speaker_id")
+    return run_downstream(Upstream(upstream, device), splits, ["speaker"], cfg or DownstreamConfig(), "speaker_id")
 
 
-def intent(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None) -> dict:
+def intent(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
+           device: str = "cpu") -> dict:
     """Fluent Speech Commands intent accuracy (right only when action, object and location all are)."""
     root = Path(data_root) if data_root else data.default_speech_data() / "fsc"
     splits = {"train": data.read_fsc(root, "train"), "dev": data.read_fsc(root, "valid"),
               "test": data.read_fsc(root, "test")}
-    return run_downstream(Upstream(upstream), splits, ["action", "object", "location"], cfg or DownstreamConfig(),
+    return run_downstream(Upstream(upstream, device), splits, ["action", "object", "location"], cfg or DownstreamConfig(),
                           "intent")
 
 
@@ -229,20 +229,33 @@ def write_report(result: dict, out_dir: str | Path) -> Path:
     return path
 
 
+@dataclasses.dataclass
+class SuperbArgs:
+    """The command line of eval/speaker_id.py and eval/intent.py."""
+
+    upstream: str = arg(help="recipe run folder, HF model folder or fairseq2 export")
+    data: str | None = arg(None, "dataset root (default: the embedded spoken commands)")
+    out: str | None = arg(None, "report folder (default: <upstream>/eval)")
+    epochs: int = arg(DownstreamConfig.epochs, "downstream training epochs")
+    batch_size: int = arg(DownstreamConfig.batch_size, "downstream batch size")
+    lr: float = arg(DownstreamConfig.lr, "downstream learning rate (Adam)")
+    seed: int = arg(0, "random seed")
+    device: str = arg(default_device(), "where the upstream runs (cpu, cuda, cuda:1)")
+
+    def check(self) -> None:
+        for name in ("epochs", "batch_size", "lr"):
+            positive(name, getattr(self, name))
+        existing("upstream", self.upstream, "upstream")
+        existing("data", self.data, "dataset root")
+        check_device(self.device)
+
+
 def main(task: str, description: str, argv: list[str] | None = None) -> dict:
     """The command line of eval/speaker_id.py and eval/intent.py: one frozen upstream, one task."""
-    import argparse
-
+    a = parse(SuperbArgs, description=description, argv=argv)
     run = {"speaker_id": speaker_id, "intent": intent}[task]
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--upstream", required=True, help="recipe run folder, HF model folder or fairseq2 export")
-    p.add_argument("--data", default=None, help="dataset root (default: the embedded spoken commands)")
-    p.add_argument("--out", default=None, help="default: <upstream>/eval")
-    p.add_argument("--epochs", type=int, default=DownstreamConfig.epochs)
-    p.add_argument("--lr", type=float, default=DownstreamConfig.lr)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    result = run(a.upstream, a.data, DownstreamConfig(epochs=a.epochs, lr=a.lr, seed=a.seed))
+    result = run(a.upstream, a.data, DownstreamConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed),
+                 device=a.device)
     path = write_report(result, a.out or f"{a.upstream.rstrip('/')}/eval")
     print(f"{task} test accuracy {result['test_accuracy']:.4f} (dev {result['dev_accuracy']:.4f}, "
           f"epoch {result['best_epoch']}) -> {path}")

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from contrastkit.cli import arg, check_device, default_device, existing, positive
 
 WNID = re.compile(r"n\d{8}")
 
@@ -79,10 +82,11 @@ def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_s
     model.eval()
     try:
         classifier = build_zero_shot_classifier(model, tokenizer, classnames, templates, device=device)
-        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                             pin_memory=torch.device(device).type == "cuda")
         logits, targets = [], []
         for images, labels in tqdm(loader, desc="zero-shot", disable=not progress):
-            features = model.encode_image(images.to(device), normalize=True)
+            features = model.encode_image(images.to(device, non_blocking=True), normalize=True)
             logits.append(features.float() @ classifier.float())
             targets.append(labels)
     finally:
@@ -136,3 +140,28 @@ def plot_per_class(result: dict, path: str | Path, max_classes: int = 60) -> Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+@dataclass
+class ZeroShotArgs:
+    """The command line of eval/zeroshot.py."""
+
+    model: str = arg("contrastkit-tiny", "open_clip config name")
+    checkpoint: str | None = arg(None, "accelerate checkpoint folder, model.safetensors, or open_clip_train .pt; "
+                                       "none: random initialisation (a chance-level baseline)")
+    data: str | None = arg(None, "ImageNet-layout folder (default: the embedded shapes zero-shot split)")
+    data_dir: str | None = arg(None, "where the embedded data is generated (default ~/.cache/contrastkit)")
+    batch_size: int = arg(256, "images per batch")
+    workers: int = arg(0, "DataLoader worker processes")
+    device: str = arg(default_device(), "where the model runs (cpu, cuda, cuda:1)")
+    out_dir: str | None = arg(None, "report folder (default: beside the checkpoint, or runs/zeroshot)")
+
+    def check(self) -> None:
+        from contrastkit.clip.models import check_model
+
+        positive("batch_size", self.batch_size)
+        positive("workers", self.workers, zero=True)
+        existing("checkpoint", self.checkpoint, "checkpoint")
+        existing("data", self.data, "zero-shot folder")
+        check_device(self.device)
+        check_model(self.model)

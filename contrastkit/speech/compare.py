@@ -11,8 +11,29 @@ import json
 import statistics
 from pathlib import Path
 
+from contrastkit.cli import arg, existing, positive
 from contrastkit.evaluation import superb
-from contrastkit.speech.pretrain import PretrainConfig, build_model, export_upstream, pretrain
+from contrastkit.speech.pretrain import (BACKENDS, SPEECH_LOSSES, PretrainConfig, build_model, export_upstream,
+                                         pretrain)
+
+
+@dataclasses.dataclass
+class SpeechCompareArgs:
+    """The command line of recipes/wav2vec2/compare.py."""
+
+    backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
+    losses: list[str] = arg(help="objectives to compare", choices=SPEECH_LOSSES, factory=lambda: ["infonce", "dcl"])
+    seeds: list[int] = arg(help="seeds", factory=lambda: [0])
+    steps: int = arg(400, "pre-training steps per upstream")
+    batch_size: int = arg(8, "utterances per process")
+    epochs: int = arg(150, "downstream epochs")
+    data: str | None = arg(None, "a folder holding fsc/ and voxceleb1/ (default: embedded)")
+    out: str = arg("runs/wav2vec2-compare", "output folder", aliases=["--out-dir"])
+
+    def check(self) -> None:
+        for name in ("steps", "batch_size", "epochs"):
+            positive(name, getattr(self, name))
+        existing("data", self.data, "data folder")
 
 
 def compare(out_dir: str | Path, losses=("infonce", "dcl"), seeds=(0,), base: PretrainConfig | None = None,

@@ -22,27 +22,60 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from contrastkit.cli import arg, existing, positive
 from contrastkit.data import speech as data
+from contrastkit.losses import build_loss
 from contrastkit.speech import models
+from contrastkit.training import REPORT_TO, check_report_to
+
+
+BACKENDS = ("hf", "fairseq2")
+SPEECH_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
 
 
 @dataclasses.dataclass
 class PretrainConfig:
-    backend: str = "hf"  # or "fairseq2"
-    loss: str = "dcl"
-    temperature: float | None = None  # None: the model's (0.1)
-    data: str | None = None  # FSC root, VoxCeleb1 root or a folder of audio files; None: embedded default
-    out_dir: str = "runs/wav2vec2"
-    steps: int = 200
-    batch_size: int = 8  # per process
-    lr: float = 5e-4
-    warmup: float = 0.08
-    max_seconds: float = 2.0
-    gumbel: tuple[float, float] = (2.0, 0.5)
-    save_every: int = 100
-    log_every: int = 10
-    seed: int = 0
-    conformer: bool = False  # HF only: Wav2Vec2ConformerForPreTraining
+    backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
+    loss: str = arg("dcl", "the objective", choices=SPEECH_LOSSES)
+    temperature: float | None = arg(None, "loss temperature (default: the model's, 0.1)")
+    loss_options: dict = arg(help="extra loss option, e.g. chunk_size=512 (typed: int, float, bool or str)",
+                             factory=dict, aliases=["--loss-option"])
+    data: str | None = arg(None, "FSC root, VoxCeleb1 root or a folder of audio files (default: embedded)")
+    out_dir: str | None = arg(None, "output folder (default: runs/wav2vec2-<backend>-<loss>)", aliases=["--out"])
+    steps: int = arg(200, "optimizer steps")
+    batch_size: int = arg(8, "utterances per process")
+    lr: float = arg(5e-4, "peak learning rate (AdamW)")
+    warmup: float = arg(0.08, "fraction of the steps spent in linear warm-up")
+    max_seconds: float = arg(2.0, "longest crop, in seconds")
+    gumbel: tuple[float, float] = arg((2.0, 0.5), "gumbel temperature: start and floor")
+    save_every: int = arg(100, "checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
+    log_every: int = arg(10, "log every N steps")
+    report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
+                         choices=REPORT_TO)
+    seed: int = arg(0, "random seed")
+    conformer: bool = arg(False, "HF only: Wav2Vec2ConformerForPreTraining")
+    resume: bool = arg(True, "continue from the newest complete checkpoint in --out-dir (--no-resume starts over)")
+
+    def __post_init__(self):
+        if self.out_dir is None:
+            self.out_dir = f"runs/wav2vec2-{self.backend}-{self.loss}"
+        self.gumbel = tuple(self.gumbel)
+
+    def check(self) -> None:
+        """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
+        for name in ("steps", "batch_size", "lr", "max_seconds", "save_every", "keep_checkpoints", "log_every",
+                     "temperature"):
+            positive(name, getattr(self, name))
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"--warmup is a fraction of the steps in [0, 1), got {self.warmup}")
+        if not self.gumbel[0] >= self.gumbel[1] > 0:
+            raise ValueError(f"--gumbel takes start >= floor > 0, got {self.gumbel}")
+        if self.conformer and self.backend != "hf":
+            raise ValueError("--conformer needs --backend hf")
+        existing("data", self.data, "audio data")
+        check_report_to(self.report_to)
+        build_loss(self.loss, **self.loss_options)  # an unknown loss option
 
 
 def pretraining_records(path: str | None) -> list[dict]:
@@ -68,21 +101,23 @@ def gumbel_decay(cfg: PretrainConfig) -> float:
     return (min_t / max_t) ** (1.0 / max(1, int(0.8 * cfg.steps)))
 
 
+def loss_kwargs(cfg: PretrainConfig) -> dict:
+    return {**({} if cfg.temperature is None else {"temperature": cfg.temperature}), **cfg.loss_options}
+
+
 def build_model(cfg: PretrainConfig):
     if cfg.backend == "hf":
         from contrastkit.adapters import hf_wav2vec2
 
         model = models.hf_model(cfg.conformer, seed=cfg.seed)
-        options = {} if cfg.temperature is None else {"temperature": cfg.temperature}
-        hf_wav2vec2.patch(model, loss=cfg.loss, **options)
+        hf_wav2vec2.patch(model, loss=cfg.loss, **loss_kwargs(cfg))
         return model
     if cfg.backend == "fairseq2":
         from contrastkit.adapters import fairseq2_wav2vec2
 
         model = models.fairseq2_model(seed=cfg.seed,
                                       codebook_sampling_temperature=(*cfg.gumbel, gumbel_decay(cfg)))
-        options = {} if cfg.temperature is None else {"temperature": cfg.temperature}
-        fairseq2_wav2vec2.patch(model, loss=cfg.loss, **options)
+        fairseq2_wav2vec2.patch(model, loss=cfg.loss, **loss_kwargs(cfg))
         return model
     raise ValueError(f"unknown backend {cfg.backend!r}; choose hf or fairseq2")
 
@@ -125,40 +160,38 @@ def forward_loss(model, batch: torch.Tensor, cfg: PretrainConfig, step: int, ran
     return loss.aggregate, parts, int(out.num_targets)
 
 
-def pretrain(cfg: PretrainConfig, resume: bool = True, stop_at: int | None = None) -> dict:
+def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | None = None) -> dict:
     """Train, checkpoint, export the upstream to ``out_dir/upstream``; returns the summary.
 
-    stop_at: leave after that step, as an interrupted run would (the tests resume from there).
+    resume: default cfg.resume. stop_at: leave after that step, as an interrupted run would (the tests
+    resume from there).
     """
-    from accelerate import Accelerator
     from tqdm import tqdm
 
-    from contrastkit.training import MetricsLog, TrainState, latest_checkpoint, save_checkpoint
+    from contrastkit.training import (MetricsLog, TrainState, lr_schedule, make_accelerator, resume as load_latest,
+                                      save_checkpoint, start_trackers)
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    rank, world = accelerator.process_index, accelerator.num_processes
+    cfg.check()
     out_dir = Path(cfg.out_dir)
+    accelerator = make_accelerator(out_dir, cfg.report_to, cfg.keep_checkpoints, cpu=not torch.cuda.is_available())
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     waves, _ = data.load_waveforms(pretraining_records(cfg.data))
     if len(waves) < cfg.batch_size * world:
         raise ValueError(f"{len(waves)} utterances cannot fill a batch of {cfg.batch_size} x {world} processes")
 
     model = build_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    warmup = max(1, int(cfg.warmup * cfg.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (cfg.steps - s) / max(1, cfg.steps - warmup))))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    scheduler = lr_schedule(optimizer, "linear", max(1, int(cfg.warmup * cfg.steps)), cfg.steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
-    accelerator.register_for_checkpointing(state)
+    accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
 
-    checkpoint = latest_checkpoint(out_dir) if resume else None
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        accelerator.print(f"resumed from {checkpoint} at step {state.step}")
+    checkpoint = load_latest(accelerator, out_dir) if (cfg.resume if resume is None else resume) else None
     log = MetricsLog(out_dir, enabled=accelerator.is_main_process,
-                     resume_step=state.step if checkpoint is not None else None)
+                     resume_step=state.step if checkpoint is not None else None, accelerator=accelerator)
     if accelerator.is_main_process:
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    start_trackers(accelerator, f"wav2vec2-{cfg.backend}-{cfg.loss}", dataclasses.asdict(cfg))
 
     model.train()
     bar = tqdm(total=cfg.steps, initial=state.step, desc=f"wav2vec2 {cfg.backend} {cfg.loss}",
@@ -166,9 +199,9 @@ def pretrain(cfg: PretrainConfig, resume: bool = True, stop_at: int | None = Non
     while state.step < cfg.steps:
         step = state.step
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)  # gumbel noise, fairseq2's masks
-        batch = make_batch(waves, cfg, step, rank, world).to(accelerator.device)
+        batch = make_batch(waves, cfg, step, rank, world).to(device, non_blocking=True)
         loss, parts, masked = forward_loss(model, batch, cfg, step, rank)
-        total_masked = accelerator.reduce(torch.tensor(float(masked), device=accelerator.device), "sum")
+        total_masked = accelerator.reduce(torch.tensor(float(masked), device=device), "sum")
         # DDP averages gradients over processes: scale so the result is the global sum / global count
         accelerator.backward(loss * world / total_masked.clamp(min=1.0))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), 10.0)

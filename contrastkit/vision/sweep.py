@@ -11,11 +11,44 @@ compute. Runs whose summary.json already exists are not repeated, so an interrup
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from contrastkit.cli import arg, positive
 from contrastkit.evaluation.linear_probe import logistic_regression_lbfgs
+from contrastkit.losses import available_losses
 from contrastkit.vision.train import VisionConfig, frozen_features, load_backbone, train
+
+
+@dataclass
+class SweepArgs:
+    """The command line of recipes/vision/sweep.py."""
+
+    out_dir: str = arg("runs/vision-sweep", "output folder (finished runs in it are kept)")
+    samples: int = arg(4096, "images seen per run (same for every batch size)")
+    batch_sizes: list[int] = arg(help="SimCLR global batch sizes", factory=lambda: [16, 32, 64, 128])
+    simclr_losses: list[str] = arg(help="SimCLR objectives", choices=available_losses(),
+                                   factory=lambda: ["infonce", "dcl", "dclw"])
+    queue_sizes: list[int] = arg(help="MoCo queue sizes", factory=lambda: [32, 256, 2048])
+    moco_losses: list[str] = arg(help="MoCo objectives", choices=available_losses(), factory=lambda: ["infonce", "eqco"])
+    moco_batch: int = arg(64, "MoCo and SiMo global batch")
+    simo_losses: list[str] = arg(help="SiMo objectives", choices=available_losses(), factory=lambda: ["infonce", "eqco"])
+    alpha: float = arg(2048.0, "EqCo's alpha (the largest queue by default)")
+    train_images: int = arg(2000, "embedded training images")
+    test_images: int = arg(800, "embedded test images")
+    width: int = arg(16, "small_cnn width")
+    lr: float = arg(2e-3, "peak learning rate")
+    crop_min: float = arg(0.5, "smallest random-resized-crop scale")
+    blur: bool = arg(False, "Gaussian blur in the augmentation")
+    temperature: float = arg(0.1, "temperature")
+    seed: int = arg(0, "random seed")
+
+    def check(self) -> None:
+        for name in ("samples", "moco_batch", "alpha", "train_images", "test_images", "width", "lr", "temperature"):
+            positive(name, getattr(self, name))
+        for name in ("batch_sizes", "queue_sizes"):
+            for value in getattr(self, name):
+                positive(name, value)
 
 
 def sweep_configs(base: VisionConfig, out_dir: Path, batch_sizes, simclr_losses, queue_sizes, moco_losses,

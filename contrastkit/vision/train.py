@@ -11,11 +11,9 @@ correlation; optimizer; RNG; step) resumes the run exactly.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
-from typing import get_type_hints
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,54 +22,79 @@ from tqdm.auto import tqdm
 
 from contrastkit.data.images import load_images
 from contrastkit.evaluation.knn import extract_features, knn_accuracy
-from contrastkit.training import MetricsLog, TrainState, latest_checkpoint, save_checkpoint
-from contrastkit.vision.augment import MultiViewDataset, ShardedBatches, plain_transform, simclr_augment
-from contrastkit.vision.methods import ContrastiveModel, check_setup, cosine_momentum, loss_options
-from contrastkit.vision.models import build_backbone, projection_head
+from contrastkit.cli import arg, existing, positive
+from contrastkit.losses import available_losses, build_loss
+from contrastkit.training import (REPORT_TO, MetricsLog, StepBatches, TrainState, check_report_to, latest_checkpoint,
+                                  lr_schedule, make_accelerator, resume, save_checkpoint, start_trackers)
+from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
+from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum, loss_options
+from contrastkit.vision.models import BACKBONES, build_backbone, projection_head
 
 
 @dataclass
 class VisionConfig:
-    method: str = "simclr"
-    loss: str = "infonce"
-    out_dir: str = "runs/vision"
-    data: str | None = None  # None: the embedded shapes; else an ImageFolder root or a saved HF DatasetDict
-    image_size: int = 32
-    train_images: int | None = None  # embedded data only (default 4000 train, 1000 test)
-    test_images: int | None = None
-    backbone: str = "small_cnn"
-    width: int = 32  # small_cnn only
-    small_images: bool = True  # ResNet stem for small images
-    proj_hidden: int = 512
-    proj_dim: int = 128
-    views: int = 2
-    batch_size: int = 64  # global
-    steps: int | None = None
-    samples: int | None = None  # alternative to steps: steps = samples // batch_size
-    epochs: int = 5  # used when neither steps nor samples is given
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    warmup_steps: int = 0
-    momentum: float = 0.99  # momentum encoder, start of the cosine schedule
-    queue_size: int | None = None
-    temperature: float = 0.1
-    alpha: float = 256.0
-    sigma: float = 0.5
-    lam: float = 100.0
-    rho: float = 0.99
-    crop_min: float = 0.08
-    blur: bool = True
-    seed: int = 0
-    threads: int | None = None  # torch intra-op threads; 1 is much faster on small images and busy CPUs
-    workers: int = 0
-    log_every: int = 10
-    eval_every: int = 0  # 0: kNN only at the end
-    knn_k: int = 200
-    knn_temperature: float = 0.1
-    checkpoint_every: int = 0  # 0: only at the end
-    resume: bool = False
-    progress: bool = True
+    method: str = arg("simclr", "training method", choices=METHODS)
+    loss: str = arg("infonce", "the objective", choices=available_losses())
+    loss_options: dict = arg(help="extra loss option, e.g. chunk_size=512 (typed: int, float, bool or str)",
+                             factory=dict, aliases=["--loss-option"])
+    out_dir: str = arg("runs/vision", "output folder")
+    data: str | None = arg(None, "ImageFolder root or a saved HF DatasetDict (default: the embedded shapes)")
+    image_size: int = arg(32, "image side in pixels")
+    train_images: int | None = arg(None, "embedded data only: training images (default 4000)")
+    test_images: int | None = arg(None, "embedded data only: test images (default 1000)")
+    backbone: str = arg("small_cnn", "backbone", choices=BACKBONES)
+    width: int = arg(32, "small_cnn only: channel width")
+    small_images: bool = arg(True, "ResNet stem for small images")
+    proj_hidden: int = arg(512, "projection head hidden width")
+    proj_dim: int = arg(128, "projection head output width")
+    views: int = arg(2, "views per image")
+    batch_size: int = arg(64, "global batch, over all processes")
+    steps: int | None = arg(None, "optimizer steps (else from --samples or --epochs)")
+    samples: int | None = arg(None, "alternative to --steps: steps = samples // batch_size")
+    epochs: int = arg(5, "used when neither --steps nor --samples is given")
+    optimizer: str = arg("adamw", "optimizer", choices=("adamw", "sgd"))
+    lr: float = arg(1e-3, "peak learning rate")
+    weight_decay: float = arg(1e-4, "weight decay")
+    warmup_steps: int = arg(0, "linear warm-up steps before the cosine decay")
+    momentum: float = arg(0.99, "momentum encoder: start of the cosine schedule to 1")
+    queue_size: int | None = arg(None, "moco only: keys in the queue")
+    temperature: float = arg(0.1, "temperature (all but cacr, unigrad)")
+    alpha: float = arg(256.0, "eqco's alpha")
+    sigma: float = arg(0.5, "dclw's sigma")
+    lam: float = arg(100.0, "unigrad's lambda")
+    rho: float = arg(0.99, "unigrad's rho")
+    crop_min: float = arg(0.08, "smallest random-resized-crop scale")
+    blur: bool = arg(True, "Gaussian blur in the augmentation")
+    seed: int = arg(0, "random seed")
+    threads: int | None = arg(None, "torch intra-op threads; 1 is much faster on small images and busy CPUs")
+    workers: int = arg(0, "DataLoader worker processes")
+    log_every: int = arg(10, "log every N steps")
+    eval_every: int = arg(0, "kNN evaluation every N steps (0: only at the end)")
+    knn_k: int = arg(200, "kNN neighbours")
+    knn_temperature: float = arg(0.1, "kNN vote temperature")
+    checkpoint_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
+    report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
+                         choices=REPORT_TO)
+    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir")
+    progress: bool = arg(True, "show a progress bar")
+
+    def check(self) -> None:
+        """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
+        for name in ("image_size", "width", "proj_hidden", "proj_dim", "batch_size", "steps", "samples", "epochs",
+                     "lr", "temperature", "knn_k", "log_every", "keep_checkpoints", "threads", "train_images",
+                     "test_images"):
+            positive(name, getattr(self, name))
+        for name in ("weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers"):
+            positive(name, getattr(self, name), zero=True)
+        existing("data", self.data, "image data")
+        check_report_to(self.report_to)
+        check_setup(self.method, self.loss, self.batch_size, self.views, self.queue_size)
+        build_loss(self.loss, **self.loss_kwargs())  # an unknown loss option
+
+    def loss_kwargs(self) -> dict:
+        return {**loss_options(self.loss, self.temperature, self.alpha, self.sigma, self.lam, self.rho),
+                **self.loss_options}
 
     def total_steps(self, num_images: int) -> int:
         if self.steps is not None and self.samples is not None:
@@ -86,35 +109,11 @@ class VisionConfig:
         return steps
 
 
-def config_parser(description: str):
-    """An argparse parser with one ``--flag`` per VisionConfig field (booleans as --x / --no-x)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
-    hints = get_type_hints(VisionConfig)
-    for f in fields(VisionConfig):
-        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            base = next((t for t in (int, float, str) if t in getattr(kind, "__args__", (kind,))), str)
-            parser.add_argument(flag, type=base, default=f.default)
-    return parser
-
-
 def build_model(cfg: VisionConfig) -> ContrastiveModel:
     backbone, dim = build_backbone(cfg.backbone, cfg.small_images, cfg.width)
     head = projection_head(dim, cfg.proj_hidden, cfg.proj_dim)
     return ContrastiveModel(cfg.method, cfg.loss, backbone, head, views=cfg.views, queue_size=cfg.queue_size,
-                            loss_kwargs=loss_options(cfg.loss, cfg.temperature, cfg.alpha, cfg.sigma, cfg.lam, cfg.rho))
-
-
-def learning_rate(cfg: VisionConfig, step: int, total: int) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to 0 at ``total``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+                            loss_kwargs=cfg.loss_kwargs())
 
 
 def knn_eval(backbone, train_images, test_images, cfg: VisionConfig) -> float:
@@ -127,21 +126,20 @@ def knn_eval(backbone, train_images, test_images, cfg: VisionConfig) -> float:
 
 def train(cfg: VisionConfig) -> dict:
     """Train, log, checkpoint and kNN-evaluate; returns the summary (also written to summary.json)."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accelerator = Accelerator()
+    cfg.check()
+    out = Path(cfg.out_dir)
+    accelerator = make_accelerator(out, cfg.report_to, cfg.keep_checkpoints)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if int(os.environ.get("WORLD_SIZE", "1")) != world:
         raise RuntimeError(f"launched as {os.environ['WORLD_SIZE']} processes but accelerate set up {world}: on a CPU "
                            "launch with ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
                            "(accelerate's --cpu flag alone starts one process)")
-    check_setup(cfg.method, cfg.loss, cfg.batch_size, cfg.views, cfg.queue_size)
     if cfg.batch_size % world:
         raise ValueError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world} processes")
-    out = Path(cfg.out_dir)
 
     set_seed(cfg.seed)
     train_images = load_images(cfg.data, "train", cfg.image_size, cfg.train_images)
@@ -151,27 +149,26 @@ def train(cfg: VisionConfig) -> dict:
     model = build_model(cfg)
     if cfg.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    elif cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     else:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose adamw or sgd")
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup_steps, total)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
-    accelerator.register_for_checkpointing(state)
+    accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
 
-    resumed = latest_checkpoint(out) if cfg.resume else None
-    if resumed is not None:
-        accelerator.load_state(str(resumed))
-        accelerator.print(f"resumed from {resumed} at step {state.step}")
+    resumed = resume(accelerator, out) if cfg.resume else None
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    log = MetricsLog(out, enabled=accelerator.is_main_process, resume_step=state.step if resumed else None)
+    log = MetricsLog(out, enabled=accelerator.is_main_process, resume_step=state.step if resumed else None,
+                     accelerator=accelerator)
+    start_trackers(accelerator, f"{cfg.method}-{cfg.loss}", asdict(cfg))
 
-    batches = ShardedBatches(len(train_images), cfg.batch_size, rank, world, cfg.seed, state.step, total)
+    # Our sampler already shards the global batch, so the loader is not prepared (accelerate would shard again).
+    batches = StepBatches(len(train_images), cfg.batch_size, rank, world, cfg.seed, state.step, total, tag_epoch=True)
     views = MultiViewDataset(train_images, simclr_augment(cfg.image_size, cfg.crop_min, blur=cfg.blur),
                              cfg.views, cfg.seed)
-    loader = DataLoader(views, batch_sampler=batches, num_workers=cfg.workers)
+    loader = DataLoader(views, batch_sampler=batches, num_workers=cfg.workers, pin_memory=device.type == "cuda")
     core = accelerator.unwrap_model(model)
     knn = None
     started = time.time()
@@ -179,12 +176,11 @@ def train(cfg: VisionConfig) -> dict:
                disable=not (cfg.progress and accelerator.is_main_process))
     model.train()
     for x, _, _ in loader:
-        lr = learning_rate(cfg, state.step, total)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        outputs = model(x)
+        outputs = model(x.to(device, non_blocking=True))
         accelerator.backward(outputs["loss"])
         optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         momentum = cosine_momentum(state.step, total, cfg.momentum)
         core.momentum_update(momentum)
@@ -220,12 +216,14 @@ def train(cfg: VisionConfig) -> dict:
         log.summary(summary)
         accelerator.print(json.dumps(summary))
     accelerator.wait_for_everyone()
+    accelerator.end_training()
     return summary
 
 
-def load_backbone(run_dir: str | Path, checkpoint: str | Path | None = None):
-    """(backbone in eval mode, VisionConfig) of a recipe run: its ``backbone.pt`` (written at the end), or the
-    online backbone of ``checkpoint`` (a ``checkpoints/step_<n>`` folder), or of its newest checkpoint."""
+def load_backbone(run_dir: str | Path, checkpoint: str | Path | None = None, device: str | torch.device = "cpu"):
+    """(backbone in eval mode on ``device``, VisionConfig) of a recipe run: its ``backbone.pt`` (written at the
+    end), or the online backbone of ``checkpoint`` (a ``checkpoints/checkpoint_<step>`` folder), or of its newest
+    complete checkpoint."""
     from safetensors.torch import load_file
 
     run_dir = Path(run_dir)
@@ -234,15 +232,15 @@ def load_backbone(run_dir: str | Path, checkpoint: str | Path | None = None):
     cfg = VisionConfig(**json.loads((run_dir / "config.json").read_text()))
     backbone, _ = build_backbone(cfg.backbone, cfg.small_images, cfg.width)
     if checkpoint is None and (run_dir / "backbone.pt").exists():
-        state = torch.load(run_dir / "backbone.pt", map_location="cpu", weights_only=True)
+        state = torch.load(run_dir / "backbone.pt", map_location=device, weights_only=True)
     else:
         folder = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
         if folder is None or not (folder / "model.safetensors").exists():
             raise FileNotFoundError(f"no checkpoint with model.safetensors found for {str(run_dir)!r}")
-        state = {k[len("backbone."):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
+        state = {k[len("backbone."):]: v for k, v in load_file(str(folder / "model.safetensors"), str(device)).items()
                  if k.startswith("backbone.")}
     backbone.load_state_dict(state)
-    return backbone.eval(), cfg
+    return backbone.to(device).eval(), cfg
 
 
 def frozen_features(backbone, cfg: VisionConfig, data: str | None = None, image_size: int | None = None,

@@ -6,24 +6,13 @@
 Writes results.json, results.md (table) and results.png (plot) to --out-dir; finished runs are reused.
 """
 
-import argparse
-
-from contrastkit.clip_compare import compare
-from contrastkit.clip_train import ClipTrainConfig
+from contrastkit.cli import parse
+from contrastkit.clip.compare import CompareArgs, compare
+from contrastkit.clip.train import ClipTrainConfig
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--losses", nargs="+", default=["infonce", "dcl", "dclw"])
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 16, 32, 64])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--samples", type=int, default=8192, help="training pairs per run (steps = samples / batch)")
-    p.add_argument("--lr", type=float, default=ClipTrainConfig.lr)
-    p.add_argument("--model", default=ClipTrainConfig.model)
-    p.add_argument("--data-dir", help="where the embedded data is generated (default ~/.cache/contrastkit)")
-    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (each gets 2 / jobs threads)")
-    p.add_argument("--out-dir", default="runs/clip-compare")
-    args = p.parse_args(argv)
+    args = parse(CompareArgs, description=__doc__, argv=argv)
     base = ClipTrainConfig(model=args.model, lr=args.lr, data_dir=args.data_dir)
     compare(args.out_dir, losses=args.losses, batch_sizes=args.batch_sizes, seeds=args.seeds, samples=args.samples,
             jobs=args.jobs, base=base)

@@ -3,13 +3,19 @@
     accelerate launch recipes/vision/train.py --method simclr --loss dcl --batch-size 32      # 5 epochs of the shapes
     accelerate launch --num_processes 2 --cpu recipes/vision/train.py --method moco --queue-size 1024 --loss eqco
     python recipes/vision/train.py --data /data/imagenet --image-size 224 --backbone resnet50 --no-small-images ...
+    python recipes/vision/train.py --config run.yaml --loss-option chunk_size=512 --report-to tensorboard
 
 Writes metrics.jsonl, metrics.png, summary.json, config.json, backbone.pt and checkpoints/ to --out-dir;
---resume continues from the newest checkpoint there.
+--resume continues from the newest complete checkpoint there.
 """
 
-from contrastkit.vision.train import VisionConfig, config_parser, train
+from contrastkit.cli import parse
+from contrastkit.vision.train import VisionConfig, train
+
+
+def main(argv=None):
+    return train(parse(VisionConfig, description=__doc__, argv=argv))
+
 
 if __name__ == "__main__":
-    args = config_parser(__doc__.splitlines()[0]).parse_args()
-    train(VisionConfig(**vars(args)))
+    main()

@@ -11,16 +11,43 @@ from __future__ import annotations
 import json
 import statistics
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from contrastkit.clip_train import ClipTrainConfig
+from contrastkit.adapters.open_clip import CLIP_LOSSES
+from contrastkit.cli import arg, positive
+from contrastkit.clip.models import DEFAULT_MODEL, check_model
+from contrastkit.clip.train import ClipTrainConfig
+
+
+@dataclass
+class CompareArgs:
+    """The command line of recipes/clip/compare.py."""
+
+    losses: list[str] = arg(help="objectives to compare", choices=CLIP_LOSSES, factory=lambda: ["infonce", "dcl", "dclw"])
+    batch_sizes: list[int] = arg(help="global batch sizes", factory=lambda: [8, 16, 32, 64])
+    seeds: list[int] = arg(help="seeds per cell", factory=lambda: [0])
+    samples: int = arg(8192, "training pairs per run (steps = samples / batch)")
+    lr: float = arg(ClipTrainConfig.lr, "peak learning rate")
+    model: str = arg(DEFAULT_MODEL, "open_clip config name")
+    data_dir: str | None = arg(None, "where the embedded data is generated (default ~/.cache/contrastkit)")
+    jobs: int = arg(1, "runs in parallel (each gets 2 / jobs threads)")
+    out_dir: str = arg("runs/clip-compare", "output folder (finished runs in it are reused)")
+
+    def check(self) -> None:
+        for name in ("samples", "lr", "jobs"):
+            positive(name, getattr(self, name))
+        for b in self.batch_sizes:
+            positive("batch_sizes", b)
+            if b > self.samples:
+                raise ValueError(f"--batch-sizes {b} is larger than --samples {self.samples}")
+        check_model(self.model)
 
 
 def _run(cfg: ClipTrainConfig, threads: int) -> dict:
     import torch
 
-    from contrastkit.clip_train import train
+    from contrastkit.clip.train import train
 
     torch.set_num_threads(threads)
     return train(cfg)
@@ -53,7 +80,7 @@ def compare(out_dir: str | Path, *, losses=("infonce", "dcl", "dclw"), batch_siz
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(tqdm(pool.map(_run, todo, [threads] * len(todo)), total=len(todo), desc="comparison runs"))
     else:
-        from contrastkit.clip_train import train
+        from contrastkit.clip.train import train
 
         for cfg in tqdm(todo, desc="comparison runs"):
             train(cfg)

@@ -1,0 +1,191 @@
+"""One command line for every recipe and eval script.
+
+A script describes its options as a dataclass whose fields carry their help (``arg(default, "help")``,
+the Hugging Face examples' style) and calls ``parse``. transformers' ``HfArgumentParser`` builds the
+parser: ``--batch-size`` and ``--batch_size`` spellings, ``--x`` / ``--no-x`` for booleans, choices, and
+every default in ``--help``. On top of it:
+
+- ``--config run.yaml``: values for any option (keys spelt as the options, ``-`` or ``_``); the command
+  line overrides them.
+- ``dict`` fields (loss options) are repeated ``--loss-option KEY=VALUE`` flags with typed values:
+  ``chunk_size=512`` is an int, ``sigma=0.5`` a float, ``flag=true`` a bool, anything else a string.
+- Every user mistake (an unknown flag, a value outside the choices, a dataclass's ``check()`` failing:
+  a missing path, a batch of 0, a negative learning rate) ends in one ``error: ...`` line on stderr and
+  exit status 2, before any work and without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from transformers import HfArgumentParser
+
+
+def arg(default: Any = dataclasses.MISSING, help: str = "", *, choices=None, factory=None, aliases=None,
+        metavar=None) -> Any:
+    """A dataclass field that is also a documented command-line option."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = list(choices)
+    if aliases:
+        metadata["aliases"] = aliases
+    if metavar:
+        metadata["metavar"] = metavar
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def typed_value(text: str) -> int | float | bool | str:
+    """``"512"`` -> 512, ``"0.5"`` -> 0.5, ``"1e-3"`` -> 0.001, ``"true"`` -> True, anything else: the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return text
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), typed_value(value.strip())
+
+
+def positive(name: str, value, *, zero: bool = False) -> None:
+    """Raise ValueError unless ``value`` > 0 (or >= 0 with ``zero``); ``name`` is the option as typed."""
+    if value is not None and (value < 0 if zero else value <= 0):
+        raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if zero else '> 0'}, got {value}")
+
+
+def existing(name: str, path, what: str = "path") -> None:
+    """Raise FileNotFoundError unless ``path`` (when given) exists."""
+    if path is not None and not Path(path).exists():
+        raise FileNotFoundError(f"--{name.replace('_', '-')}: {what} {str(path)!r} does not exist")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+class Parser(HfArgumentParser):
+    """HfArgumentParser with dict and tuple fields, ``--config`` and one-line errors."""
+
+    def __init__(self, types, description: str | None = None, config_flag: bool = True):
+        super().__init__(types, description=description, formatter_class=_Formatter)
+        if config_flag:
+            self.add_argument("--config", default=None, metavar="YAML",
+                              help="YAML file of option values (keys as the long options); the command line overrides it")
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field):
+        origin = getattr(field.type, "__origin__", field.type)
+        help_text = field.metadata.get("help", "")
+        names = [f"--{field.name}", f"--{field.name.replace('_', '-')}"][: 1 + ("_" in field.name)]
+        names += field.metadata.get("aliases", [])
+        if origin is dict:
+            parser.add_argument(*names, dest=field.name, action="append", type=key_value, default=None,
+                                metavar="KEY=VALUE", help=help_text + " (repeat the flag for several)")
+        elif origin is tuple:
+            kind = field.type.__args__[0]
+            parser.add_argument(*names, dest=field.name, nargs=len(field.type.__args__), type=kind,
+                                default=field.default, help=help_text)
+        else:
+            HfArgumentParser._parse_dataclass_field(parser, field)
+
+    def error(self, message: str):
+        sys.stderr.write(f"error: {message}\n")
+        raise SystemExit(2)
+
+
+def _load_config(parser: Parser, path: str, types) -> dict:
+    import yaml
+
+    if not Path(path).is_file():
+        parser.error(f"--config: {path!r} does not exist")
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        parser.error(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: expected a mapping of option names to values")
+    known = {f.name for t in types for f in dataclasses.fields(t)}
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}")
+    return values
+
+
+def parse(*types, description: str | None = None, argv: list[str] | None = None, config_flag: bool = True):
+    """Parse ``argv`` (default sys.argv) into one instance of each dataclass in ``types``, checked.
+
+    A dataclass may define ``check()``, raising ValueError / FileNotFoundError for a bad value; the
+    message becomes the ``error:`` line. Returns the instance (one type) or a tuple of them.
+    """
+    parser = Parser(types, description, config_flag)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from_file = {}
+    if config_flag:
+        early = argparse.ArgumentParser(add_help=False)
+        early.add_argument("--config")
+        path = early.parse_known_args(argv)[0].config
+        if path is not None:
+            from_file = _load_config(parser, path, types)
+    dict_fields = {name for t in types for name, kind in get_type_hints(t).items()
+                   if getattr(kind, "__origin__", kind) is dict}
+    parser.set_defaults(**{k: v for k, v in from_file.items() if k not in dict_fields})
+    namespace = parser.parse_args(argv)
+    for action in parser._actions:  # values from the file skip argparse's own choice check
+        value = getattr(namespace, action.dest, None)
+        if action.choices is not None and value is not None:
+            for item in value if isinstance(value, list) else [value]:
+                if item not in action.choices:
+                    parser.error(f"argument {action.option_strings[-1]}: invalid choice {item!r} "
+                                 f"(choose from {', '.join(map(str, action.choices))})")
+    out = []
+    for dtype in types:
+        values = {}
+        for f in dataclasses.fields(dtype):
+            if not f.init:
+                continue
+            value = getattr(namespace, f.name)
+            if f.name in dict_fields:
+                merged = f.default_factory() if f.default_factory is not dataclasses.MISSING else {}
+                value = {**merged, **(from_file.get(f.name) or {}), **dict(value or [])}
+            values[f.name] = value
+        try:
+            obj = dtype(**values)
+            if hasattr(obj, "check"):
+                obj.check()
+        except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as err:
+            parser.error(str(err))
+        out.append(obj)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def default_device() -> str:
+    """cuda when a GPU is visible, else cpu (the evals' --device default)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError for a device string torch does not know or a GPU that is not there."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r}: {err}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is visible")
