@@ -166,7 +166,7 @@ class StepBatches(torch.utils.data.Sampler):
         if global_batch < 1 or global_batch % world:
             raise ValueError(f"the batch size {global_batch} must be divisible by the number of processes {world}")
         if num_samples < global_batch:
-            raise ValueError(f"the dataset has {num_samples} samples, fewer than one batch of {global_batch}")
+            raise ValueError(f"the batch size {global_batch} is larger than the dataset ({num_samples} samples)")
         self.n, self.batch, self.rank, self.world, self.seed = num_samples, global_batch, rank, world, seed
         self.start, self.stop, self.tag_epoch = start, stop, tag_epoch
         self.per_epoch = num_samples // global_batch

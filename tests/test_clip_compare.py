@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from contrastkit.clip_compare import report
+from contrastkit.clip.compare import report
 
 
 def test_report_table_and_plot(tmp_path):

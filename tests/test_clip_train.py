@@ -16,7 +16,9 @@ import torch
 pytest.importorskip("open_clip")
 pytest.importorskip("accelerate")
 
-from contrastkit.clip_train import ClipTrainConfig, StepBatches, create_clip, train  # noqa: E402
+from contrastkit.clip.models import create_clip  # noqa: E402
+from contrastkit.clip.train import ClipTrainConfig, train  # noqa: E402
+from contrastkit.training import StepBatches  # noqa: E402
 from contrastkit.data.image_text import make_shapes_clip  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +58,12 @@ def test_resume_continues_to_the_same_state(data_dir, tmp_path):
     # Interrupted after step 3: only that checkpoint (and the log written so far, with later lines) survive.
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    shutil.copytree(straight / "checkpoints" / "checkpoint_3", resumed / "checkpoints" / "checkpoint_3")
     shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
     train(_cfg(resumed, data_dir, resume=True))
 
-    model_a, opt_a = _state(straight / "checkpoints" / "step_6")
-    model_b, opt_b = _state(resumed / "checkpoints" / "step_6")
+    model_a, opt_a = _state(straight / "checkpoints" / "checkpoint_6")
+    model_b, opt_b = _state(resumed / "checkpoints" / "checkpoint_6")
     assert model_a.keys() == model_b.keys()
     for key in model_a:
         assert torch.equal(model_a[key], model_b[key]), key
@@ -71,7 +73,7 @@ def test_resume_continues_to_the_same_state(data_dir, tmp_path):
     assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 6
 
     # The eval script on the final checkpoint gives the recipe's own zero-shot numbers.
-    done = subprocess.run([sys.executable, "eval/zeroshot.py", "--checkpoint", str(straight / "checkpoints" / "step_6"),
+    done = subprocess.run([sys.executable, "eval/zeroshot.py", "--checkpoint", str(straight / "checkpoints" / "checkpoint_6"),
                            "--data", str(Path(summary["zeroshot_data"])), "--out-dir", str(tmp_path / "eval")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -135,7 +137,7 @@ def test_missing_data_path_and_columns(tmp_path):
     with pytest.raises(KeyError, match="no caption column 'title'; the columns are \\['filepath', 'caption'\\]"):
         load_image_text(path)
     assert len(load_image_text(path, caption_key="caption")) == 4
-    with pytest.raises(FileNotFoundError, match="data path does not exist"):
+    with pytest.raises(FileNotFoundError, match="--data: training data .* does not exist"):
         train(ClipTrainConfig(data=str(tmp_path / "missing"), out_dir=str(tmp_path / "o"), progress=False))
 
 

@@ -24,9 +24,11 @@ def test_metrics_log_plot_summary_and_resume(tmp_path, monkeypatch):
     assert [r["step"] for r in resumed.records()] == [1, 2, 3]
 
 
-def test_latest_checkpoint(tmp_path):
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     for step in (5, 40, 100, 7):
-        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step_x").mkdir()
-    assert latest_checkpoint(tmp_path).name == "step_100"
+        (tmp_path / "checkpoints" / f"checkpoint_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"checkpoint_{step}" / "COMPLETE").write_text(f"{step}\n")
+    (tmp_path / "checkpoints" / "checkpoint_x").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint_200").mkdir()  # being written (or killed while written): no marker
+    assert latest_checkpoint(tmp_path).name == "checkpoint_100"

@@ -101,7 +101,7 @@ def test_eval_scripts_on_a_recipe_run(tmp_path):
     assert json.loads((run / "linear_probe.json").read_text())["feature_dim"] == 64
     # The same run's checkpoint gives the same kNN answer as its final backbone.
     from_ckpt = knn_script.main(["--run", str(run), "--k", "10", "--no-progress", "--out", str(tmp_path / "c.json"),
-                                 "--checkpoint", str(run / "checkpoints" / "step_2")])
+                                 "--checkpoint", str(run / "checkpoints" / "checkpoint_2")])
     assert from_ckpt["knn_top1"] == report["knn_top1"]
     # The same backbone judged on other data: an ImageFolder with train/ and val/.
     write_folder(tmp_path / "folder" / "train", ["a", "b", "c"], per_class=4)

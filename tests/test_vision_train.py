@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.losses import available_losses
-from contrastkit.vision.augment import MultiViewDataset, ShardedBatches, simclr_augment
+from contrastkit.training import StepBatches
+from contrastkit.vision.augment import MultiViewDataset, simclr_augment
 from contrastkit.vision.methods import check_setup
 from contrastkit.vision.train import VisionConfig, build_model, train
 
@@ -34,7 +35,7 @@ def records(out_dir):
 
 
 def final_model(out_dir):
-    return load_file(str(sorted((Path(out_dir) / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
+    return load_file(str(sorted((Path(out_dir) / "checkpoints").glob("checkpoint_*"))[-1] / "model.safetensors"))
 
 
 @pytest.mark.parametrize("method,loss", COMBOS)
@@ -100,7 +101,7 @@ def test_resume_continues_exactly(tmp_path, method, loss):
     train(straight)
     interrupted = tiny(tmp_path / "interrupted", method, loss, steps=6, checkpoint_every=3)
     train(interrupted)
-    shutil.rmtree(Path(interrupted.out_dir) / "checkpoints" / "step_6")  # as if the run had stopped after step 3
+    shutil.rmtree(Path(interrupted.out_dir) / "checkpoints" / "checkpoint_6")  # as if the run had stopped after step 3
     interrupted.resume = True
     train(interrupted)
     a, b = records(straight.out_dir), records(interrupted.out_dir)
@@ -119,10 +120,10 @@ def test_views_and_batches_depend_only_on_seed_epoch_index():
     views = MultiViewDataset(images, simclr_augment(16), views=2, seed=3)
     assert torch.equal(views[(1, 5)][0], views[(1, 5)][0])
     assert not torch.equal(views[(1, 5)][0], views[(2, 5)][0])
-    whole = list(ShardedBatches(24, 8, num_steps=5))
-    halves = [list(ShardedBatches(24, 8, rank=r, world=2, num_steps=5)) for r in (0, 1)]
+    whole = list(StepBatches(24, 8, stop=5, tag_epoch=True))
+    halves = [list(StepBatches(24, 8, rank=r, world=2, stop=5, tag_epoch=True)) for r in (0, 1)]
     assert [a + b for a, b in zip(*halves)] == whole
-    assert list(ShardedBatches(24, 8, start_step=3, num_steps=5)) == whole[3:]
+    assert list(StepBatches(24, 8, start=3, stop=5, tag_epoch=True)) == whole[3:]
     assert sorted(i for batch in whole[:3] for _, i in batch) == list(range(24))  # one epoch covers the data once
 
 

@@ -46,7 +46,7 @@ def test_recipe_trains_and_resumes_exactly(tmp_path, backend):
     assert summary["steps"] == 4 and summary["loss"] == "dcl"
     run = Path(straight.out_dir)
     assert (run / "metrics.png").is_file() and (run / "summary.json").is_file()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_4"]
 
     interrupted = _cfg(tmp_path / "b", backend)
     pretrain(interrupted, stop_at=3)  # dies after step 3; the last checkpoint is step 2
@@ -133,4 +133,4 @@ def test_recipe_on_two_processes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["final_loss_per_frame"] > 0
-    assert (out / "checkpoints" / "step_2").is_dir() and (out / "upstream" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "checkpoint_2").is_dir() and (out / "upstream" / "model.safetensors").is_file()

@@ -59,36 +59,3 @@ class MultiViewDataset(Dataset):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             views = torch.stack([self.transform(image) for _ in range(self.views)])
         return views, label, index
-
-
-class ShardedBatches:
-    """Batch sampler: the global batches of a per-epoch random permutation (last partial batch dropped),
-    this process's contiguous slice of each, starting at ``start_step``; yields [(epoch, index), ...].
-
-    Process r takes rows [r B/P, (r+1) B/P) of global batch B, so gathering in process order gives back
-    the one-process batch.
-    """
-
-    def __init__(self, num_samples: int, global_batch: int, rank: int = 0, world: int = 1, seed: int = 0,
-                 start_step: int = 0, num_steps: int | None = None):
-        if global_batch % world:
-            raise ValueError(f"the global batch size {global_batch} must be divisible by the {world} processes")
-        if global_batch > num_samples:
-            raise ValueError(f"the batch size {global_batch} is larger than the dataset ({num_samples} images)")
-        self.n, self.batch, self.rank, self.world, self.seed = num_samples, global_batch, rank, world, seed
-        self.start, self.num_steps = start_step, num_steps
-        self.steps_per_epoch = num_samples // global_batch
-
-    def __iter__(self):
-        step, local, order, order_epoch = self.start, self.batch // self.world, None, None
-        while self.num_steps is None or step < self.num_steps:
-            epoch, position = divmod(step, self.steps_per_epoch)
-            if epoch != order_epoch:
-                order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-                order_epoch = epoch
-            rows = order[position * self.batch:(position + 1) * self.batch][self.rank * local:(self.rank + 1) * local]
-            yield [(epoch, int(i)) for i in rows]
-            step += 1
-
-    def __len__(self) -> int:
-        return (self.num_steps - self.start) if self.num_steps is not None else 0
