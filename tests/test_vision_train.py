@@ -73,6 +73,9 @@ def as_flags(cfg: VisionConfig):
     for key, value in vars(cfg).items():
         if key == "out_dir" or value is None:
             continue
+        if isinstance(value, dict):  # loss options: one --loss-option KEY=VALUE each
+            flags += [f for k, v in value.items() for f in ("--loss-option", f"{k}={v}")]
+            continue
         flag = "--" + key.replace("_", "-")
         flags += [flag if value else "--no-" + key.replace("_", "-")] if isinstance(value, bool) else [flag, str(value)]
     return flags

@@ -1,0 +1,46 @@
+"""Run a recipe script and SIGKILL this process at a chosen point, as a crash would: ``KILL_AT=step:N``
+kills inside optimizer step N (after its backward, before the update is done); ``KILL_AT=save:N`` kills
+while checkpoint_N is being written (the model file half written, no COMPLETE marker yet).
+
+    KILL_AT=save:4 python tests/scripts/killed_run.py recipes/vision/train.py --steps 6 ...
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+where, at = os.environ["KILL_AT"].split(":")
+at = int(at)
+
+if where == "step":
+    original_step, calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+else:
+    original_save = Accelerator.save_state
+
+    def save_state(self, *args, **kwargs):
+        if self.project_configuration.iteration != at:
+            return original_save(self, *args, **kwargs)
+        original_save(self, *args, **kwargs)
+        folder = Path(self.project_dir) / "checkpoints" / f"checkpoint_{at}"
+        model = folder / "model.safetensors"
+        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Accelerator.save_state = save_state
+
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,83 @@
+"""Recipes as a user runs them: killed by SIGKILL (during a step, during a checkpoint write) and resumed,
+they end with the parameters of an uninterrupted run; --report-to tensorboard writes event files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrastkit.training import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--train-images", "64", "--test-images", "32", "--batch-size", "8", "--width", "8", "--proj-hidden", "32",
+        "--proj-dim", "16", "--threads", "1", "--no-progress", "--log-every", "1", "--steps", "6", "--knn-k", "5",
+        "--method", "simclr", "--loss", "dcl", "--checkpoint-every", "1"]
+
+
+def run(out_dir, *extra, kill_at=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [str(ROOT / "recipes/vision/train.py"), *TINY, "--out-dir", str(out_dir), *extra]
+    if kill_at:
+        env["KILL_AT"] = kill_at
+        argv = [str(ROOT / "tests/scripts/killed_run.py"), *argv]
+    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def final_weights(out_dir):
+    return load_file(str(latest_checkpoint(out_dir) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    done = run(out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("kill_at", ["step:4", "save:4"])
+def test_sigkill_then_resume_reaches_the_uninterrupted_parameters(straight, tmp_path, kill_at):
+    killed = run(tmp_path, kill_at=kill_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    if kill_at.startswith("save"):
+        assert "checkpoint_4" in names and not (tmp_path / "checkpoints/checkpoint_4/COMPLETE").exists()
+    assert latest_checkpoint(tmp_path).name == "checkpoint_3"  # never the half-written one
+    resumed = run(tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr and "checkpoint_3" in resumed.stdout + resumed.stderr
+    a, b = final_weights(straight), final_weights(tmp_path)
+    assert latest_checkpoint(tmp_path).name == "checkpoint_6" and a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2  # accelerate's rotation (total_limit 2)
+
+
+def test_report_to_tensorboard_writes_event_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    done = run(tmp_path, "--report-to", "tensorboard", "--steps", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert events, sorted(str(p) for p in tmp_path.rglob("*"))
+    logged = {}
+    for path in events:
+        acc = EventAccumulator(str(path.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            logged[tag] = {e.step: e.value for e in acc.Scalars(tag)}
+    jsonl = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r}
+    assert set(logged["loss"]) == {1, 2, 3}
+    for step, value in jsonl.items():
+        assert logged["loss"][step] == pytest.approx(value, rel=1e-6)
+    assert "knn_top1" in logged
