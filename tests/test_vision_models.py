@@ -29,6 +29,33 @@ def test_sync_batchnorm_equals_batchnorm_on_one_process():
         torch.testing.assert_close(ours(x), ref(x))
 
 
+def test_sync_batchnorm_variance_is_exact_far_from_zero():
+    """Two-pass variance: at mean/std = 200 in float32 the output and gradients match nn.BatchNorm2d (the
+    one-pass E[x^2] - E[x]^2 was off by 0.17 there)."""
+    torch.manual_seed(0)
+    x = (200.0 + torch.randn(16, 4, 5, 5)).requires_grad_()
+    ours, ref = SyncBatchNorm(4), nn.BatchNorm2d(4)
+    ref.load_state_dict(ours.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    y, y_ref = ours(x), ref.double()(x64)
+    torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=1e-3)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=0, atol=1e-3)
+    torch.testing.assert_close(ours.running_var.double(), ref.running_var, rtol=1e-4, atol=0)
+
+
+def test_torch_sync_batchnorm_on_cuda_only():
+    from contrastkit.vision.models import use_torch_sync_batchnorm
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), SyncBatchNorm(4))
+    keys = set(model.state_dict())
+    assert use_torch_sync_batchnorm(model, torch.device("cpu"))[1].__class__ is SyncBatchNorm
+    swapped = use_torch_sync_batchnorm(model, torch.device("cuda"))  # conversion itself needs no GPU
+    assert type(swapped[1]) is nn.SyncBatchNorm and set(swapped.state_dict()) == keys
+
+
 def test_backbones_and_head_shapes():
     x = torch.randn(2, 3, 32, 32)
     small, dim = build_backbone("small_cnn", width=8)

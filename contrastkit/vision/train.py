@@ -28,7 +28,7 @@ from contrastkit.training import (REPORT_TO, MetricsLog, StepBatches, TrainState
                                   lr_schedule, make_accelerator, resume, save_checkpoint, start_trackers)
 from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
 from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum, loss_options
-from contrastkit.vision.models import BACKBONES, build_backbone, projection_head
+from contrastkit.vision.models import BACKBONES, build_backbone, projection_head, use_torch_sync_batchnorm
 
 
 @dataclass
@@ -146,7 +146,7 @@ def train(cfg: VisionConfig) -> dict:
     total = cfg.total_steps(len(train_images))
     test_images = load_images(cfg.data, "test", cfg.image_size, cfg.test_images,
                               classes=getattr(train_images, "classes", None))
-    model = build_model(cfg)
+    model = use_torch_sync_batchnorm(build_model(cfg), device)
     if cfg.optimizer == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
