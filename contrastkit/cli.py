@@ -100,6 +100,9 @@ class Parser(HfArgumentParser):
                                 default=field.default, help=help_text)
         else:
             HfArgumentParser._parse_dataclass_field(parser, field)
+            if field.type is bool and field.default is False:  # HF adds --no-x only where the default is True
+                parser.add_argument(*[f"--no{n[1:]}" for n in names[:2]], dest=field.name, action="store_false",
+                                    help=f"turn --{field.name.replace('_', '-')} off")
 
     def error(self, message: str):
         sys.stderr.write(f"error: {message}\n")

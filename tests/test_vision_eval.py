@@ -127,7 +127,7 @@ def test_recipe_trains_on_an_image_folder_with_a_broken_file(tmp_path):
                                      out_dir=str(tmp_path / "run"), batch_size=4, steps=2, width=4, proj_hidden=16,
                                      proj_dim=8, threads=1, progress=False))
     assert summary["steps"] == 2 and 0 <= summary["knn_top1"] <= 1
-    with pytest.raises(FileNotFoundError, match="dataset path .* does not exist"):
+    with pytest.raises(FileNotFoundError, match="--data: image data .* does not exist"):
         train(VisionConfig(data=str(tmp_path / "missing"), out_dir=str(tmp_path / "run2"), steps=1, progress=False))
 
 
