@@ -73,7 +73,10 @@ def existing(name: str, path, what: str = "path") -> None:
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    def _get_help_string(self, action):  # --no-x: its "default" is the value it stores, not the option's
+        if isinstance(action, argparse._StoreFalseAction):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(HfArgumentParser):
@@ -100,9 +103,13 @@ class Parser(HfArgumentParser):
                                 default=field.default, help=help_text)
         else:
             HfArgumentParser._parse_dataclass_field(parser, field)
-            if field.type is bool and field.default is False:  # HF adds --no-x only where the default is True
-                parser.add_argument(*[f"--no{n[1:]}" for n in names[:2]], dest=field.name, action="store_false",
-                                    help=f"turn --{field.name.replace('_', '-')} off")
+            if field.type is bool:
+                off = f"turn --{field.name.replace('_', '-')} off"
+                if field.default is False:  # HF adds --no-x only where the default is True
+                    parser.add_argument(*[f"--no{n[1:]}" for n in names[:2]], dest=field.name, action="store_false",
+                                        help=off)
+                else:
+                    parser._actions[-1].help = off
 
     def error(self, message: str):
         sys.stderr.write(f"error: {message}\n")

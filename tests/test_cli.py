@@ -45,6 +45,9 @@ def test_help_documents_every_option_with_its_default(script, capsys, monkeypatc
         elif current is not None:
             current.append(line)
     entries = [" ".join(" ".join(e).split()) for e in entries if not e[0].strip().startswith("-h")]
+    offs = [e for e in entries if e.startswith("--no")]  # --no-x: "turn --x off", beside --x and its default
+    assert all(" turn --" in e and "(default:" not in e for e in offs), offs
+    entries = [e for e in entries if e not in offs]
     assert len(entries) >= 5
     for entry in entries:
         assert "(default:" in entry, f"{script}: no default in {entry!r}"
