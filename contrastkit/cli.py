@@ -86,7 +86,8 @@ class Parser(HfArgumentParser):
         super().__init__(types, description=description, formatter_class=_Formatter)
         if config_flag:
             self.add_argument("--config", default=None, metavar="YAML",
-                              help="YAML file of option values (keys as the long options); the command line overrides it")
+                              help="YAML file of option values (keys as the long options); "
+                                   "the command line overrides it")
 
     @staticmethod
     def _parse_dataclass_field(parser, field):

@@ -21,9 +21,12 @@ import math
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from contrastkit.cli import arg, positive
 
 
 class MetricsLog:
@@ -134,6 +137,19 @@ def check_report_to(report_to: str) -> None:
             raise ValueError(f"--report-to {name} needs the {package} package: pip install {package}")
 
 
+@dataclass
+class RunOptions:
+    """What every training recipe's config has beside its own options: trackers and checkpoint rotation."""
+
+    report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
+                         choices=REPORT_TO)
+    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
+
+    def check_run(self) -> None:
+        positive("keep_checkpoints", self.keep_checkpoints)
+        check_report_to(self.report_to)
+
+
 def make_accelerator(out_dir: str | Path, report_to: str = "none", keep: int = 2, **kwargs):
     """An Accelerator whose checkpoints rotate under ``out_dir/checkpoints`` (the newest ``keep``) and whose
     trackers (``report_to``: none, tensorboard, wandb or all) log under ``out_dir/logs``."""
@@ -199,7 +215,8 @@ COMPLETE = "COMPLETE"
 
 def _checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     root = Path(out_dir) / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+    found = [(int(m.group(1)), p) for p in root.glob("checkpoint_*")
+             if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
     return sorted(found)
 
 

@@ -73,7 +73,8 @@ def test_resume_continues_to_the_same_state(data_dir, tmp_path):
     assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 6
 
     # The eval script on the final checkpoint gives the recipe's own zero-shot numbers.
-    done = subprocess.run([sys.executable, "eval/zeroshot.py", "--checkpoint", str(straight / "checkpoints" / "checkpoint_6"),
+    checkpoint = straight / "checkpoints" / "checkpoint_6"
+    done = subprocess.run([sys.executable, "eval/zeroshot.py", "--checkpoint", str(checkpoint),
                            "--data", str(Path(summary["zeroshot_data"])), "--out-dir", str(tmp_path / "eval")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,7 +24,8 @@ from contrastkit.clip.train import ClipTrainConfig
 class CompareArgs:
     """The command line of recipes/clip/compare.py."""
 
-    losses: list[str] = arg(help="objectives to compare", choices=CLIP_LOSSES, factory=lambda: ["infonce", "dcl", "dclw"])
+    losses: list[str] = arg(help="objectives to compare", choices=CLIP_LOSSES,
+                            factory=lambda: ["infonce", "dcl", "dclw"])
     batch_sizes: list[int] = arg(help="global batch sizes", factory=lambda: [8, 16, 32, 64])
     seeds: list[int] = arg(help="seeds per cell", factory=lambda: [0])
     samples: int = arg(8192, "training pairs per run (steps = samples / batch)")

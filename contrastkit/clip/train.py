@@ -21,11 +21,11 @@ import torch
 from contrastkit.adapters.open_clip import CLIP_LOSSES, build_clip_loss
 from contrastkit.cli import arg, existing, positive
 from contrastkit.clip.models import DEFAULT_MODEL, check_model, create_clip
-from contrastkit.training import REPORT_TO, check_report_to
+from contrastkit.training import RunOptions
 
 
 @dataclass
-class ClipTrainConfig:
+class ClipTrainConfig(RunOptions):
     loss: str = arg("dcl", "the objective", choices=CLIP_LOSSES)
     loss_options: dict = arg(help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), chunk_size=512",
                              factory=dict, aliases=["--loss-option"])
@@ -49,9 +49,6 @@ class ClipTrainConfig:
     log_every: int = arg(10, "log the loss every N steps")
     eval_every: int = arg(100, "zero-shot evaluation every N steps (0: only at the end)")
     save_every: int = arg(100, "checkpoint every N steps (0: none)")
-    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
-    report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
-                         choices=REPORT_TO)
     seed: int = arg(0, "random seed (initialisation and data order)")
     workers: int = arg(0, "DataLoader worker processes")
     resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir")
@@ -63,13 +60,13 @@ class ClipTrainConfig:
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("batch_size", "steps", "lr", "log_every", "num_train", "zeroshot_per_class", "keep_checkpoints"):
+        for name in ("batch_size", "steps", "lr", "log_every", "num_train", "zeroshot_per_class"):
             positive(name, getattr(self, name))
         for name in ("weight_decay", "warmup", "eval_every", "save_every", "workers"):
             positive(name, getattr(self, name), zero=True)
         existing("data", self.data, "training data")
         existing("zeroshot", self.zeroshot, "zero-shot folder")
-        check_report_to(self.report_to)
+        self.check_run()
         check_model(self.model)
         build_clip_loss(self.loss, **self.loss_options)  # unknown loss or option
 
@@ -97,8 +94,8 @@ def train(cfg: ClipTrainConfig) -> dict:
     zeroshot = cfg.zeroshot
     if cfg.data is None:
         with accelerator.main_process_first():
-            root = make_shapes_clip(cfg.data_dir, num_train=cfg.num_train, num_zeroshot_per_class=cfg.zeroshot_per_class,
-                                    progress=cfg.progress and main)
+            root = make_shapes_clip(cfg.data_dir, num_train=cfg.num_train,
+                                    num_zeroshot_per_class=cfg.zeroshot_per_class, progress=cfg.progress and main)
         data_path = root / "train.csv"
         zeroshot = zeroshot or str(root / "zeroshot")
     else:

@@ -82,7 +82,8 @@ def knn_predict(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feat
         raise ValueError(f"knn: features must be [N, D] and [M, D], got {tuple(train_feats.shape)} and "
                          f"{tuple(test_feats.shape)}")
     if train_labels.shape != (train_feats.shape[0],):
-        raise ValueError(f"knn: {train_feats.shape[0]} training features but labels of shape {tuple(train_labels.shape)}")
+        raise ValueError(f"knn: {train_feats.shape[0]} training features but labels of shape "
+                         f"{tuple(train_labels.shape)}")
     if k < 1 or temperature <= 0:
         raise ValueError(f"knn: need k >= 1 and temperature > 0, got k={k}, temperature={temperature}")
     num_classes = num_classes or int(train_labels.max()) + 1

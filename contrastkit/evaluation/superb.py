@@ -32,11 +32,12 @@ from contrastkit.data import speech as data
 
 
 class Upstream:
-    """A frozen upstream: ``hidden_states(wave [T]) -> [L + 1, frames, dim]`` (input of layer 1 .. output of L)."""
+    """A frozen upstream on ``device`` (default: cuda when visible): ``hidden_states(wave [T]) -> [L + 1, frames,
+    dim]`` (input of layer 1 .. output of L)."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
+    def __init__(self, path: str | Path, device: str | torch.device | None = None):
         path = Path(path)
-        self.device = torch.device(device)
+        self.device = torch.device(device or default_device())
         if (path / "upstream").is_dir():
             path = path / "upstream"
         if not path.exists():
@@ -187,7 +188,7 @@ def run_downstream(upstream: Upstream, splits: dict[str, list[dict]], tasks: lis
 
 
 def speaker_id(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
-               device: str = "cpu") -> dict:
+               device: str | None = None) -> dict:
     """VoxCeleb1 speaker identification accuracy (iden_split.txt: 1 train, 2 dev, 3 test)."""
     root = Path(data_root) if data_root else data.default_speech_data() / "voxceleb1"
     splits = {s: data.read_voxceleb_iden(root, s) for s in ("train", "dev", "test")}
@@ -195,13 +196,13 @@ def speaker_id(upstream: str | Path, data_root: str | Path | None = None, cfg: D
 
 
 def intent(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
-           device: str = "cpu") -> dict:
+           device: str | None = None) -> dict:
     """Fluent Speech Commands intent accuracy (right only when action, object and location all are)."""
     root = Path(data_root) if data_root else data.default_speech_data() / "fsc"
     splits = {"train": data.read_fsc(root, "train"), "dev": data.read_fsc(root, "valid"),
               "test": data.read_fsc(root, "test")}
-    return run_downstream(Upstream(upstream, device), splits, ["action", "object", "location"], cfg or DownstreamConfig(),
-                          "intent")
+    return run_downstream(Upstream(upstream, device), splits, ["action", "object", "location"],
+                          cfg or DownstreamConfig(), "intent")
 
 
 def write_report(result: dict, out_dir: str | Path) -> Path:

@@ -67,13 +67,15 @@ def zeroshot_metrics(logits: torch.Tensor, targets: torch.Tensor, num_classes: i
 
 
 @torch.no_grad()
-def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_size: int = 256, device="cpu",
+def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_size: int = 256, device=None,
                       workers: int = 0, progress: bool = False, per_class: bool = False) -> dict:
-    """Zero-shot metrics of an open_clip ``model`` on the folder ``root`` (see the module docstring)."""
+    """Zero-shot metrics of an open_clip ``model`` on the folder ``root`` (see the module docstring);
+    ``device`` defaults to the model's."""
     from open_clip import build_zero_shot_classifier
     from torchvision.datasets import ImageFolder
     from tqdm import tqdm
 
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     folders, classnames, templates = zeroshot_classes(root)
     dataset = ImageFolder(str(root), transform=preprocess)
     if len(dataset) == 0:
@@ -83,7 +85,7 @@ def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_s
     try:
         classifier = build_zero_shot_classifier(model, tokenizer, classnames, templates, device=device)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                                             pin_memory=torch.device(device).type == "cuda")
+                                             pin_memory=device.type == "cuda")
         logits, targets = [], []
         for images, labels in tqdm(loader, desc="zero-shot", disable=not progress):
             features = model.encode_image(images.to(device, non_blocking=True), normalize=True)

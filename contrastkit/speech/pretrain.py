@@ -26,7 +26,7 @@ from contrastkit.cli import arg, existing, positive
 from contrastkit.data import speech as data
 from contrastkit.losses import build_loss
 from contrastkit.speech import models
-from contrastkit.training import REPORT_TO, check_report_to
+from contrastkit.training import RunOptions
 
 
 BACKENDS = ("hf", "fairseq2")
@@ -34,7 +34,7 @@ SPEECH_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
 
 
 @dataclasses.dataclass
-class PretrainConfig:
+class PretrainConfig(RunOptions):
     backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
     loss: str = arg("dcl", "the objective", choices=SPEECH_LOSSES)
     temperature: float | None = arg(None, "loss temperature (default: the model's, 0.1)")
@@ -49,10 +49,7 @@ class PretrainConfig:
     max_seconds: float = arg(2.0, "longest crop, in seconds")
     gumbel: tuple[float, float] = arg((2.0, 0.5), "gumbel temperature: start and floor")
     save_every: int = arg(100, "checkpoint every N steps (and at the end)")
-    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
     log_every: int = arg(10, "log every N steps")
-    report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
-                         choices=REPORT_TO)
     seed: int = arg(0, "random seed")
     conformer: bool = arg(False, "HF only: Wav2Vec2ConformerForPreTraining")
     resume: bool = arg(True, "continue from the newest complete checkpoint in --out-dir (--no-resume starts over)")
@@ -64,7 +61,7 @@ class PretrainConfig:
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("steps", "batch_size", "lr", "max_seconds", "save_every", "keep_checkpoints", "log_every",
+        for name in ("steps", "batch_size", "lr", "max_seconds", "save_every", "log_every",
                      "temperature"):
             positive(name, getattr(self, name))
         if not 0 <= self.warmup < 1:
@@ -74,7 +71,7 @@ class PretrainConfig:
         if self.conformer and self.backend != "hf":
             raise ValueError("--conformer needs --backend hf")
         existing("data", self.data, "audio data")
-        check_report_to(self.report_to)
+        self.check_run()
         build_loss(self.loss, **self.loss_options)  # an unknown loss option
 
 

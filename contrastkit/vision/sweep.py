@@ -30,9 +30,11 @@ class SweepArgs:
     simclr_losses: list[str] = arg(help="SimCLR objectives", choices=available_losses(),
                                    factory=lambda: ["infonce", "dcl", "dclw"])
     queue_sizes: list[int] = arg(help="MoCo queue sizes", factory=lambda: [32, 256, 2048])
-    moco_losses: list[str] = arg(help="MoCo objectives", choices=available_losses(), factory=lambda: ["infonce", "eqco"])
+    moco_losses: list[str] = arg(help="MoCo objectives", choices=available_losses(),
+                                 factory=lambda: ["infonce", "eqco"])
     moco_batch: int = arg(64, "MoCo and SiMo global batch")
-    simo_losses: list[str] = arg(help="SiMo objectives", choices=available_losses(), factory=lambda: ["infonce", "eqco"])
+    simo_losses: list[str] = arg(help="SiMo objectives", choices=available_losses(),
+                                 factory=lambda: ["infonce", "eqco"])
     alpha: float = arg(2048.0, "EqCo's alpha (the largest queue by default)")
     train_images: int = arg(2000, "embedded training images")
     test_images: int = arg(800, "embedded test images")

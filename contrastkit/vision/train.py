@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from contrastkit.data.images import load_images
-from contrastkit.evaluation.knn import extract_features, knn_accuracy
 from contrastkit.cli import arg, existing, positive
+from contrastkit.evaluation.knn import extract_features, knn_accuracy
 from contrastkit.losses import available_losses, build_loss
-from contrastkit.training import (REPORT_TO, MetricsLog, StepBatches, TrainState, check_report_to, latest_checkpoint,
+from contrastkit.training import (MetricsLog, RunOptions, StepBatches, TrainState, latest_checkpoint,
                                   lr_schedule, make_accelerator, resume, save_checkpoint, start_trackers)
 from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
 from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum, loss_options
@@ -32,7 +32,7 @@ from contrastkit.vision.models import BACKBONES, build_backbone, projection_head
 
 
 @dataclass
-class VisionConfig:
+class VisionConfig(RunOptions):
     method: str = arg("simclr", "training method", choices=METHODS)
     loss: str = arg("infonce", "the objective", choices=available_losses())
     loss_options: dict = arg(help="extra loss option, e.g. chunk_size=512 (typed: int, float, bool or str)",
@@ -73,22 +73,19 @@ class VisionConfig:
     knn_k: int = arg(200, "kNN neighbours")
     knn_temperature: float = arg(0.1, "kNN vote temperature")
     checkpoint_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
-    report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
-                         choices=REPORT_TO)
     resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir")
     progress: bool = arg(True, "show a progress bar")
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
         for name in ("image_size", "width", "proj_hidden", "proj_dim", "batch_size", "steps", "samples", "epochs",
-                     "lr", "temperature", "knn_k", "log_every", "keep_checkpoints", "threads", "train_images",
+                     "lr", "temperature", "knn_k", "log_every", "threads", "train_images",
                      "test_images"):
             positive(name, getattr(self, name))
         for name in ("weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers"):
             positive(name, getattr(self, name), zero=True)
         existing("data", self.data, "image data")
-        check_report_to(self.report_to)
+        self.check_run()
         check_setup(self.method, self.loss, self.batch_size, self.views, self.queue_size)
         build_loss(self.loss, **self.loss_kwargs())  # an unknown loss option
 
