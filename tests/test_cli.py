@@ -2,6 +2,7 @@
 typed loss options, YAML configs the command line overrides, and bad values refused with one
 ``error: ...`` line and exit status 2 before any work."""
 
+import importlib.util
 import os
 import runpy
 import subprocess
@@ -121,6 +122,8 @@ BAD = [
     ("eval/suite.py", ["--config", "{missing}"], "does not exist"),
     ("eval/suite.py", ["--objectives", "nope"], "invalid choice"),
 ]
+if importlib.util.find_spec("wandb") is None:  # a user's optional install, not in the pinned environment
+    BAD.append(("recipes/vision/train.py", ["--report-to", "wandb"], "needs the wandb package: pip install wandb"))
 
 
 @pytest.mark.parametrize("script,argv,fragment", BAD, ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD])
