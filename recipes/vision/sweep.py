@@ -9,7 +9,7 @@ Re-running continues where it stopped (finished runs are kept).
 import argparse
 from pathlib import Path
 
-from contrastkit.vision.sweep import plot, run_sweep, sweep_configs, table
+from contrastkit.vision.sweep import plot, run_sweep, summary_table, sweep_configs, table
 from contrastkit.vision.train import VisionConfig
 
 
@@ -39,7 +39,8 @@ if __name__ == "__main__":
     parser.add_argument("--crop-min", type=float, default=0.5)
     parser.add_argument("--blur", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--temperature", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=ints, default=None, help="e.g. 0,1,2: every run once per seed, "
+                        "mean ± 95 %% interval and paired verdicts in sweep.md (default: one run, seed 0)")
     args = parser.parse_args()
 
     out = Path(args.out_dir)
@@ -47,11 +48,11 @@ if __name__ == "__main__":
     base = VisionConfig(samples=args.samples, train_images=args.train_images, test_images=args.test_images,
                         width=args.width, lr=args.lr, crop_min=args.crop_min, blur=args.blur, alpha=args.alpha,
                         temperature=args.temperature,
-                        seed=args.seed, threads=1, progress=False, log_every=10)
+                        threads=1, progress=False, log_every=10)
     runs = sweep_configs(base, out, args.batch_sizes, args.simclr_losses, args.queue_sizes, args.moco_losses,
-                         args.moco_batch, args.simo_losses)
+                         args.moco_batch, args.simo_losses, args.seeds)
     rows = run_sweep(runs, out)
     settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
-    (out / "sweep.md").write_text(f"Settings: {settings}\n\n" + table(rows))
+    (out / "sweep.md").write_text(f"Settings: {settings}\n\n" + table(rows) + "\n" + summary_table(rows))
     plot(rows, out, chance=1 / 8)
     print(table(rows))
