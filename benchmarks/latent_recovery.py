@@ -79,7 +79,7 @@ def main(argv=None):
              "Mean ± half-width of the 95 % t-interval over seeds (each seed: its own generator g, encoder "
              "init and data).", "", table(summaries["r2"]),
              "Baselines: the encoder at initialisation "
-             + ", ".join(f"B = {b}: {100 * ci['mean']:.1f} ± {100 * ci['half_width']:.1f}"
+             + ", ".join(f"B = {b}: {100 * ci['mean']:.1f}" + (f" ± {100 * ci['half_width']:.1f}" if ci["n"] > 1 else "")
                          for b, ci in next(iter(baseline["cells"].values())).items())
              + f"; the raw observations x = g(z): {100 * sum(observed) / len(observed):.1f} (mean over seeds).", "",
              "MCC (%) (on the sphere the latents are identified up to a rotation only, so MCC is not expected "

@@ -10,7 +10,6 @@ every loss's paired verdict against InfoNCE at each batch size (contrastkit.eval
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -105,8 +104,8 @@ def report(rows: list[dict], out_dir: Path, samples: int) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for loss in losses:
         cis = [interval(cell(loss, b)) for b in batches]
-        ax.errorbar(batches, [c["mean"] for c in cis], yerr=[0.0 if math.isnan(c["half_width"]) else c["half_width"]
-                                                             for c in cis], marker="o", capsize=3, label=loss)
+        ax.errorbar(batches, [c["mean"] for c in cis], yerr=[c["half_width"] or 0.0 for c in cis], marker="o",
+                    capsize=3, label=loss)
     ax.axhline(0.125, color="grey", ls="--", lw=1, label="chance")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])

@@ -192,7 +192,7 @@ def _stats(values: list[float]) -> dict:
     """Mean, sample std and the 95 % t-interval's half-width over seeds (None with one seed)."""
     ci = interval(values)
     return {"mean": ci["mean"], "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "half_width": ci["half_width"] if len(values) > 1 else None, "n": len(values), "values": values}
+            "half_width": ci["half_width"], "n": len(values), "values": values}
 
 
 def _verdicts(config: dict, results: list[dict]) -> list[dict]:

@@ -32,7 +32,7 @@ def t_quantile_975(df: int) -> float:
 
 
 def interval(values: Sequence[float]) -> dict:
-    """Mean and 95 % t-interval of ``values`` (one per seed). One value: half_width is NaN (no interval)."""
+    """Mean and 95 % t-interval of ``values`` (one per seed). One value: half_width, low, high are None."""
     values = [float(v) for v in values]
     n = len(values)
     if n == 0:
@@ -41,10 +41,9 @@ def interval(values: Sequence[float]) -> dict:
         raise ValueError(f"interval: non-finite values {values}")
     mean = sum(values) / n
     if n == 1:
-        half = math.nan
-    else:
-        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-        half = t_quantile_975(n - 1) * sd / math.sqrt(n)
+        return {"mean": mean, "half_width": None, "n": 1, "low": None, "high": None}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile_975(n - 1) * sd / math.sqrt(n)
     return {"mean": mean, "half_width": half, "n": n, "low": mean - half, "high": mean + half}
 
 
