@@ -14,7 +14,8 @@ import platform
 from dataclasses import replace
 from pathlib import Path
 
-from contrastkit.evaluation.latent_recovery import FORMS, RecoveryConfig, plot, run_grid, summarize, table
+from contrastkit.evaluation.latent_recovery import (FORMS, RecoveryConfig, cell_name, plot, run_grid, summarize,
+                                                    table)
 from contrastkit.losses import available_losses
 
 
@@ -45,6 +46,7 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--processes", type=int, default=1, help="runs in parallel, one thread each")
+    p.add_argument("--report-only", action="store_true", help="tabulate the finished cells, train nothing")
     args = p.parse_args(argv)
     losses = [name for name in args.losses.split(",") if name]
     unknown = set(losses) - set(available_losses())
@@ -64,13 +66,17 @@ def main(argv=None):
                for s in args.seeds for form in forms for loss in losses if not (form == "queue" and loss == "unigrad")
                for b in (args.batch_sizes if form == "two_view" else args.queue_batch_sizes)]
     out = Path(args.out_dir)
+    if args.report_only:
+        configs = [c for c in configs if (out / "cells" / f"{cell_name(c)}.json").exists()]
+        if not configs:
+            p.error(f"--report-only: no finished cells of this grid in {out / 'cells'}")
     results = run_grid(configs, out, args.processes)
 
     summaries = {metric: summarize(results, metric) for metric in ("r2", "mcc")}
     baseline = summarize([{**r, "loss": "random encoder", "form": "two_view", "r2": r["baseline_r2"]}
                           for r in results if r["form"] == forms[0] and r["loss"] == losses[0]])
     observed = [r["observation_r2"] for r in results if r["loss"] == losses[0] and r["form"] == forms[0]]
-    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "processes")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "processes", "report_only")}
     seconds = sum(r["seconds"] for r in results)
     lines = [f"# Latent recovery (Zimmermann et al., ICML 2021): linear R^2 (%) of the true latents",
              "", f"Settings: {settings}; d = {base.dim}, encoder width {base.hidden}, Adam.",
