@@ -300,10 +300,28 @@ def cell_name(cfg: RecoveryConfig) -> str:
     return f"{cfg.loss}-{cfg.form}-b{cfg.batch_size}-s{cfg.seed}{extra}"
 
 
-def summarize(results: list[dict], metric: str = "r2") -> dict:
+def per_seed(results: list[dict], loss: str, form: str, batch_size: int, metric: str = "r2") -> dict:
+    """{seed: metric} of one grid cell."""
+    return {r["seed"]: r[metric] for r in results
+            if r["loss"] == loss and r["form"] == form and r["batch_size"] == batch_size}
+
+
+def paired(results: list[dict], a: tuple, b: tuple, metric: str = "r2", scale: float = 100.0) -> dict | None:
+    """Paired verdict of cell a = (loss, form, batch) minus cell b over the seeds both have (None if none)."""
+    from contrastkit.evaluation.stats import verdict
+
+    va, vb = per_seed(results, *a, metric), per_seed(results, *b, metric)
+    seeds = sorted(set(va) & set(vb))
+    if not seeds:
+        return None
+    name = lambda c: f"{c[0]} ({c[1].replace('_', ' ')}, B={c[2]})"  # noqa: E731
+    return verdict(name(a), [scale * va[s] for s in seeds], name(b), [scale * vb[s] for s in seeds], digits=1)
+
+
+def summarize(results: list[dict], metric: str = "r2", reference: str = "infonce") -> dict:
     """{(loss, form): {batch_size: interval over seeds}} and, per (form, batch size), the paired verdict
-    of every objective against InfoNCE: {"cells": ..., "verdicts": [...]}."""
-    from contrastkit.evaluation.stats import interval, verdict
+    (x 100) of every objective against ``reference``: {"metric", "cells", "verdicts"}."""
+    from contrastkit.evaluation.stats import interval
 
     groups: dict = {}
     for r in results:
@@ -312,14 +330,12 @@ def summarize(results: list[dict], metric: str = "r2") -> dict:
                    for b, by_seed in sorted(batches.items())} for key, batches in groups.items()}
     verdicts = []
     for (loss, form), batches in groups.items():
-        reference = groups.get(("infonce", form))
-        if loss == "infonce" or reference is None:
+        if loss == reference or (reference, form) not in groups:
             continue
-        for b, by_seed in sorted(batches.items()):
-            seeds = sorted(set(by_seed) & set(reference.get(b, {})))
-            if seeds:
-                v = verdict(loss, [by_seed[s] for s in seeds], "infonce", [reference[b][s] for s in seeds])
-                verdicts.append({**v, "form": form, "batch_size": b, "text": f"{form}, batch {b}: {v['text']}"})
+        for b in batches:
+            v = paired(results, (loss, form, b), (reference, form, b), metric)
+            if v is not None:
+                verdicts.append({**v, "form": form, "batch_size": b})
     return {"metric": metric, "cells": cells, "verdicts": verdicts}
 
 
@@ -327,6 +343,7 @@ def table(summary: dict, scale: float = 100.0) -> str:
     """Markdown: one row per (objective, form), one column per batch size, mean ± 95 % half-width."""
     cells = summary["cells"]
     batches = sorted({b for row in cells.values() for b in row})
+    most = max(ci["n"] for row in cells.values() for ci in row.values())
     lines = ["| objective | form | " + " | ".join(f"B = {b}" for b in batches) + " |",
              "|---|---|" + "---|" * len(batches)]
     for (loss, form), row in cells.items():
@@ -338,7 +355,8 @@ def table(summary: dict, scale: float = 100.0) -> str:
             elif ci["n"] == 1:
                 entries.append(f"{scale * ci['mean']:.1f} (1 seed)")
             else:
-                entries.append(f"{scale * ci['mean']:.1f} ± {scale * ci['half_width']:.1f}")
+                entries.append(f"{scale * ci['mean']:.1f} ± {scale * ci['half_width']:.1f}"
+                               + (f" (n={ci['n']})" if ci["n"] < most else ""))
         lines.append(f"| {loss} | {form} | " + " | ".join(entries) + " |")
     return "\n".join(lines) + "\n"
 
