@@ -107,7 +107,10 @@ def test_short_run_recovers_the_latents(one_thread, loss, form, batch, margin):
 def test_runs_are_deterministic(one_thread):
     cfg = RecoveryConfig(loss="cacr", batch_size=8, steps=5, hidden=16, eval_samples=256)
     a, b = train_recovery(cfg), train_recovery(cfg)
-    assert a["r2"] == b["r2"] and a["final_loss"] == b["final_loss"]
+    # equal up to float summation order (LAPACK's least squares can differ in the last bit between calls)
+    assert a["r2"] == pytest.approx(b["r2"], rel=1e-9) and a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-9)
+    other = train_recovery(RecoveryConfig(loss="cacr", batch_size=8, steps=5, hidden=16, eval_samples=256, seed=1))
+    assert other["r2"] != pytest.approx(a["r2"], rel=1e-6)  # and the seed does change the run
 
 
 def test_summary_table_and_verdicts():

@@ -50,8 +50,10 @@ def test_numbers_agree_with_the_eval_scripts_run_by_hand(tiny_suite, tmp_path):
     subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
                     "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
     assert json.loads((tmp_path / "knn.json").read_text())["knn_top1"] == report["table"]["dcl"]["image kNN"]["mean"]
-    subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--out",
-                    str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True, capture_output=True)
+    epochs = config["domains"]["vision"]["eval_options"]["linear_probe"]["epochs"]  # the suite's own setting
+    subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--epochs",
+                    str(epochs), "--out", str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True,
+                   capture_output=True)
     by_hand = json.loads((tmp_path / "lp.json").read_text())["sgd"]["test_top1"]
     assert by_hand == report["table"]["dcl"]["image linear probe"]["mean"]
 
