@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contrastkit.cli import arg
+from contrastkit.evaluation.stats import grouped_verdicts, interval
 from contrastkit.losses import available_losses
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: recipes/ and eval/ live beside the package
@@ -228,8 +229,21 @@ def run_suite(config: dict, *, progress: bool = True) -> dict:
 
 
 def _stats(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values), "values": values}
+    """Mean, sample std and the 95 % t-interval's half-width over seeds (None with one seed)."""
+    ci = interval(values)
+    return {"mean": ci["mean"], "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "half_width": ci["half_width"], "n": len(values), "values": values}
+
+
+def _verdicts(config: dict, results: list[dict]) -> list[dict]:
+    """Every objective against InfoNCE, paired over seeds, per column of the table and per sweep batch size."""
+    rows = []
+    for domain, key, title in COLUMNS:
+        rows += [{"objective": r["objective"], "seed": r["seed"], "column": title, "value": r["metrics"][key]}
+                 for r in results if r["domain"] == domain and not r["variant"] and r["metrics"].get(key) is not None]
+    rows += [{"objective": r["objective"], "seed": r["seed"], "column": f"kNN at batch {r['variant'][2:]}",
+              "value": r["metrics"].get("knn_top1")} for r in results if r["variant"].startswith("bs")]
+    return grouped_verdicts(rows, name_key="objective", metric="value", group_key="column", scale=100, digits=1)
 
 
 def build_report(config: dict, results: list[dict], skipped: dict, failures: dict) -> dict:
@@ -260,8 +274,8 @@ def build_report(config: dict, results: list[dict], skipped: dict, failures: dic
                            "paper": {o: v for o, v in ref.items() if o != "setting"},
                            "matches_this_run": False, "why": "this run uses the user's data; check the setting"
                            if real else "this run uses the embedded default data, not the paper's"})
-    return {"config": config, "table": table, "sweep": sweep, "skipped": skipped, "failures": failures,
-            "references": references, "cells": results}
+    return {"config": config, "table": table, "sweep": sweep, "verdicts": _verdicts(config, results),
+            "skipped": skipped, "failures": failures, "references": references, "cells": results}
 
 
 def _uses_embedded_data(domain: str, settings: dict) -> bool:
@@ -272,7 +286,7 @@ def _fmt(stat: dict | None, scale: float = 100.0) -> str:
     if not stat:
         return "-"
     text = f"{scale * stat['mean']:.1f}"
-    return text + (f" ± {scale * stat['std']:.1f}" if stat["n"] > 1 else "") + f" (n={stat['n']})"
+    return text + (f" ± {scale * stat['half_width']:.1f}" if stat["n"] > 1 else "") + f" (n={stat['n']})"
 
 
 def markdown(report: dict) -> str:
@@ -280,7 +294,8 @@ def markdown(report: dict) -> str:
     titles = [title for _, _, title in COLUMNS]
     lines = ["# contrastkit cross-domain suite", "",
              f"Objectives {', '.join(config['objectives'])}; seeds {config['seeds']}. Accuracy in %, "
-             "mean ± sample standard deviation over seeds (n = number of seeds).", "",
+             "mean ± half-width of the 95 % t-interval over seeds (n = number of seeds). What each paper claims "
+             "and whether the project reproduces it: docs/evidence.md.", "",
              "| objective | " + " | ".join(titles) + " |", "|---" * (len(titles) + 1) + "|"]
     for objective, row in report["table"].items():
         lines.append(f"| {objective} | " + " | ".join(_fmt(row.get(t)) for t in titles) + " |")
@@ -299,12 +314,21 @@ def markdown(report: dict) -> str:
                   + " |", "|---" * (len(batches) + 1) + "|"]
         for objective, per in report["sweep"].items():
             lines.append(f"| {objective} | " + " | ".join(_fmt(per.get(b)) for b in batches) + " |")
+    if report.get("verdicts"):
+        lines += ["", "## Paired verdicts against InfoNCE", "",
+                  "Points of accuracy, same seeds; resolved = the 95 % interval of the difference excludes 0.", ""]
+        lines += [f"- {v['text']}" for v in report["verdicts"]]
     lines += ["", "## Papers' numbers", "", "| domain | metric | InfoNCE | DCL | setting | comparable here |",
               "|---|---|---|---|---|---|"]
     for ref in report["references"]:
         lines.append(f"| {ref['domain']} | {ref['metric']} | {ref['paper'].get('infonce', '-')} | "
                      f"{ref['paper'].get('dcl', '-')} | {ref['setting']} | no: {ref['why']} |")
     return "\n".join(lines) + "\n"
+
+
+def _bar(stat: dict | None) -> float:
+    """Error bar (%): the 95 % interval's half-width; none with one seed."""
+    return 100 * stat["half_width"] if stat and stat["n"] > 1 else 0.0
 
 
 def write_report(report: dict, out_dir: Path) -> None:
@@ -323,7 +347,7 @@ def write_report(report: dict, out_dir: Path) -> None:
         for ax, title in zip(axes[0], titles):
             stats = [report["table"][o].get(title) for o in objectives]
             ax.bar(range(len(objectives)), [100 * s["mean"] if s else math.nan for s in stats],
-                   yerr=[100 * s["std"] if s else 0 for s in stats], capsize=4, color="tab:blue", alpha=0.8)
+                   yerr=[_bar(s) for s in stats], capsize=4, color="tab:blue", alpha=0.8)
             ax.set_xticks(range(len(objectives)), objectives)
             ax.set_title(title)
             ax.set_ylabel("accuracy (%)")
@@ -335,7 +359,7 @@ def write_report(report: dict, out_dir: Path) -> None:
         fig, ax = plt.subplots(figsize=(4.8, 3.6))
         for objective, per in report["sweep"].items():
             batches = sorted(per)
-            ax.errorbar(batches, [100 * per[b]["mean"] for b in batches], yerr=[100 * per[b]["std"] for b in batches],
+            ax.errorbar(batches, [100 * per[b]["mean"] for b in batches], yerr=[_bar(per[b]) for b in batches],
                         marker="o", capsize=3, label=objective)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")

@@ -50,8 +50,10 @@ def test_numbers_agree_with_the_eval_scripts_run_by_hand(tiny_suite, tmp_path):
     subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
                     "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
     assert json.loads((tmp_path / "knn.json").read_text())["knn_top1"] == report["table"]["dcl"]["image kNN"]["mean"]
-    subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--out",
-                    str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True, capture_output=True)
+    epochs = config["domains"]["vision"]["eval_options"]["linear_probe"]["epochs"]  # the suite's own setting
+    subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--epochs",
+                    str(epochs), "--out", str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True,
+                   capture_output=True)
     by_hand = json.loads((tmp_path / "lp.json").read_text())["sgd"]["test_top1"]
     assert by_hand == report["table"]["dcl"]["image linear probe"]["mean"]
 
@@ -96,3 +98,22 @@ def test_example_config_loads_and_skips_missing_paths(tmp_path):
     report = run_suite(config, progress=False)  # none of the example's /data paths exist here
     assert set(report["skipped"]) == {"vision", "image_text", "speech"}
     assert report["cells"] == []
+
+
+def test_report_gives_intervals_and_paired_verdicts():
+    from contrastkit.suite import build_report
+
+    config = load_config(None)
+    config.update(objectives=["infonce", "dcl"], seeds=[0, 1, 2])
+    config["domains"] = {"vision": config["domains"]["vision"]}
+    knn = {("infonce", 0): 0.30, ("infonce", 1): 0.32, ("infonce", 2): 0.31,
+           ("dcl", 0): 0.40, ("dcl", 1): 0.41, ("dcl", 2): 0.42}
+    results = [{"domain": "vision", "objective": o, "seed": s, "variant": "", "metrics": {"knn_top1": v}}
+               for (o, s), v in knn.items()]
+    report = build_report(config, results, {}, {})
+    assert report["table"]["infonce"]["image kNN"]["half_width"] == pytest.approx(4.303 * 0.01 / 3**0.5)
+    text = markdown(report)
+    assert "| infonce | - | - | 31.0 ± 2.5 (n=3) | - | - |" in text
+    # dcl - infonce per seed: +10, +9, +11 points
+    assert "- column image kNN: dcl - infonce = +10.0 ± 2.5 (95 % CI, 3 seeds): resolved" in text
+    assert "docs/evidence.md" in text

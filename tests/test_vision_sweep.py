@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from contrastkit.vision.sweep import negatives, plot, run_sweep, sweep_configs, table
+from contrastkit.vision.sweep import negatives, plot, run_sweep, summary_table, sweep_configs, table
 from contrastkit.vision.train import VisionConfig
 
 
@@ -25,3 +25,19 @@ def test_sweep_grid_negatives_table_and_plots(tmp_path):
     assert text.count("\n") == 6 and "| simo-eqco-b8 | simo | eqco | 8 | - | 7 |" in text
     assert all(0 <= r["probe_top1"] <= 1 for r in rows)
     assert [p.name for p in plot(rows, tmp_path, chance=1 / 8)] == ["batch_size.png", "negatives.png"]
+
+
+def test_seeds_give_intervals_and_verdicts(tmp_path):
+    base = VisionConfig(train_images=48, test_images=16, width=4, samples=16)
+    runs = sweep_configs(base, tmp_path, [4], ["infonce", "dcl"], [], [], 8, [], seeds=[0, 1, 2])
+    assert [name for name, _ in runs] == ["simclr-infonce-b4-s0", "simclr-dcl-b4-s0", "simclr-infonce-b4-s1",
+                                          "simclr-dcl-b4-s1", "simclr-infonce-b4-s2", "simclr-dcl-b4-s2"]
+    assert [cfg.seed for _, cfg in runs] == [0, 0, 1, 1, 2, 2]
+    rows = [{"name": name, "seed": cfg.seed, "method": "simclr", "loss": cfg.loss, "batch_size": 4, "queue_size": None,
+             "knn_top1": knn, "probe_top1": 0.5} for (name, cfg), knn in zip(runs, [0.30, 0.40, 0.32, 0.41, 0.31, 0.42])]
+    text = summary_table(rows)
+    # infonce kNN 30, 32, 31 %: mean 31.0, sd 1.0, half-width 4.303 / sqrt(3) = 2.48
+    assert "| simclr b4 | infonce | 3 | 31.0 ± 2.5 | 50.0 ± 0.0 |" in text
+    # dcl - infonce per seed: +10, +9, +11 points: +10.0 ± 2.5, resolved; the probes are equal: not resolved
+    assert "- knn_top1, setting simclr b4: dcl - infonce = +10.0 ± 2.5 (95 % CI, 3 seeds): resolved" in text
+    assert "- probe_top1, setting simclr b4: dcl - infonce = +0.0 ± 0.0 (95 % CI, 3 seeds): not resolved" in text

@@ -33,6 +33,7 @@ from torch import nn
 
 from contrastkit.adapters import patching
 from contrastkit.adapters.patching import Patch
+from contrastkit.cli import key_value
 from contrastkit.losses import build_loss
 
 SUPPORTED_OPEN_CLIP = (3,)  # major versions
@@ -204,24 +205,15 @@ def cpu_ddp():
         torch.nn.parallel.DistributedDataParallel = original
 
 
-def _option(text: str) -> tuple[str, float]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--loss-option takes key=value, got {text!r}")
-    try:
-        return key, float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--loss-option {key}: {value!r} is not a number") from None
-
-
 def main(argv: list[str] | None = None):
     """``python -m contrastkit.adapters.open_clip --loss dcl [--loss-option sigma=0.5] <open_clip_train args>``"""
     parser = argparse.ArgumentParser(
         prog="python -m contrastkit.adapters.open_clip",
         description="Run open_clip_train with a contrastkit loss; all other arguments go to open_clip_train.")
     parser.add_argument("--loss", required=True, help=f"one of {', '.join(CLIP_LOSSES)}")
-    parser.add_argument("--loss-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                        help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), t_neg=2 (cacr)")
+    parser.add_argument("--loss-option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
+                        help="a loss option, typed (int, float, bool or str), e.g. sigma=0.5 (dclw), alpha=256 "
+                             "(eqco), t_neg=2 (cacr), backend=torch")
     ours, rest = parser.parse_known_args(argv)
     check_open_clip_version()
     import open_clip_train.main

@@ -3,7 +3,8 @@
 Every run sees the same number of training pairs (``samples``), so smaller batches take more steps, as in
 the DCL paper's equal-epoch comparisons. Runs whose summary.json exists are reused, so an interrupted
 comparison continues where it stopped. Writes ``results.json``, ``results.md`` (a table) and
-``results.png`` (top-1 against batch size, one line per loss, mean over seeds with min-max bars).
+``results.png`` (top-1 against batch size, one line per loss, mean over seeds with 95 % intervals), and
+every loss's paired verdict against InfoNCE at each batch size (contrastkit.evaluation.stats).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from contrastkit.adapters.open_clip import CLIP_LOSSES
 from contrastkit.cli import arg, positive
 from contrastkit.clip.models import DEFAULT_MODEL, check_model
 from contrastkit.clip.train import ClipTrainConfig
+from contrastkit.evaluation.stats import format_interval, grouped_verdicts, interval
 
 
 @dataclass
@@ -103,7 +105,9 @@ def report(rows: list[dict], out_dir: Path, samples: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out_dir / "results.json").write_text(json.dumps({"samples": samples, "runs": rows}, indent=2) + "\n")
+    verdicts = grouped_verdicts(rows, name_key="loss", metric="top1", group_key="batch_size")
+    (out_dir / "results.json").write_text(json.dumps({"samples": samples, "runs": rows, "verdicts": verdicts},
+                                                     indent=2) + "\n")
     losses = list(dict.fromkeys(r["loss"] for r in rows))
     batches = sorted({r["batch_size"] for r in rows})
 
@@ -112,21 +116,24 @@ def report(rows: list[dict], out_dir: Path, samples: int) -> None:
 
     seeds = len({r["seed"] for r in rows})
     lines = [f"Zero-shot top-1 on the held-out shapes split (8 classes, chance 0.125), {samples} training pairs per "
-             f"run, mean over {seeds} seed(s); in brackets mean per-class recall.", "",
+             f"run, {seeds} seed(s): mean ± half-width of the 95 % t-interval over seeds; in brackets mean "
+             "per-class recall (mean).", "",
              "| loss | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
     for loss in losses:
         lines.append(f"| {loss} | " + " | ".join(
-            f"{statistics.mean(cell(loss, b)):.3f} ({statistics.mean(cell(loss, b, 'mean_per_class_recall')):.3f})"
+            f"{format_interval(cell(loss, b))} ({statistics.mean(cell(loss, b, 'mean_per_class_recall')):.3f})"
             for b in batches) + " |")
+    if verdicts:
+        lines += ["", "Paired verdicts against InfoNCE (top-1, same seeds; resolved = the 95 % interval excludes 0):",
+                  ""] + [f"- {v['text']}" for v in verdicts]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for loss in losses:
-        means = [statistics.mean(cell(loss, b)) for b in batches]
-        lo = [m - min(cell(loss, b)) for m, b in zip(means, batches)]
-        hi = [max(cell(loss, b)) - m for m, b in zip(means, batches)]
-        ax.errorbar(batches, means, yerr=[lo, hi], marker="o", capsize=3, label=loss)
+        cis = [interval(cell(loss, b)) for b in batches]
+        ax.errorbar(batches, [c["mean"] for c in cis], yerr=[c["half_width"] or 0.0 for c in cis], marker="o",
+                    capsize=3, label=loss)
     ax.axhline(0.125, color="grey", ls="--", lw=1, label="chance")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])

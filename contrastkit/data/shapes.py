@@ -77,15 +77,18 @@ def _outline(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
     raise ValueError(f"no outline for shape {shape!r}")
 
 
-def render(spec: ShapeSpec, size: int = 64, seed: int = 0) -> Image.Image:
-    """Draw ``spec`` as an RGB image of ``size`` x ``size``; ``seed`` sets jitter, rotation and background."""
+def render(spec: ShapeSpec, size: int = 64, seed: int = 0, scale: float = 1.0) -> Image.Image:
+    """Draw ``spec`` as an RGB image of ``size`` x ``size``; ``seed`` sets jitter, rotation and background.
+    ``scale`` enlarges the shape (and pulls the position anchors towards the centre by the same factor)."""
     rng = random.Random(seed)
     noise = np.random.default_rng(seed).normal(rng.randint(20, 110), rng.uniform(8, 30), (size, size))
     image = Image.fromarray(np.clip(noise, 0, 255).astype(np.uint8)).convert("RGB")
-    radius = size * (0.14 if spec.size == "small" else 0.27) * rng.uniform(0.9, 1.1)
+    radius = size * (0.14 if spec.size == "small" else 0.27) * rng.uniform(0.9, 1.1) * scale
     anchors = {"top left": (0.28, 0.28), "top right": (0.72, 0.28), "bottom left": (0.28, 0.72),
                "bottom right": (0.72, 0.72), "center": (0.5, 0.5)}
     fx, fy = anchors[spec.position]
+    if scale != 1.0:
+        fx, fy = 0.5 + (fx - 0.5) / scale, 0.5 + (fy - 0.5) / scale
     cx = size * fx + rng.uniform(-0.05, 0.05) * size
     cy = size * fy + rng.uniform(-0.05, 0.05) * size
     color = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in COLORS[spec.color])

@@ -62,7 +62,7 @@ def extract_features(encoder: nn.Module, images: Dataset, transform=None, batch_
     """(features [N, D] float32, labels [N]) of ``encoder`` in eval mode (its mode is restored after)."""
     was_training = encoder.training
     encoder.eval()
-    device = next(encoder.parameters()).device
+    device = next(encoder.parameters(), torch.empty(0)).device  # a parameter-free encoder (raw pixels): CPU
     feats, labels = [], []
     try:
         for x, y in tqdm(DataLoader(images, batch_size=batch_size), desc=desc, disable=not progress, leave=False):

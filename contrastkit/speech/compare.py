@@ -2,17 +2,19 @@
 recipe, evaluate speaker ID and intent SUPERB-style, and write a table (Markdown, JSON) and a plot.
 
 The untrained upstream (same initialisation) is evaluated too, as the floor the pre-training must beat.
+Each cell is the mean ± half-width of the 95 % t-interval over seeds; every upstream gets a paired verdict
+against the untrained one and every objective against InfoNCE (contrastkit.evaluation.stats).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from pathlib import Path
 
 from contrastkit.cli import arg, existing, positive
 from contrastkit.evaluation import superb
+from contrastkit.evaluation.stats import grouped_verdicts, interval
 from contrastkit.speech.pretrain import (BACKENDS, SPEECH_LOSSES, PretrainConfig, build_model, export_upstream,
                                          pretrain)
 
@@ -70,27 +72,31 @@ def write_comparison(rows: list[dict], out_dir: Path, base: PretrainConfig) -> d
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["upstream"] for r in rows))
-    table = {}
-    for name in names:
-        mine = [r for r in rows if r["upstream"] == name]
-        table[name] = {t: (statistics.mean(r[t] for r in mine),
-                           statistics.stdev(r[t] for r in mine) if len(mine) > 1 else 0.0)
-                       for t in ("speaker_id", "intent")}
+    tasks = ("speaker_id", "intent")
+    table = {name: {t: interval([r[t] for r in rows if r["upstream"] == name]) for t in tasks} for name in names}
+    verdicts = [{**v, "task": t, "text": f"{t}: {v['text']}"} for t in tasks for reference in ("untrained", "infonce")
+                for v in grouped_verdicts([r for r in rows if reference == "untrained" or r["upstream"] != "untrained"],
+                                          name_key="upstream", metric=t, reference=reference)]
+
+    def cell(ci):
+        return f"{ci['mean']:.3f}" + (" (1 seed)" if ci["n"] == 1 else f" ± {ci['half_width']:.3f}")
+
     lines = [f"wav2vec 2.0 {base.backend} upstreams, {base.steps} steps x batch {base.batch_size}, "
-             f"{len(rows) // len(names)} seed(s); test accuracy, mean ± std over seeds", "",
-             "| upstream | speaker ID (VoxCeleb1 layout) | intent (FSC layout) |", "|---|---|---|"]
+             f"{len(rows) // len(names)} seed(s); test accuracy, mean ± half-width of the 95 % t-interval over seeds",
+             "", "| upstream | speaker ID (VoxCeleb1 layout) | intent (FSC layout) |", "|---|---|---|"]
     for name, t in table.items():
-        lines.append(f"| {name} | {t['speaker_id'][0]:.3f} ± {t['speaker_id'][1]:.3f} | "
-                     f"{t['intent'][0]:.3f} ± {t['intent'][1]:.3f} |")
+        lines.append(f"| {name} | {cell(t['speaker_id'])} | {cell(t['intent'])} |")
+    lines += ["", "Paired verdicts (same seeds; resolved = the 95 % interval excludes 0):", ""]
+    lines += [f"- {v['text']}" for v in verdicts]
     (out_dir / "comparison.md").write_text("\n".join(lines) + "\n")
-    summary = {"rows": rows, "table": table, "pretrain": dataclasses.asdict(base)}
+    summary = {"rows": rows, "table": table, "verdicts": verdicts, "pretrain": dataclasses.asdict(base)}
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        means = [table[name][t][0] for t in ("speaker_id", "intent")]
-        stds = [table[name][t][1] for t in ("speaker_id", "intent")]
-        ax.bar([x + i * width for x in (0, 1)], means, width, yerr=stds, label=name, capsize=3)
+        means = [table[name][t]["mean"] for t in tasks]
+        halves = [0.0 if table[name][t]["n"] == 1 else table[name][t]["half_width"] for t in tasks]
+        ax.bar([x + i * width for x in (0, 1)], means, width, yerr=halves, label=name, capsize=3)
     ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["speaker ID", "intent"])
     ax.set_ylabel("test accuracy")
     ax.set_title(f"wav2vec 2.0 upstreams ({base.backend}, {base.steps} steps)")

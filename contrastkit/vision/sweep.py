@@ -6,6 +6,8 @@
 
 Every run sees the same number of samples (``samples``), so batch sizes compare at equal data and
 compute. Runs whose summary.json already exists are not repeated, so an interrupted sweep continues.
+With several seeds, ``summary_table`` gives mean ± 95 % interval per setting and every objective's paired
+verdict against InfoNCE in the same setting.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class SweepArgs:
     crop_min: float = arg(0.5, "smallest random-resized-crop scale")
     blur: bool = arg(False, "Gaussian blur in the augmentation")
     temperature: float = arg(0.1, "temperature")
-    seed: int = arg(0, "random seed")
+    seed: int = arg(0, "random seed (one run per setting)")
+    seeds: list[int] | None = arg(None, "every run once per seed instead, e.g. 0 1 2: mean ± 95 % interval and "
+                                        "paired verdicts in sweep.md")
 
     def check(self) -> None:
         for name in ("samples", "moco_batch", "alpha", "train_images", "test_images", "width", "lr", "temperature"):
@@ -54,8 +58,9 @@ class SweepArgs:
 
 
 def sweep_configs(base: VisionConfig, out_dir: Path, batch_sizes, simclr_losses, queue_sizes, moco_losses,
-                  moco_batch: int, simo_losses) -> list[tuple[str, VisionConfig]]:
-    """(name, config) of every run: the SimCLR batch-size grid, the MoCo queue grid and SiMo."""
+                  moco_batch: int, simo_losses, seeds=None) -> list[tuple[str, VisionConfig]]:
+    """(name, config) of every run: the SimCLR batch-size grid, the MoCo queue grid and SiMo; with ``seeds``
+    each of them once per seed (names end in -s<seed>), else once with ``base.seed``."""
     runs = []
     for loss in simclr_losses:
         for b in batch_sizes:
@@ -66,6 +71,8 @@ def sweep_configs(base: VisionConfig, out_dir: Path, batch_sizes, simclr_losses,
                                                       queue_size=q)))
     for loss in simo_losses:
         runs.append((f"simo-{loss}-b{moco_batch}", replace(base, method="simo", loss=loss, batch_size=moco_batch)))
+    if seeds is not None:
+        runs = [(f"{name}-s{seed}", replace(cfg, seed=seed)) for seed in seeds for name, cfg in runs]
     return [(name, replace(cfg, out_dir=str(out_dir / name))) for name, cfg in runs]
 
 
@@ -96,7 +103,7 @@ def run_sweep(runs: list[tuple[str, VisionConfig]], out_dir: Path) -> list[dict]
             print(f"[{i}/{len(runs)}] {name}", flush=True)
             summary = train(cfg)
         summary["probe_top1"] = probe(cfg)
-        rows.append({"name": name, "method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size,
+        rows.append({"name": name, "seed": cfg.seed, "method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size,
                      "queue_size": cfg.queue_size, "negatives": negatives(cfg), "samples": summary["samples_seen"],
                      "steps": summary["steps"], "final_loss": summary["final_loss"], "knn_top1": summary["knn_top1"],
                      "probe_top1": summary["probe_top1"], "train_seconds": summary["train_seconds"]})
@@ -115,12 +122,39 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _setting(r: dict) -> str:
+    return f"{r['method']} b{r['batch_size']}" + (f" q{r['queue_size']}" if r["queue_size"] else "")
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Mean ± half-width of the 95 % t-interval over seeds of kNN and probe top-1 (%) per setting and loss,
+    then every loss's paired verdict against InfoNCE in the same setting (same seeds)."""
+    from contrastkit.evaluation.stats import format_interval, grouped_verdicts
+
+    keyed = [{**r, "setting": _setting(r)} for r in rows]
+    groups: dict = {}
+    for r in keyed:
+        groups.setdefault((r["setting"], r["loss"]), []).append(r)
+    lines = ["| setting | loss | seeds | kNN top-1 | probe top-1 |", "|---|---|---|---|---|"]
+    for (setting, loss), rs in groups.items():
+        lines.append(f"| {setting} | {loss} | {len(rs)} | {format_interval([r['knn_top1'] for r in rs], 100, 1)} | "
+                     f"{format_interval([r['probe_top1'] for r in rs], 100, 1)} |")
+    lines += ["", "Paired verdicts against InfoNCE (points of top-1; resolved = the 95 % interval excludes 0):", ""]
+    for metric in ("knn_top1", "probe_top1"):
+        lines += [f"- {metric}, {v['text']}" for v in grouped_verdicts(keyed, name_key="loss", metric=metric,
+                                                                       group_key="setting", scale=100, digits=1)]
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], out_dir: Path, chance: float) -> list[Path]:
-    """batch_size.png (SimCLR, DCL Fig. 3) and negatives.png (MoCo / SiMo, EqCo Fig. 3)."""
+    """batch_size.png (SimCLR, DCL Fig. 3) and negatives.png (MoCo / SiMo, EqCo Fig. 3): mean over seeds,
+    bars the 95 % intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from contrastkit.evaluation.stats import interval
 
     paths = []
     for filename, methods, x_key, xlabel, title in (
@@ -134,11 +168,15 @@ def plot(rows: list[dict], out_dir: Path, chance: float) -> list[Path]:
         for ax, metric, label in zip(axes, ("knn_top1", "probe_top1"), ("kNN top-1 (%)", "linear probe top-1 (%)")):
             for method in methods:
                 for loss in dict.fromkeys(r["loss"] for r in chosen if r["method"] == method):
-                    points = sorted((r[x_key], 100 * r[metric]) for r in chosen
-                                    if r["method"] == method and r["loss"] == loss)
-                    style = "o-" if method != "simo" else "s"
-                    ax.plot(*zip(*points), style, label=f"{method} {loss}" if len(methods) > 1 else loss,
-                            markersize=6)
+                    by_x: dict = {}
+                    for r in chosen:
+                        if r["method"] == method and r["loss"] == loss:
+                            by_x.setdefault(r[x_key], []).append(100 * r[metric])
+                    xs = sorted(by_x)
+                    cis = [interval(by_x[x]) for x in xs]  # one seed: no bar
+                    ax.errorbar(xs, [c["mean"] for c in cis], yerr=[0 if c["n"] == 1 else c["half_width"] for c in cis],
+                                fmt="o-" if method != "simo" else "s", capsize=3, markersize=6,
+                                label=f"{method} {loss}" if len(methods) > 1 else loss)
             ax.axhline(100 * chance, color="gray", linestyle=":", label="chance")
             ax.set_xscale("log", base=2)
             ax.set_xlabel(xlabel)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from contrastkit.cli import parse
-from contrastkit.vision.sweep import SweepArgs, plot, run_sweep, sweep_configs, table
+from contrastkit.vision.sweep import SweepArgs, plot, run_sweep, summary_table, sweep_configs, table
 from contrastkit.vision.train import VisionConfig
 
 
@@ -23,10 +23,10 @@ def main(argv=None):
                         width=args.width, lr=args.lr, crop_min=args.crop_min, blur=args.blur, alpha=args.alpha,
                         temperature=args.temperature, seed=args.seed, threads=1, progress=False, log_every=10)
     runs = sweep_configs(base, out, args.batch_sizes, args.simclr_losses, args.queue_sizes, args.moco_losses,
-                         args.moco_batch, args.simo_losses)
+                         args.moco_batch, args.simo_losses, args.seeds)
     rows = run_sweep(runs, out)
     settings = {k: v for k, v in asdict(args).items() if k != "out_dir"}
-    (out / "sweep.md").write_text(f"Settings: {settings}\n\n" + table(rows))
+    (out / "sweep.md").write_text(f"Settings: {settings}\n\n" + table(rows) + "\n" + summary_table(rows))
     plot(rows, out, chance=1 / 8)
     print(table(rows))
 
