@@ -46,7 +46,7 @@ class SweepArgs:
     blur: bool = arg(False, "Gaussian blur in the augmentation")
     temperature: float = arg(0.1, "temperature")
     seed: int = arg(0, "random seed (one run per setting)")
-    seeds: list[int] | None = arg(None, "every run once per seed instead, e.g. 0 1 2: mean ± 95 % interval and "
+    seeds: list[int] | None = arg(None, "every run once per seed instead, e.g. 0 1 2: mean and 95-percent interval, "
                                         "paired verdicts in sweep.md")
 
     def check(self) -> None:
