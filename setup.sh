@@ -14,7 +14,10 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -r requirements/lock.txt
+# Exactly the lock (a full freeze), nothing beyond it: fairseq2 declares wandb, which only its own recipe
+# framework imports (contrastkit uses its models); installed, it would make transformers' scripts start a
+# W&B run by default. W&B stays a user's choice: pip install wandb, then --report-to wandb.
+.venv/bin/python -m pip install -q --no-deps -r requirements/lock.txt
 .venv/bin/python -m pip install -q --no-deps -e .
 if [ "${1:-}" = "--with-transformers5" ]; then
   .venv/bin/python -m pip install -q --no-deps --target .tf5 -r requirements/transformers5.txt

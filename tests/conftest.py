@@ -15,6 +15,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one state per process: a test that made an Accelerator must not fix the next one's
+    mixed precision (accelerate refuses to change it)."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test (the speech models): the CI machine has 2 cores shared with other
