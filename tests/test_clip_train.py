@@ -185,3 +185,22 @@ def test_hf_image_folder_with_captions(tmp_path):
     assert len(dataset) == 6 and image.shape == (3, 32, 32) and tokens.shape == (16,)
     with pytest.raises(KeyError, match="no caption column 'caption'"):
         load_image_text(folder, caption_key="caption")
+
+
+def test_default_run_learns(tmp_path):
+    """The main job's default (300 steps of batch 64 on the embedded 4096 pairs, DCL) beats the same model
+    untrained on zero-shot top-1 by 0.15 (8 classes, 400 held-out images; chance 0.125). Measured at seed 0:
+    0.40 against 0.11 untrained; without optimizer steps it stays at 0.11 and fails."""
+    from accelerate.utils import set_seed
+
+    from contrastkit.evaluation.zeroshot import evaluate_zeroshot
+
+    cfg = ClipTrainConfig(loss="dcl", data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"), eval_every=0,
+                          save_every=0, progress=False)
+    root = make_shapes_clip(cfg.data_dir, num_train=cfg.num_train, num_zeroshot_per_class=cfg.zeroshot_per_class,
+                            progress=False)
+    set_seed(cfg.seed)  # the recipe's initialisation, untrained
+    model, preprocess, tokenizer = create_clip(cfg.model)
+    untrained = evaluate_zeroshot(model, tokenizer, preprocess, root / "zeroshot")["top1"]
+    trained = train(cfg)["zeroshot_top1"]
+    assert trained >= untrained + 0.15, f"trained {trained:.3f}, untrained {untrained:.3f}"
