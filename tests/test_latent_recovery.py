@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from contrastkit.evaluation.latent_recovery import (RecoveryConfig, hungarian, invertible_mlp, linear_r2, mcc,
-                                                    sample_sphere, sample_vmf, summarize, table, train_recovery)
+from contrastkit.evaluation.latent_recovery import (RecoveryConfig, cached_result, cell_name, hungarian, invertible_mlp, linear_r2, mcc,
+                                                    run_grid, sample_sphere, sample_vmf, summarize, table,
+                                                    train_recovery)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +131,7 @@ def test_benchmark_script_writes_table_and_plot(tmp_path, one_thread):
     out = tmp_path / "grid"
     cmd = [sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(out), "--losses",
            "infonce,dcl", "--forms", "two_view,queue", "--batch-sizes", "4", "--queue-batch-sizes", "4",
-           "--seeds", "0,1", "--steps", "3", "--hidden", "8", "--queue-size", "16"]
+           "--seeds", "0,1", "--steps", "3", "--hidden", "8", "--queue-sizes", "16"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     report = (out / "results.md").read_text()
     assert "| dcl | queue |" in report and "- dcl (queue, B=4) - infonce (queue, B=4) = " in report
@@ -143,3 +144,41 @@ def test_benchmark_script_rejects_bad_input(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(tmp_path),
                           "--losses", "infonce,nope"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "error: unknown losses ['nope']" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_queue_size_sweep_tabulates_over_k(tmp_path, one_thread):
+    """EqCo's claim is about K at a fixed batch: --sweep queue_size runs the queue form over the queue sizes,
+    with K as the table's columns and each objective's smallest-K against largest-K verdict."""
+    out = tmp_path / "negatives"
+    cmd = [sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(out), "--sweep",
+           "queue_size", "--losses", "infonce,eqco,unigrad", "--batch-sizes", "4", "--queue-sizes", "8,32",
+           "--seeds", "0,1", "--steps", "3", "--hidden", "8"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    report = (out / "results.md").read_text()
+    assert "| objective | form | K = 8 | K = 32 |" in report and "| eqco | queue |" in report
+    assert "unigrad" not in report.split("Paired verdicts")[0].split("| objective")[1]  # no queue form: left out
+    assert "- eqco (queue, K=8) - infonce (queue, K=8) = " in report
+    assert "- eqco (queue, K=8) - eqco (queue, K=32) = " in report
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert sorted({(r["form"], r["batch_size"], r["queue_size"]) for r in runs}) == [("queue", 4, 8), ("queue", 4, 32)]
+
+
+def test_sweep_errors_are_one_line(tmp_path):
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(tmp_path),
+                          "--queue-sizes", "16,64"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "error: several --queue-sizes need --sweep queue_size" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_a_cached_cell_counts_only_for_its_own_config(tmp_path, one_thread):
+    """The cache is keyed by name, and the name leaves out fields at their defaults: a cell run under another
+    default (or edited) has the same name but must be rerun, never reported as this config's result."""
+    cfg = RecoveryConfig(batch_size=4, steps=3, hidden=8, eval_samples=64)
+    (first,) = run_grid([cfg], tmp_path, log=lambda *_: None)
+    assert cached_result(cfg, tmp_path) == first
+    path = tmp_path / "cells" / f"{cell_name(cfg)}.json"
+    stale = {**first, "lr": 1e-3, "r2": -1.0}  # as if run when the default lr was 1e-3
+    path.write_text(json.dumps(stale))
+    assert cached_result(cfg, tmp_path) is None
+    (again,) = run_grid([cfg], tmp_path, log=lambda *_: None)
+    assert again["lr"] == cfg.lr and again["r2"] == pytest.approx(first["r2"], rel=1e-9)

@@ -260,27 +260,49 @@ def train_recovery(cfg: RecoveryConfig) -> dict:
 
 def run_grid(configs: list[RecoveryConfig], out_dir, processes: int = 1, log=print) -> list[dict]:
     """Run every config (one thread each, ``processes`` at a time), each result cached as a JSON file in
-    ``out_dir/cells`` so an interrupted grid continues where it stopped; returns all results."""
+    ``out_dir/cells`` so an interrupted grid continues where it stopped; returns all results. A cached
+    cell counts only if its stored config is the requested one (a changed default reruns it)."""
     import json
     from pathlib import Path
 
+    from tqdm.auto import tqdm
+
     cells = Path(out_dir) / "cells"
     cells.mkdir(parents=True, exist_ok=True)
-    todo = [c for c in configs if not (cells / f"{cell_name(c)}.json").exists()]
+    todo = [c for c in configs if cached_result(c, out_dir) is None]
     log(f"{len(configs) - len(todo)} of {len(configs)} cells done, {len(todo)} to run on {processes} process(es)")
+    bar = tqdm(total=len(todo), desc="latent recovery", unit="run")
     if processes > 1 and len(todo) > 1:
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
-            for result in pool.imap_unordered(_run_one, todo):
-                (cells / f"{cell_name(RecoveryConfig(**_config_fields(result)))}.json").write_text(json.dumps(result))
-                log(f"{cell_name(RecoveryConfig(**_config_fields(result)))}: R2 {result['r2']:.4f} ({result['seconds']:.0f} s)")
+            results = pool.imap_unordered(_run_one, todo)
+            for result in results:
+                _record(cells, RecoveryConfig(**_config_fields(result)), result, bar)
     else:
         for cfg in todo:
-            result = _run_one(cfg)
-            (cells / f"{cell_name(cfg)}.json").write_text(json.dumps(result))
-            log(f"{cell_name(cfg)}: R2 {result['r2']:.4f} ({result['seconds']:.0f} s)")
-    return [json.loads((cells / f"{cell_name(c)}.json").read_text()) for c in configs]
+            _record(cells, cfg, _run_one(cfg), bar)
+    bar.close()
+    return [cached_result(c, out_dir) for c in configs]
+
+
+def cached_result(cfg: RecoveryConfig, out_dir) -> dict | None:
+    """The stored result of ``cfg`` in ``out_dir/cells``, or None if there is none or it was run with
+    another config (a changed default, an edited file)."""
+    import json
+    from pathlib import Path
+
+    path = Path(out_dir) / "cells" / f"{cell_name(cfg)}.json"
+    result = json.loads(path.read_text()) if path.exists() else None
+    return result if result is not None and _config_fields(result) == asdict(cfg) else None
+
+
+def _record(cells, cfg: RecoveryConfig, result: dict, bar) -> None:
+    import json
+
+    (cells / f"{cell_name(cfg)}.json").write_text(json.dumps(result))
+    bar.update(1)
+    bar.write(f"{cell_name(cfg)}: R2 {result['r2']:.4f} ({result['seconds']:.0f} s)")
 
 
 def _run_one(cfg: RecoveryConfig) -> dict:
@@ -300,51 +322,60 @@ def cell_name(cfg: RecoveryConfig) -> str:
     return f"{cfg.loss}-{cfg.form}-b{cfg.batch_size}-s{cfg.seed}{extra}"
 
 
-def per_seed(results: list[dict], loss: str, form: str, batch_size: int, metric: str = "r2") -> dict:
-    """{seed: metric} of one grid cell."""
-    return {r["seed"]: r[metric] for r in results
-            if r["loss"] == loss and r["form"] == form and r["batch_size"] == batch_size}
+AXES = ("batch_size", "queue_size")  # what a grid varies along its columns / x axis
 
 
-def paired(results: list[dict], a: tuple, b: tuple, metric: str = "r2", scale: float = 100.0) -> dict | None:
-    """Paired verdict of cell a = (loss, form, batch) minus cell b over the seeds both have (None if none)."""
+def per_seed(results: list[dict], loss: str, form: str, value: int, metric: str = "r2",
+             axis: str = "batch_size") -> dict:
+    """{seed: metric} of one grid cell: ``loss`` in ``form`` at ``axis`` = ``value``."""
+    return {r["seed"]: r[metric] for r in results if r["loss"] == loss and r["form"] == form and r[axis] == value}
+
+
+def paired(results: list[dict], a: tuple, b: tuple, metric: str = "r2", scale: float = 100.0,
+           axis: str = "batch_size") -> dict | None:
+    """Paired verdict of cell a = (loss, form, value on ``axis``) minus cell b over the seeds both have
+    (None if none)."""
     from contrastkit.evaluation.stats import verdict
 
-    va, vb = per_seed(results, *a, metric), per_seed(results, *b, metric)
+    va, vb = per_seed(results, *a, metric, axis), per_seed(results, *b, metric, axis)
     seeds = sorted(set(va) & set(vb))
     if not seeds:
         return None
-    name = lambda c: f"{c[0]} ({c[1].replace('_', ' ')}, B={c[2]})"  # noqa: E731
+    short = {"batch_size": "B", "queue_size": "K"}[axis]
+    name = lambda c: f"{c[0]} ({c[1].replace('_', ' ')}, {short}={c[2]})"  # noqa: E731
     return verdict(name(a), [scale * va[s] for s in seeds], name(b), [scale * vb[s] for s in seeds], digits=1)
 
 
-def summarize(results: list[dict], metric: str = "r2", reference: str = "infonce") -> dict:
-    """{(loss, form): {batch_size: interval over seeds}} and, per (form, batch size), the paired verdict
-    (x 100) of every objective against ``reference``: {"metric", "cells", "verdicts"}."""
+def summarize(results: list[dict], metric: str = "r2", reference: str = "infonce", axis: str = "batch_size") -> dict:
+    """{(loss, form): {value on ``axis``: interval over seeds}} and, per (form, value), the paired verdict
+    (x 100) of every objective against ``reference``: {"metric", "axis", "cells", "verdicts"}."""
     from contrastkit.evaluation.stats import interval
 
+    if axis not in AXES:
+        raise ValueError(f"latent recovery: axis must be one of {', '.join(AXES)}, got {axis!r}")
     groups: dict = {}
     for r in results:
-        groups.setdefault((r["loss"], r["form"]), {}).setdefault(r["batch_size"], {})[r["seed"]] = r[metric]
-    cells = {key: {b: {**interval([v for _, v in sorted(by_seed.items())]), "seeds": sorted(by_seed)}
-                   for b, by_seed in sorted(batches.items())} for key, batches in groups.items()}
+        groups.setdefault((r["loss"], r["form"]), {}).setdefault(r[axis], {})[r["seed"]] = r[metric]
+    cells = {key: {v: {**interval([x for _, x in sorted(by_seed.items())]), "seeds": sorted(by_seed)}
+                   for v, by_seed in sorted(values.items())} for key, values in groups.items()}
     verdicts = []
-    for (loss, form), batches in groups.items():
+    for (loss, form), values in groups.items():
         if loss == reference or (reference, form) not in groups:
             continue
-        for b in batches:
-            v = paired(results, (loss, form, b), (reference, form, b), metric)
-            if v is not None:
-                verdicts.append({**v, "form": form, "batch_size": b})
-    return {"metric": metric, "cells": cells, "verdicts": verdicts}
+        for v in values:
+            p = paired(results, (loss, form, v), (reference, form, v), metric, axis=axis)
+            if p is not None:
+                verdicts.append({**p, "form": form, axis: v})
+    return {"metric": metric, "axis": axis, "cells": cells, "verdicts": verdicts}
 
 
 def table(summary: dict, scale: float = 100.0) -> str:
-    """Markdown: one row per (objective, form), one column per batch size, mean ± 95 % half-width."""
-    cells = summary["cells"]
+    """Markdown: one row per (objective, form), one column per value of the summary's axis (batch or queue
+    size), mean ± 95 % half-width."""
+    cells, short = summary["cells"], {"batch_size": "B", "queue_size": "K"}[summary.get("axis", "batch_size")]
     batches = sorted({b for row in cells.values() for b in row})
     most = max(ci["n"] for row in cells.values() for ci in row.values())
-    lines = ["| objective | form | " + " | ".join(f"B = {b}" for b in batches) + " |",
+    lines = ["| objective | form | " + " | ".join(f"{short} = {b}" for b in batches) + " |",
              "|---|---|" + "---|" * len(batches)]
     for (loss, form), row in cells.items():
         entries = []
@@ -362,7 +393,8 @@ def table(summary: dict, scale: float = 100.0) -> str:
 
 
 def plot(summary: dict, path, title: str = "") -> None:
-    """R^2 (%) vs batch size per objective, one panel per form, error bars the 95 % intervals."""
+    """R^2 (%) against the summary's axis (batch or queue size) per objective, one panel per form, error
+    bars the 95 % intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -379,7 +411,7 @@ def plot(summary: dict, path, title: str = "") -> None:
             errs = [0.0 if row[b]["n"] == 1 else 100 * row[b]["half_width"] for b in bs]
             ax.errorbar(bs, means, yerr=errs, marker="o", capsize=3, label=loss)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
+        ax.set_xlabel(summary.get("axis", "batch_size").replace("_", " "))
         ax.set_ylabel(f"linear {summary['metric'].upper()} of the latents (%)")
         ax.set_title(form.replace("_", " "))
         ax.grid(alpha=0.3)
