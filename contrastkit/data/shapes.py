@@ -77,31 +77,41 @@ def _outline(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
     raise ValueError(f"no outline for shape {shape!r}")
 
 
-def render(spec: ShapeSpec, size: int = 64, seed: int = 0, scale: float = 1.0) -> Image.Image:
+def render(spec: ShapeSpec, size: int = 64, seed: int = 0, scale: float = 1.0, free_pose: bool = False) -> Image.Image:
     """Draw ``spec`` as an RGB image of ``size`` x ``size``; ``seed`` sets jitter, rotation and background.
-    ``scale`` enlarges the shape (and pulls the position anchors towards the centre by the same factor)."""
+    ``scale`` enlarges the shape (and pulls the position anchors towards the centre by the same factor).
+    ``free_pose`` ignores the spec's size and position: the radius is uniform in [0.14, 0.27] x ``scale`` of
+    the side, the centre uniform where the shape stays in the image, the rotation uniform over the circle."""
     rng = random.Random(seed)
     noise = np.random.default_rng(seed).normal(rng.randint(20, 110), rng.uniform(8, 30), (size, size))
     image = Image.fromarray(np.clip(noise, 0, 255).astype(np.uint8)).convert("RGB")
-    radius = size * (0.14 if spec.size == "small" else 0.27) * rng.uniform(0.9, 1.1) * scale
-    anchors = {"top left": (0.28, 0.28), "top right": (0.72, 0.28), "bottom left": (0.28, 0.72),
-               "bottom right": (0.72, 0.72), "center": (0.5, 0.5)}
-    fx, fy = anchors[spec.position]
-    if scale != 1.0:
-        fx, fy = 0.5 + (fx - 0.5) / scale, 0.5 + (fy - 0.5) / scale
-    cx = size * fx + rng.uniform(-0.05, 0.05) * size
-    cy = size * fy + rng.uniform(-0.05, 0.05) * size
+    if free_pose:
+        radius = size * rng.uniform(0.14, 0.27) * scale
+        margin = min(radius, size / 2)
+        cx, cy = rng.uniform(margin, size - margin), rng.uniform(margin, size - margin)
+    else:
+        radius = size * (0.14 if spec.size == "small" else 0.27) * rng.uniform(0.9, 1.1) * scale
+        anchors = {"top left": (0.28, 0.28), "top right": (0.72, 0.28), "bottom left": (0.28, 0.72),
+                   "bottom right": (0.72, 0.72), "center": (0.5, 0.5)}
+        fx, fy = anchors[spec.position]
+        if scale != 1.0:
+            fx, fy = 0.5 + (fx - 0.5) / scale, 0.5 + (fy - 0.5) / scale
+        cx = size * fx + rng.uniform(-0.05, 0.05) * size
+        cy = size * fy + rng.uniform(-0.05, 0.05) * size
     color = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in COLORS[spec.color])
 
     mask = Image.new("L", (size, size), 0)
     draw = ImageDraw.Draw(mask)
-    angle = rng.uniform(-0.3, 0.3)
+    angle = rng.uniform(0, 2 * math.pi) if free_pose else rng.uniform(-0.3, 0.3)
     if spec.shape == "circle":
         draw.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=255)
     elif spec.shape == "crescent":
         draw.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=255)
         off = 0.45 * radius
-        draw.ellipse([cx - radius + off, cy - radius - off * 0.3, cx + radius + off, cy + radius - off * 0.3], fill=0)
+        dx, dy = off, -off * 0.3  # the bite's offset, turned by the rotation in free pose
+        if free_pose:
+            dx, dy = dx * math.cos(angle) - dy * math.sin(angle), dx * math.sin(angle) + dy * math.cos(angle)
+        draw.ellipse([cx - radius + dx, cy - radius + dy, cx + radius + dx, cy + radius + dy], fill=0)
     else:
         draw.polygon(_outline(spec.shape, cx, cy, radius, angle), fill=255)
 

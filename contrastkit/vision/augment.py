@@ -16,17 +16,19 @@ from torchvision.transforms import v2
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
-def simclr_augment(size: int, crop_min: float = 0.08, strength: float = 1.0, blur: bool = True) -> v2.Compose:
+def simclr_augment(size: int, crop_min: float = 0.08, strength: float = 1.0, blur: bool = True, hue: float = 0.2,
+                   grayscale: float = 0.2) -> v2.Compose:
     """DCL appendix A.4 (SimCLR's recipe) on uint8 [3, H, W] tensors: RandomResizedCrop with scale
-    [crop_min, 1] (paper 0.08), horizontal flip, colour jitter (0.8, 0.8, 0.8, 0.2) x strength with
-    p 0.8, grayscale p 0.2, Gaussian blur with sigma in [0.1, 2.0] (p 0.5, kernel ~10% of the image side,
-    as SimCLR scales it; at 32 px that is 3 px)."""
+    [crop_min, 1] (paper 0.08), horizontal flip, colour jitter (0.8, 0.8, 0.8, ``hue``) x strength with
+    p 0.8 (paper hue 0.2; hue is capped at 0.5, a full turn), grayscale with p ``grayscale`` (paper 0.2),
+    Gaussian blur with sigma in [0.1, 2.0] (p 0.5, kernel ~10% of the image side, as SimCLR scales it;
+    at 32 px that is 3 px)."""
     s = strength
     steps = [
         v2.RandomResizedCrop(size, scale=(crop_min, 1.0), antialias=True),
         v2.RandomHorizontalFlip(),
-        v2.RandomApply([v2.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s)], p=0.8),
-        v2.RandomGrayscale(p=0.2),
+        v2.RandomApply([v2.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, min(0.5, hue * s))], p=0.8),
+        v2.RandomGrayscale(p=grayscale),
     ]
     if blur:
         kernel = max(3, int(0.1 * size) // 2 * 2 + 1)

@@ -1,6 +1,6 @@
 """SimCLR, MoCo v2 or SiMo with any contrastkit objective; weighted kNN on the held-out split.
 
-    accelerate launch recipes/vision/train.py --method simclr --loss dcl --batch-size 32      # 5 epochs of the shapes
+    accelerate launch recipes/vision/train.py --method simclr --loss dcl --batch-size 32      # 10 epochs of the shapes
     accelerate launch --num_processes 2 --cpu recipes/vision/train.py --method moco --queue-size 1024 --loss eqco
     python recipes/vision/train.py --data /data/imagenet --image-size 224 --backbone resnet50 --no-small-images ...
     python recipes/vision/train.py --config run.yaml --loss-option chunk_size=512 --report-to tensorboard
