@@ -51,6 +51,7 @@ def main(argv=None):
                    help="queue form: keys in the queue (several with --sweep queue_size)")
     p.add_argument("--alpha", type=float, default=d.alpha, help="EqCo's alpha")
     p.add_argument("--lam", type=float, default=d.lam, help="UniGrad's lambda")
+    p.add_argument("--rho", type=float, default=d.rho, help="UniGrad's moving average of F (0: this batch's F)")
     p.add_argument("--sweep", default="batch_size", choices=AXES,
                    help="the axis of the table and plot: batch size (both forms) or queue size (queue form)")
     p.add_argument("--processes", type=int, default=1, help="runs in parallel, one thread each")
@@ -76,7 +77,7 @@ def main(argv=None):
         p.error("--steps and --processes must be >= 1")
 
     base = replace(d, steps=args.steps, lr=args.lr, kappa=args.kappa, temperature=args.temperature,
-                   hidden=args.hidden, alpha=args.alpha, lam=args.lam)
+                   hidden=args.hidden, alpha=args.alpha, lam=args.lam, rho=args.rho)
     configs = [replace(base, loss=loss, form=form, batch_size=b, queue_size=k, seed=s)  # seed-major: a cut-short
                for s in args.seeds for form in forms for loss in losses          # grid is whole over its seeds
                if not (form == "queue" and loss == "unigrad")

@@ -18,7 +18,10 @@ class UniGradLoss(Objective):
     F = rho F + (1 - rho) (T1^T T1 + T2^T T2) / (2N), set from the first batch, kept in float32 in a
     buffer (saved with the state dict) and averaged over processes. F is updated in training mode
     only. The loss is symmetric over the views; with ``reduction="none"`` the per-anchor losses are
-    [2N], the first views' then the second views'. Defaults: lam 100, rho 0.99.
+    [2N], the first views' then the second views'. Defaults: lam 100, rho 0.99 (the paper's, for a
+    BN projector and a momentum encoder). Without those, F can lag behind features that collapse: in the
+    latent-recovery benchmark (an MLP without batch norm, Adam) rho 0.99 collapsed at every lam from 0.5
+    to 100, while rho 0 (F from the batch alone) learned (docs/evidence.md).
 
     UniGrad has no negatives matrix (the repulsion goes through F), hence no query/key or image-text
     form (a ValueError) and no ``gather_distributed``, ``chunk_size`` or ``backend``.

@@ -87,15 +87,25 @@ class PretrainConfig(RunOptions):
         build_loss(self.loss, **self.loss_options)  # an unknown loss option
 
 
+def _layout_records(path: str | None, fsc_split: str, voxceleb_split: str) -> list[dict] | None:
+    """Records of a known layout: the embedded default or an FSC root (its ``fsc_split``), a VoxCeleb1
+    root (its ``voxceleb_split``); None for anything else."""
+    if path is None:
+        return data.read_fsc(data.default_speech_data() / "fsc", fsc_split)
+    root = Path(path)
+    if (root / "data" / f"{fsc_split}_data.csv").is_file():
+        return data.read_fsc(root, fsc_split)
+    if (root / "iden_split.txt").is_file() or (root / "meta" / "iden_split.txt").is_file():
+        return data.read_voxceleb_iden(root, voxceleb_split)
+    return None
+
+
 def pretraining_records(path: str | None) -> list[dict]:
     """The audio to pre-train on: FSC train split, VoxCeleb1 train split, or every audio file under a folder."""
-    if path is None:
-        return data.read_fsc(data.default_speech_data() / "fsc", "train")
+    records = _layout_records(path, "train", "train")
+    if records is not None:
+        return records
     root = Path(path)
-    if (root / "data" / "train_data.csv").is_file():
-        return data.read_fsc(root, "train")
-    if (root / "iden_split.txt").is_file() or (root / "meta" / "iden_split.txt").is_file():
-        return data.read_voxceleb_iden(root, "train")
     if not root.is_dir():
         raise FileNotFoundError(f"pre-training data {root} not found")
     files = sorted(p for ext in ("wav", "flac", "ogg") for p in root.rglob(f"*.{ext}"))
@@ -107,14 +117,7 @@ def pretraining_records(path: str | None) -> list[dict]:
 def heldout_records(path: str | None) -> list[dict]:
     """Utterances not trained on, for the pretext evaluation: FSC valid split (speakers disjoint from
     train), VoxCeleb1 dev split (same speakers, other sentences); a plain folder of audio has none ([])."""
-    if path is None:
-        return data.read_fsc(data.default_speech_data() / "fsc", "valid")
-    root = Path(path)
-    if (root / "data" / "valid_data.csv").is_file():
-        return data.read_fsc(root, "valid")
-    if (root / "iden_split.txt").is_file() or (root / "meta" / "iden_split.txt").is_file():
-        return data.read_voxceleb_iden(root, "dev")
-    return []
+    return _layout_records(path, "valid", "dev") or []
 
 
 def gumbel_decay(cfg: PretrainConfig) -> float:
