@@ -123,11 +123,13 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps({"settings": settings, "runs": results}, indent=1) + "\n")
-    fixed = (f"queue {args.queue_sizes[0]}" if axis == "batch_size" else
-             "batch " + ",".join(map(str, args.batch_sizes)))
+    counts = [ci["n"] for row in summaries["r2"]["cells"].values() for ci in row.values()]
+    seeds = f"{min(counts)}-{max(counts)} seeds" if min(counts) != max(counts) else f"{max(counts)} seeds"
+    fixed = "" if "queue" not in forms else (f", queue {args.queue_sizes[0]}" if axis == "batch_size" else
+                                             ", batch " + ",".join(map(str, args.batch_sizes)))
     plot(summaries["r2"], out / "r2.png", title=f"latent recovery, d = {base.dim}, kappa = {base.kappa}, "
-                                                 f"tau = {base.temperature}, {base.steps} steps, {fixed}, "
-                                                 f"{len(args.seeds)} seeds (95 % intervals)")
+                                                 f"tau = {base.temperature}, {base.steps} steps{fixed}, "
+                                                 f"{seeds} (95 % intervals)")
     print((out / "results.md").read_text())
 
 

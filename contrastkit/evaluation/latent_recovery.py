@@ -417,7 +417,9 @@ def plot(summary: dict, path, title: str = "") -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title, fontsize=9)
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 60 * len(forms))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
