@@ -32,3 +32,7 @@ done
 
 # The paper's own concentration: vMF kappa 1, model temperature 1 (matched), batch 1024
 $run --out-dir $out/kappa1 --losses infonce --forms two_view --batch-sizes 1024 --seeds 0,1,2 --kappa 1 --temperature 1
+
+# The MoCo form (queue of 1024 keys) against the batch size, every objective with a queue form
+$run --out-dir $out/queue --losses infonce,dcl,dclw,eqco,cacr --forms queue --queue-batch-sizes 8,64,256 \
+    --seeds 0,1,2,3,4
