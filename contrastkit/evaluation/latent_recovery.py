@@ -322,7 +322,8 @@ def cell_name(cfg: RecoveryConfig) -> str:
     return f"{cfg.loss}-{cfg.form}-b{cfg.batch_size}-s{cfg.seed}{extra}"
 
 
-AXES = ("batch_size", "queue_size")  # what a grid varies along its columns / x axis
+AXIS_SYMBOLS = {"batch_size": "B", "queue_size": "K"}  # what a grid varies along its columns / x axis
+AXES = tuple(AXIS_SYMBOLS)
 
 
 def per_seed(results: list[dict], loss: str, form: str, value: int, metric: str = "r2",
@@ -341,8 +342,7 @@ def paired(results: list[dict], a: tuple, b: tuple, metric: str = "r2", scale: f
     seeds = sorted(set(va) & set(vb))
     if not seeds:
         return None
-    short = {"batch_size": "B", "queue_size": "K"}[axis]
-    name = lambda c: f"{c[0]} ({c[1].replace('_', ' ')}, {short}={c[2]})"  # noqa: E731
+    name = lambda c: f"{c[0]} ({c[1].replace('_', ' ')}, {AXIS_SYMBOLS[axis]}={c[2]})"  # noqa: E731
     return verdict(name(a), [scale * va[s] for s in seeds], name(b), [scale * vb[s] for s in seeds], digits=1)
 
 
@@ -372,7 +372,7 @@ def summarize(results: list[dict], metric: str = "r2", reference: str = "infonce
 def table(summary: dict, scale: float = 100.0) -> str:
     """Markdown: one row per (objective, form), one column per value of the summary's axis (batch or queue
     size), mean ± 95 % half-width."""
-    cells, short = summary["cells"], {"batch_size": "B", "queue_size": "K"}[summary.get("axis", "batch_size")]
+    cells, short = summary["cells"], AXIS_SYMBOLS[summary.get("axis", "batch_size")]
     batches = sorted({b for row in cells.values() for b in row})
     most = max(ci["n"] for row in cells.values() for ci in row.values())
     lines = ["| objective | form | " + " | ".join(f"{short} = {b}" for b in batches) + " |",

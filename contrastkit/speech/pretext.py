@@ -32,6 +32,7 @@ import torch
 
 from contrastkit.adapters import patching
 from contrastkit.data import speech as data
+from contrastkit.losses import functional
 from contrastkit.speech import models
 from contrastkit.speech.objective import KERNELS, FrameObjective
 
@@ -112,8 +113,7 @@ def evaluate_pretext(model, waves: list[torch.Tensor], cfg, *, seed: int | None 
                 "loss_per_frame": math.nan, "mean_valid_distractors": 0.0}
     best_negative = neg.masked_fill(~valid, -math.inf).max(dim=1).values
     n_valid = valid.sum(dim=1).float()
-    logits = torch.cat([pos[:, None], neg.masked_fill(~valid, -math.inf)], dim=1) / temperature
-    infonce = torch.logsumexp(logits, dim=1) - logits[:, 0]
+    infonce = functional.infonce(pos, neg, temperature=temperature, neg_mask=valid)
     report.update(accuracy=float((pos > best_negative).float().mean()),
                   chance=float((1.0 / (1.0 + n_valid)).mean()),
                   infonce_per_frame=float(infonce.mean()),
