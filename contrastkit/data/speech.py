@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -55,35 +57,58 @@ VOICES = [
 ]
 TAKES = 3
 FSC_SPLIT_OF_SPEAKER = ["train"] * 6 + ["valid"] * 2 + ["test"] * 2
-VERSION = "speech_commands_v2"
+VERSION = "speech_commands_v3"  # v3: resampled by torchcodec (FFmpeg), not torchaudio
 
 
 # ----------------------------------------------------------------------------- audio
 
 
+def resample(wave: torch.Tensor, orig_rate: int, sample_rate: int, *,
+             backend: Literal["torchcodec", "torchaudio"] = "torchcodec") -> torch.Tensor:
+    """Band-limited resampling of a mono float waveform [T] from ``orig_rate`` to ``sample_rate`` Hz.
+
+    "torchcodec" (default): FFmpeg's resampler through torchcodec's AudioDecoder, the one that
+    ``load_audio`` decodes with; the wave goes in as an in-memory float32 WAV, so nothing is rounded on
+    the way. "torchaudio": its sinc interpolation, only where torchaudio is installed (its last release
+    pins torch 2.11) and asked for.
+    """
+    if orig_rate == sample_rate:
+        return wave
+    if backend == "torchaudio":
+        import torchaudio.functional as AF
+
+        return AF.resample(wave, orig_rate, sample_rate)
+    if backend != "torchcodec":
+        raise ValueError(f"resample: backend must be 'torchcodec' or 'torchaudio', got {backend!r}")
+    import soundfile
+    from torchcodec.decoders import AudioDecoder
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave.numpy(), orig_rate, format="WAV", subtype="FLOAT")
+    return AudioDecoder(buffer.getvalue(), sample_rate=sample_rate).get_all_samples().data[0]
+
+
 def load_audio(path: str | Path, sample_rate: int = SAMPLE_RATE, *, resample: bool = True) -> torch.Tensor:
-    """Decode an audio file to float32 mono [T] at ``sample_rate`` (soundfile; torchaudio resampling).
+    """Decode an audio file (any format FFmpeg reads: WAV, FLAC, MP3, M4A, ...) to float32 mono [T] at
+    ``sample_rate`` with torchcodec (channels averaged; another rate resampled by FFmpeg).
 
     resample=False makes a file at another rate an error instead of resampling it.
     """
-    import soundfile
+    from torchcodec.decoders import AudioDecoder
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"audio file not found: {path}")
     try:
-        audio, sr = soundfile.read(str(path), dtype="float32", always_2d=True)
-    except Exception as err:  # soundfile raises LibsndfileError / RuntimeError on unreadable data
+        decoder = AudioDecoder(str(path), sample_rate=sample_rate, num_channels=1)
+        rate = decoder.metadata.sample_rate
+        wave = decoder.get_all_samples().data[0] if resample or rate == sample_rate else None
+    except (RuntimeError, ValueError) as err:  # torchcodec raises these on data FFmpeg cannot read
         raise ValueError(f"cannot decode audio file {path}: {err}") from None
-    if audio.shape[0] == 0:
+    if wave is None:
+        raise ValueError(f"audio file {path} has sample rate {rate} Hz, expected {sample_rate} Hz")
+    if wave.shape[0] == 0:
         raise ValueError(f"audio file {path} is empty (0 samples)")
-    wave = torch.from_numpy(audio.mean(axis=1))
-    if sr != sample_rate:
-        if not resample:
-            raise ValueError(f"audio file {path} has sample rate {sr} Hz, expected {sample_rate} Hz")
-        import torchaudio.functional as AF
-
-        wave = AF.resample(wave, sr, sample_rate)
     return wave
 
 
@@ -199,7 +224,6 @@ def default_speech_data(cache_dir: str | Path | None = None) -> Path:
 
 def _generate(root: Path) -> None:
     import soundfile
-    import torchaudio.functional as AF
     from contrastkit.data.speech_synth import synthesize_many
 
     fsc_rows, iden_lines = [], []
@@ -215,7 +239,7 @@ def _generate(root: Path) -> None:
         speaker = VOICES[s][0]
         text, action, obj, location = COMMANDS[c]
         rng = np.random.default_rng(10**6 + 1000 * s + 10 * c + take)
-        wave = AF.resample(torch.from_numpy(audio), sr, SAMPLE_RATE).numpy()
+        wave = resample(torch.from_numpy(audio), sr, SAMPLE_RATE).numpy()
         wave = wave + rng.normal(0, 0.003, wave.shape).astype(np.float32)  # a little room noise
         wave = np.clip(wave, -1, 1)
         name = hashlib.sha1(f"{speaker}-{c}-{take}".encode()).hexdigest()[:12]
