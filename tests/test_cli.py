@@ -124,6 +124,8 @@ BAD = [
 ]
 if importlib.util.find_spec("wandb") is None:  # a user's optional install, not in the pinned environment
     BAD.append(("recipes/vision/train.py", ["--report-to", "wandb"], "needs the wandb package: pip install wandb"))
+if importlib.util.find_spec("fairseq2") is None:  # the current stack: fairseq2 lives in the second environment
+    BAD.append(("recipes/wav2vec2/train.py", ["--backend", "fairseq2"], "second environment"))
 
 
 @pytest.mark.parametrize("script,argv,fragment", BAD, ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD])

@@ -24,6 +24,7 @@ registered ``TrainState`` (step).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -82,6 +83,9 @@ class PretrainConfig(RunOptions):
             raise ValueError(f"--gumbel takes start >= floor > 0, got {self.gumbel}")
         if self.conformer and self.backend != "hf":
             raise ValueError("--conformer needs --backend hf")
+        if self.backend == "fairseq2" and importlib.util.find_spec("fairseq2") is None:
+            raise ValueError("--backend fairseq2 needs fairseq2 0.8.1, which pins torch 2.9.1: run it in the second "
+                             "environment (bash setup.sh --with-legacy, then .venv-legacy/bin/python ...)")
         existing("data", self.data, "audio data")
         self.check_run()
         build_loss(self.loss, **self.loss_options)  # an unknown loss option
