@@ -36,7 +36,7 @@ for name in available_losses():
     torch.testing.assert_close(losses[0], losses[1])  # mean of the per-anchor losses is the mean loss
     print(f"{name}: {losses[0].detach().item():.4f}")
 
-from contrastkit.clip.models import create_clip  # noqa: E402  (needs the clip extra)
+from contrastkit.adapters.open_clip import create_clip  # noqa: E402  (needs the clip extra)
 
 model, preprocess, tokenizer = create_clip("contrastkit-tiny")
 out = model(torch.randn(2, 3, 32, 32), tokenizer(["a red circle", "a blue square"]))

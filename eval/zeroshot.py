@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from contrastkit.cli import parse
-from contrastkit.clip.models import create_clip
+from contrastkit.adapters.open_clip import create_clip
 from contrastkit.evaluation.zeroshot import ZeroShotArgs, evaluate_zeroshot, load_clip_checkpoint, plot_per_class
 
 

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("open_clip")
 pytest.importorskip("accelerate")
 
-from contrastkit.clip.models import create_clip  # noqa: E402
+from contrastkit.adapters.open_clip import create_clip  # noqa: E402
 from contrastkit.clip.train import ClipTrainConfig, train  # noqa: E402
 from contrastkit.training import StepBatches  # noqa: E402
 from contrastkit.data.image_text import make_shapes_clip  # noqa: E402

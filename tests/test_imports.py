@@ -1,6 +1,6 @@
-"""No import circle in contrastkit: every module imports first, with no contrastkit module loaded before it,
-and all of them import in several orders (a circle shows up as an ImportError or a partly initialised
-module). One fresh interpreter runs it all: between attempts every contrastkit module is dropped from
+"""No import circle in contrastkit and no import that climbs a floor: every module imports first, with no
+contrastkit module loaded before it, and loads no module of a floor above its own (FLOORS); and all of them
+import in several orders (a circle shows up as an ImportError or a partly initialised module). One fresh interpreter runs it all: between attempts every contrastkit module is dropped from
 sys.modules, so each attempt imports the package from scratch (third-party libraries stay loaded: they
 cannot take part in a circle of ours, and reloading torch 40 times would take minutes)."""
 
@@ -13,9 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                  for p in (ROOT / "contrastkit").rglob("*.py"))
 
+# The package's floors, bottom up: a module imports only from its own floor and those below.
+FLOORS = {"cli": 0, "distributed": 0, "losses": 1, "adapters": 2, "data": 3, "evaluation": 3, "training": 3,
+          "clip": 4, "vision": 4, "speech": 4, "suite": 5}
+
 SCRIPT = """
 import importlib, importlib.util, random, sys, traceback
+FLOORS = %r
 modules = sys.argv[1:]
+def floor(name):
+    parts = name.split(".")
+    return FLOORS[parts[1]] if len(parts) > 1 else -1  # the package's own __init__ is below everything
 optional = {"contrastkit.adapters.fairseq2_wav2vec2": "fairseq2"}  # only where fairseq2 is installed
 modules = [m for m in modules if optional.get(m) is None or importlib.util.find_spec(optional[m])]
 def fresh(order):
@@ -23,10 +31,16 @@ def fresh(order):
         del sys.modules[name]
     for name in order:
         importlib.import_module(name)
-orders = [[m] for m in modules] + [sorted(modules), sorted(modules, reverse=True)]
+failed = 0
+for m in modules:  # each alone: it may load its own floor and those below, nothing above
+    fresh([m])
+    above = sorted(n for n in sys.modules if n.startswith("contrastkit.") and floor(n) > floor(m))
+    if above:
+        failed += 1
+        print(m, "(floor", floor(m), ") imports up a floor:", above, file=sys.stderr)
+orders = [sorted(modules), sorted(modules, reverse=True)]
 for seed in range(3):
     orders.append(random.Random(seed).sample(modules, len(modules)))
-failed = 0
 for order in orders:
     try:
         fresh(order)
@@ -37,9 +51,30 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_every_module_imports_first_and_all_in_any_order():
+def test_every_module_imports_alone_without_the_floors_above_and_all_in_any_order():
     assert "contrastkit.cli" in MODULES and "contrastkit.clip.train" in MODULES and len(MODULES) > 30
+    assert {m.split(".")[1] for m in MODULES if "." in m} == set(FLOORS)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, *MODULES], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", SCRIPT % FLOORS, *MODULES], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_no_import_in_the_source_climbs_a_floor():
+    """The same rule for imports inside functions too (the run above sees only those made at import time)."""
+    import ast
+
+    climbs = []
+    for path in (ROOT / "contrastkit").rglob("*.py"):
+        parts = path.relative_to(ROOT / "contrastkit").with_suffix("").parts
+        if parts[0] == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("contrastkit."):
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("contrastkit.")]
+            climbs += [f"{path.relative_to(ROOT)}:{node.lineno} -> {n}" for n in names
+                       if FLOORS[n.split(".")[1]] > FLOORS[parts[0]]]
+    assert not climbs, climbs

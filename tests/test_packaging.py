@@ -17,7 +17,7 @@ def test_package_data_covers_every_non_python_file_the_package_reads():
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "contrastkit"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
     data = [Path(f).relative_to("contrastkit") for f in tracked if not f.endswith(".py")]
-    assert data, "expected package data (py.typed, clip/configs/*.json)"
+    assert data, "expected package data (py.typed, adapters/open_clip_configs/*.json)"
     for rel in data:
         assert any(rel.match(pattern) for pattern in declared), f"{rel} is not in [tool.setuptools.package-data]"
     assert (package / "py.typed").is_file() and (ROOT / "LICENSE").read_text().startswith("MIT License")

@@ -24,7 +24,7 @@ import torch
 
 from contrastkit.adapters import patching
 from contrastkit.adapters.patching import Patch
-from contrastkit.speech.objective import FrameObjective
+from contrastkit.losses.frames import FrameObjective
 
 
 def model_class():

@@ -30,7 +30,7 @@ import torch
 
 from contrastkit.adapters import patching
 from contrastkit.adapters.patching import Patch
-from contrastkit.speech.objective import FrameObjective
+from contrastkit.losses.frames import FrameObjective
 
 SUPPORTED = (
     ("transformers.models.wav2vec2.modeling_wav2vec2", "Wav2Vec2ForPreTraining"),

@@ -27,6 +27,7 @@ import argparse
 import logging
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,6 +39,36 @@ from contrastkit.losses import build_loss
 
 SUPPORTED_OPEN_CLIP = (3,)  # major versions
 CLIP_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
+CONFIG_DIR = Path(__file__).parent / "open_clip_configs"  # small model configs that ship with contrastkit
+DEFAULT_MODEL = "contrastkit-tiny"  # the recipes' default: 32 px images, open_clip's built-in tokenizer
+
+
+def register_configs() -> None:
+    """Make the model configs that ship with contrastkit (contrastkit-tiny) known to open_clip."""
+    import open_clip
+
+    if not {p.stem for p in CONFIG_DIR.glob("*.json")} <= set(open_clip.list_models()):
+        open_clip.add_model_config(CONFIG_DIR)
+
+
+def check_model(name: str) -> None:
+    """Raise ValueError unless ``name`` is an open_clip config (contrastkit's included)."""
+    import open_clip
+
+    register_configs()
+    if name not in open_clip.list_models():
+        known = open_clip.list_models()
+        raise ValueError(f"unknown open_clip model config {name!r}; e.g. {', '.join(known[:8])}, ... "
+                         f"({len(known)} known, see open_clip.list_models())")
+
+
+def create_clip(name: str):
+    """(model, preprocess, tokenizer) for an open_clip config name, randomly initialised (no download)."""
+    import open_clip
+
+    check_model(name)
+    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True)
+    return model, preprocess, open_clip.get_tokenizer(name)
 
 
 def check_open_clip_version(version: str | None = None) -> str:
@@ -217,8 +248,6 @@ def main(argv: list[str] | None = None):
     ours, rest = parser.parse_known_args(argv)
     check_open_clip_version()
     import open_clip_train.main
-
-    from contrastkit.clip.models import register_configs
 
     register_configs()  # contrastkit's small configs (contrastkit-tiny) join open_clip's
     with patch(ours.loss, **dict(ours.loss_option)), cpu_ddp():

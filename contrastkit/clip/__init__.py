@@ -1,1 +1,2 @@
-"""Image-text training through open_clip: model configs and creation, the training loop, the comparison."""
+"""Image-text training through open_clip: the training loop and the comparison of objectives (the model
+configs and their creation live with the open_clip adapter)."""

@@ -15,9 +15,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from contrastkit.adapters.open_clip import CLIP_LOSSES
+from contrastkit.adapters.open_clip import CLIP_LOSSES, DEFAULT_MODEL, check_model
 from contrastkit.cli import arg, positive
-from contrastkit.clip.models import DEFAULT_MODEL, check_model
 from contrastkit.clip.train import ClipTrainConfig
 from contrastkit.evaluation.stats import format_interval, grouped_verdicts, interval
 

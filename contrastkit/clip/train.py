@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from contrastkit.adapters.open_clip import CLIP_LOSSES, build_clip_loss
+from contrastkit.adapters.open_clip import CLIP_LOSSES, DEFAULT_MODEL, build_clip_loss, check_model, create_clip
 from contrastkit.cli import arg, existing, positive
-from contrastkit.clip.models import DEFAULT_MODEL, check_model, create_clip
 from contrastkit.training import RunOptions
 
 

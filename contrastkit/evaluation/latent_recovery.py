@@ -21,8 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from contrastkit.losses import build_loss
-from contrastkit.vision.methods import loss_options
+from contrastkit.losses import build_loss, objective_options
 
 FORMS = ("two_view", "queue")
 
@@ -218,9 +217,8 @@ def train_recovery(cfg: RecoveryConfig) -> dict:
                                                                                      eval_gen)
     observation_r2 = linear_r2(g(z_fit), z_fit, g(z_test), z_test)
 
-    loss_fn = build_loss(cfg.loss, **{k: v for k, v in loss_options(cfg.loss, cfg.temperature, cfg.alpha, cfg.sigma,
-                                                                      cfg.lam, cfg.rho).items()
-                                      if k != "gather_distributed"})
+    loss_fn = build_loss(cfg.loss, **objective_options(cfg.loss, temperature=cfg.temperature, alpha=cfg.alpha,
+                                                       sigma=cfg.sigma, lam=cfg.lam, rho=cfg.rho))
     optimizer = torch.optim.Adam(f.parameters(), lr=cfg.lr * math.sqrt(cfg.batch_size / 256))
     momentum_f = queue = None
     if cfg.form == "queue":

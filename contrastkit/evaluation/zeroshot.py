@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from contrastkit.adapters.open_clip import check_model
 from contrastkit.cli import arg, check_device, default_device, existing, positive
 
 WNID = re.compile(r"n\d{8}")
@@ -159,8 +160,6 @@ class ZeroShotArgs:
     out_dir: str | None = arg(None, "report folder (default: beside the checkpoint, or runs/zeroshot)")
 
     def check(self) -> None:
-        from contrastkit.clip.models import check_model
-
         positive("batch_size", self.batch_size)
         positive("workers", self.workers, zero=True)
         existing("checkpoint", self.checkpoint, "checkpoint")

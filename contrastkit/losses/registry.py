@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal, overload
 
 from contrastkit.losses.base import Objective
@@ -23,6 +24,17 @@ LOSSES: dict[str, type[Objective]] = {
 def available_losses() -> list[str]:
     """The names build_loss accepts."""
     return list(LOSSES)
+
+
+def objective_options(name: str, **settings: Any) -> dict[str, Any]:
+    """Those of ``settings`` that the objective ``name`` takes (keyword arguments of its class), so that a
+    recipe can pass all of its flags (temperature, alpha, sigma, lam, rho, gather_distributed, ...) and
+    each objective keeps its own: CACR has no temperature, UniGrad no gather."""
+    key = name.lower()
+    if key not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    accepted = inspect.signature(LOSSES[key].__init__).parameters
+    return {k: v for k, v in settings.items() if k in accepted}
 
 
 @overload

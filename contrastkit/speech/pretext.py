@@ -34,7 +34,7 @@ from contrastkit.adapters import patching
 from contrastkit.data import speech as data
 from contrastkit.losses import functional
 from contrastkit.speech import models
-from contrastkit.speech.objective import KERNELS, FrameObjective
+from contrastkit.losses.frames import KERNELS, FrameObjective
 
 
 def _crop(wave: torch.Tensor, max_seconds: float) -> torch.Tensor:

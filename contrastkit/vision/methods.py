@@ -53,20 +53,6 @@ def check_setup(method: str, loss: str, global_batch: int, views: int = 2, queue
                          "use a global batch of at least 2")
 
 
-def loss_options(loss: str, temperature: float, alpha: float, sigma: float, lam: float, rho: float) -> dict:
-    """The core's options that ``loss`` takes, from the recipe's flags."""
-    if loss == "unigrad":
-        return {"lam": lam, "rho": rho}
-    if loss == "cacr":
-        return {"gather_distributed": True}
-    options = {"temperature": temperature, "gather_distributed": True}
-    if loss == "eqco":
-        options["alpha"] = alpha
-    if loss == "dclw":
-        options["sigma"] = sigma
-    return options
-
-
 def cosine_momentum(step: int, total_steps: int, base: float) -> float:
     """BYOL's schedule: m = 1 - (1 - base) (cos(pi step / total) + 1) / 2, from base up to 1."""
     return 1.0 - (1.0 - base) * (math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)) + 1.0) / 2.0

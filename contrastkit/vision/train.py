@@ -23,11 +23,11 @@ from tqdm.auto import tqdm
 from contrastkit.data.images import load_images
 from contrastkit.cli import arg, existing, positive
 from contrastkit.evaluation.knn import extract_features, knn_accuracy
-from contrastkit.losses import available_losses, build_loss
+from contrastkit.losses import available_losses, build_loss, objective_options
 from contrastkit.training import (MetricsLog, RunOptions, StepBatches, TrainState, latest_checkpoint,
                                   lr_schedule, make_accelerator, resume, save_checkpoint, start_trackers)
 from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
-from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum, loss_options
+from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum
 from contrastkit.vision.models import BACKBONES, build_backbone, projection_head, use_torch_sync_batchnorm
 
 
@@ -92,7 +92,8 @@ class VisionConfig(RunOptions):
         build_loss(self.loss, **self.loss_kwargs())  # an unknown loss option
 
     def loss_kwargs(self) -> dict:
-        return {**loss_options(self.loss, self.temperature, self.alpha, self.sigma, self.lam, self.rho),
+        return {**objective_options(self.loss, temperature=self.temperature, alpha=self.alpha, sigma=self.sigma,
+                                    lam=self.lam, rho=self.rho, gather_distributed=True),
                 **self.loss_options}
 
     def total_steps(self, num_images: int) -> int:

@@ -1,4 +1,5 @@
-"""The wav2vec 2.0 contrastive term (wav2vec 2.0 paper, Eq. 3) computed by the core kernels.
+"""The wav2vec 2.0 contrastive term (wav2vec 2.0 paper, Eq. 3) computed by the score-level kernels
+(functional.py): each masked frame against its own sampled distractors.
 
 Both adapters (Hugging Face and fairseq2) reduce the model's own scores to the same inputs: for each
 masked frame m, the cosine of the context vector with its quantised target (``pos`` [M]), with its
