@@ -15,13 +15,15 @@ such frames out of the sum (a contribution of 0), and the count is returned as `
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from contrastkit.distributed import gather_no_grad, world
 from contrastkit.losses import functional as K
 
 # name -> (kernel, options it takes besides pos/neg/neg_mask)
-KERNELS = {
+KERNELS: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
     "infonce": (K.infonce, ("temperature",)),
     "dcl": (K.dcl, ("temperature",)),
     "dclw": (K.dclw, ("temperature", "sigma")),
