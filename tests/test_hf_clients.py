@@ -203,7 +203,7 @@ def test_wav2vec2_example_trains_with_dcl_after_one_import(speech_data, tmp_path
     """The script alone (the model's own InfoNCE) and with the one import, 1 process, same seed: the same
     first batch, masks, distractors and codes (equal diversity loss), and DCL's contrastive loss is below
     InfoNCE's (DCL leaves the positive out of the denominator); 60 steps with DCL lower it (measured:
-    3.27 -> 2.93)."""
+    InfoNCE 3.333 and DCL 3.278 on the first step; DCL 2.934 over the last 10)."""
     plain = _run_wav2vec2(tmp_path, speech_data, processes=1, steps=1, one_import=None)
     dcl = _run_wav2vec2(tmp_path, speech_data, processes=1, steps=60)
     assert dcl[0]["div_loss"] == pytest.approx(plain[0]["div_loss"], rel=1e-3)
@@ -213,5 +213,5 @@ def test_wav2vec2_example_trains_with_dcl_after_one_import(speech_data, tmp_path
 
 def test_wav2vec2_example_two_processes(speech_data, tmp_path):
     """2 gloo processes of 2 clips each, the one import in both: DCL in force on each, and 60 steps lower
-    the loss (measured: 3.35 -> 2.95)."""
+    the loss (measured: 3.347 -> 2.961 over the last 10 steps)."""
     _dropped(_run_wav2vec2(tmp_path, speech_data, processes=2, steps=60))
