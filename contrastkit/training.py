@@ -158,7 +158,28 @@ def make_accelerator(out_dir: str | Path, report_to: str = "none", keep: int = 2
 
     project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs"),
                                    automatic_checkpoint_naming=True, total_limit=keep)
-    return Accelerator(project_config=project, log_with=None if report_to == "none" else report_to, **kwargs)
+    accelerator = Accelerator(project_config=project, log_with=None if report_to == "none" else report_to, **kwargs)
+    check_launch(accelerator)
+    return accelerator
+
+
+def check_launch(accelerator) -> None:
+    """Raise RuntimeError where accelerate set up another run than the launch asked for, which it does
+    without a word: ``accelerate launch --multi_gpu`` (torchrun) on a machine without a GPU gives each
+    process a run of its own unless ACCELERATE_USE_CPU=1, and ``--use_fsdp`` on the CPU gives DDP
+    (accelerate 1.15 shards with FSDP on GPUs and other accelerators only)."""
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise RuntimeError(f"launched as {launched} processes (WORLD_SIZE) but accelerate set up "
+                           f"{accelerator.num_processes} ({accelerator.distributed_type.value}): on a CPU launch with "
+                           "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N (accelerate's --cpu "
+                           "flag alone starts one process)")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and \
+            accelerator.distributed_type != DistributedType.FSDP:
+        raise RuntimeError(f"launched with FSDP (accelerate launch --use_fsdp) but accelerate set up "
+                           f"{accelerator.distributed_type.value}: accelerate shards with FSDP on GPUs only")
 
 
 def start_trackers(accelerator, name: str, config: dict) -> None:

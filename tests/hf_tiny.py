@@ -83,6 +83,24 @@ def float64():
         torch.set_default_dtype(before)
 
 
+def word_tokenizer(root, texts: list[str], specials=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")):
+    """A BERT word-piece tokenizer whose vocabulary is the texts' lower-cased words, written to
+    root/vocab.txt. transformers 5 names the vocabulary argument ``vocab`` (4.x: ``vocab_file``; 5.x takes
+    an unknown ``vocab_file`` silently and tokenizes every word as [UNK])."""
+    from pathlib import Path
+
+    import transformers as T
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    words = sorted({w for t in texts for w in t.lower().split()})
+    (root / "vocab.txt").write_text("\n".join([*specials, *words]) + "\n")
+    name = "vocab" if int(T.__version__.split(".")[0]) >= 5 else "vocab_file"
+    tokenizer = T.BertTokenizerFast(**{name: str(root / "vocab.txt")})
+    assert len(tokenizer) == len(specials) + len(words), "the vocabulary file was not read"
+    return tokenizer
+
+
 def dual_encoder_dir(root, captions: list[str], image_size: int = 32):
     """A tiny VisionTextDualEncoderModel (ViT + BERT, no dropout) saved with save_pretrained under root,
     with a word-level BERT tokenizer over the captions' words and a ViT image processor: what
@@ -92,10 +110,7 @@ def dual_encoder_dir(root, captions: list[str], image_size: int = 32):
     import transformers as T
 
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    words = sorted({w for c in captions for w in c.lower().split()})
-    (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    tokenizer = T.BertTokenizerFast(vocab_file=str(root / "vocab.txt"))
+    tokenizer = word_tokenizer(root, captions)
     vision = T.ViTConfig(**dict(VISION, image_size=image_size), hidden_dropout_prob=0.0,
                          attention_probs_dropout_prob=0.0)
     text = T.BertConfig(**dict(BERT, vocab_size=len(tokenizer)))

@@ -4,7 +4,6 @@ recipe's zero-shot numbers, and bad input fails clearly (or warns and goes on)."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from contrastkit.adapters.open_clip import create_clip  # noqa: E402
 from contrastkit.clip.train import ClipTrainConfig, train  # noqa: E402
 from contrastkit.training import StepBatches  # noqa: E402
 from contrastkit.data.image_text import make_shapes_clip  # noqa: E402
+from launch import accelerate_launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,10 +87,8 @@ def test_two_accelerate_processes_equal_one(data_dir, tmp_path):
     args = ["--loss", "dclw", "--data-dir", str(data_dir), "--num-train", "64", "--zeroshot-per-class", "4",
             "--batch-size", "8", "--steps", "2",
             "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-           "recipes/clip/train.py", *args, "--out-dir", str(tmp_path / "two")]
+    launch, env = accelerate_launch(2)  # 2 processes indeed (`--cpu --num_processes 2` starts one)
+    cmd = [*launch, "recipes/clip/train.py", *args, "--out-dir", str(tmp_path / "two")]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "zero-shot top-1" in done.stdout

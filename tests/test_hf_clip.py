@@ -1,15 +1,14 @@
 """The Hugging Face dual-encoder adapter (CLIP family, ALIGN, CLAP): per class, infonce is the model's own
 loss and gradients, every objective equals a float64 reference from the formula on the model's
 embeddings and scale, 2 gloo processes with gathering equal 1 process, patches survive accelerate's
-mixed precision in either order, the one-import module validates its environment at import, and
-(with a transformers 5 folder) the same on transformers 5."""
+mixed precision in either order, the one-import module validates its environment at import; the tests
+marked legacy run on transformers 4.57 too (the second environment). transformers' own run_clip.py: see
+test_hf_clients.py."""
 
 from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -317,120 +316,6 @@ def test_two_processes_with_gathering_equal_one(tmp_path, float64):
         assert abs(local - total) > 1e-3, (name, kind)
 
 
-# ----------------------------------------------------------------------------- the real client: run_clip.py
-
-CLIENT = ROOT / "tests" / "clients" / "run_clip.py"  # transformers' own example, unchanged
-# The closest stored version (commit 46dbf62, transformers 4.45 era; see tests/clients/README.md) imports
-# send_example_telemetry, which transformers removed before 4.57: the runner defines it, as a no-op.
-TELEMETRY = "removed from transformers before 4.57; a no-op offline"
-MAX_LENGTH = 12
-
-
-@pytest.fixture(scope="module")
-def clip_data(tmp_path_factory):
-    """The embedded image-text set (16 pairs) as run_clip.py's --train_file (json lines: image path and
-    caption), and a tiny dual encoder saved locally."""
-    import csv
-    import json
-
-    from contrastkit.data.image_text import make_shapes_clip
-
-    root = tmp_path_factory.mktemp("run_clip")
-    data = make_shapes_clip(root, num_train=16, num_zeroshot_per_class=1, size=32, progress=False)
-    with open(data / "train.csv", newline="") as f:
-        rows = [{"image_path": r["filepath"], "caption": r["title"]} for r in csv.DictReader(f, delimiter="\t")]
-    train = root / "train.json"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return train, rows, hf_tiny.dual_encoder_dir(root / "model", [r["caption"] for r in rows])
-
-
-def _run_clip(tmp_path, train, model_dir, processes, steps, **env):
-    import json
-    import socket
-
-    wrapper = tmp_path / "run_clip_with_import.py"
-    wrapper.write_text("import runpy\n\nimport transformers.utils\n\n"
-                       "import contrastkit.adapters.hf_clip_dcl  # noqa: F401  (the one line)\n\n"
-                       f"transformers.utils.send_example_telemetry = lambda *a, **k: None  # {TELEMETRY}\n"
-                       f"runpy.run_path({str(CLIENT)!r}, run_name='__main__')\n")
-    out = tmp_path / f"out{processes}"
-    args = ["--model_name_or_path", str(model_dir), "--train_file", str(train), "--output_dir", str(out),
-            "--do_train", "--remove_unused_columns", "False", "--max_seq_length", str(MAX_LENGTH),
-            "--per_device_train_batch_size", str(16 // processes), "--max_steps", str(steps),
-            "--learning_rate", "3e-3", "--logging_steps", "1", "--save_strategy", "no", "--seed", "0",
-            "--dataloader_num_workers", "0", "--disable_tqdm", "True", "--overwrite_output_dir"]
-    if processes == 1:
-        command = [sys.executable, str(wrapper), *args]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                   f"--master_port={port}", str(wrapper), *args, "--ddp_backend", "gloo", "--use_cpu", "True"]
-        # --use_cpu: without it the Trainer on a machine with no GPU does not wrap the model in DDP
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return [h["loss"] for h in history if "loss" in h], proc.stdout + proc.stderr
-
-
-def _first_batch_loss(model_dir, rows, loss):
-    """The loss of the untrained model on the whole set (run_clip's batch: all 16 pairs), preprocessed by
-    run_clip.py's own Transform and collate_fn."""
-    import importlib.util
-
-    from torchvision.io import ImageReadMode, read_image
-    from transformers import AutoImageProcessor, AutoTokenizer, VisionTextDualEncoderModel
-
-    import transformers.utils
-
-    if not hasattr(transformers.utils, "send_example_telemetry"):
-        transformers.utils.send_example_telemetry = lambda *a, **k: None  # see TELEMETRY
-    spec = importlib.util.spec_from_file_location("run_clip_client", CLIENT)
-    client = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(client)
-    model = VisionTextDualEncoderModel.from_pretrained(model_dir).train()
-    tokenizer, processor = AutoTokenizer.from_pretrained(model_dir), AutoImageProcessor.from_pretrained(model_dir)
-    transform = client.Transform(model.config.vision_config.image_size, processor.image_mean, processor.image_std)
-    examples = [{"pixel_values": transform(read_image(r["image_path"], mode=ImageReadMode.RGB)),
-                 **tokenizer(r["caption"], max_length=MAX_LENGTH, padding="max_length", truncation=True)}
-                for r in rows]
-    with torch.no_grad(), hf_clip.patch(model, loss=loss):
-        return float(model(**client.collate_fn(examples)).loss)
-
-
-@pytest.fixture(scope="module")
-def one_process_losses(clip_data, tmp_path_factory):
-    train, _, model_dir = clip_data
-    return _run_clip(tmp_path_factory.mktemp("one"), train, model_dir, processes=1, steps=STEPS)[0]
-
-
-STEPS = 60
-
-
-def test_run_clip_trains_with_dcl_after_one_import(clip_data, one_process_losses):
-    """transformers' run_clip.py, unchanged, plus the one import: its first logged loss is DCL's on the
-    untrained model (each step's batch is the whole set, so each logged loss is the loss of the whole set),
-    and 60 steps bring it at least 1 nat below the untrained model's."""
-    _, rows, model_dir = clip_data
-    losses = one_process_losses
-    dcl, infonce = _first_batch_loss(model_dir, rows, "dcl"), _first_batch_loss(model_dir, rows, "infonce")
-    assert losses[0] == pytest.approx(dcl, abs=2e-4) and abs(dcl - infonce) > 1e-2  # DCL's, not the model's own
-    assert losses[-1] < losses[0] - 1.0, losses  # learned (2.74 -> 1.48 when measured)
-
-
-def test_run_clip_two_processes_with_gathering_equal_one(clip_data, one_process_losses, tmp_path):
-    """2 gloo processes (torchrun) of 8 pairs each with CONTRASTKIT_GATHER=1: the loss the Trainer logs
-    (mean over processes) is the 1-process loss of all 16 pairs at every one of the first steps (so the
-    updates agree too), and it trains."""
-    train, rows, model_dir = clip_data
-    losses, _ = _run_clip(tmp_path, train, model_dir, processes=2, steps=STEPS, CONTRASTKIT_GATHER="1")
-    assert losses[:5] == pytest.approx(one_process_losses[:5], abs=2e-3)
-    assert losses[-1] < losses[0] - 1.0, losses
-
-
 # ----------------------------------------------------------------------------- CLAP on spoken commands
 
 
@@ -451,7 +336,7 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     loss is DCL's, and audio-to-transcript retrieval on held-out speakers beats the untrained model.
     (200 steps of 12 pairs: about 30 s on one CPU thread.)"""
     import datasets
-    from transformers import BertTokenizerFast, ClapFeatureExtractor, ClapModel
+    from transformers import ClapFeatureExtractor, ClapModel
 
     from contrastkit.data.speech import default_speech_data, read_fsc
 
@@ -464,10 +349,7 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     features = ClapFeatureExtractor(feature_size=16, sampling_rate=16_000, hop_length=512, fft_window_size=1024,
                                     max_length_s=2, frequency_min=50, frequency_max=8000, padding="repeatpad",
                                     truncation="rand_trunc")
-    vocab = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]", *sorted({w for c in commands for w in c.lower().split()})]
-    vocab_file = tmp_path / "vocab.txt"
-    vocab_file.write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab_file))
+    tokenizer = hf_tiny.word_tokenizer(tmp_path, commands, specials=("[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"))
     texts = tokenizer(commands, padding="max_length", max_length=12, return_tensors="pt")
 
     def inputs(rows):
@@ -480,7 +362,7 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     np.random.seed(0)
     torch.manual_seed(0)
     model = ClapModel(hf_tiny.config("ClapModel"))
-    model.config.text_config.vocab_size = len(vocab)
+    model.config.text_config.vocab_size = len(tokenizer)
 
     def retrieval(rows):
         """Top-1 accuracy of each held-out clip's transcript among the 12 commands."""

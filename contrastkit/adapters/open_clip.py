@@ -62,12 +62,14 @@ def check_model(name: str) -> None:
                          f"({len(known)} known, see open_clip.list_models())")
 
 
-def create_clip(name: str):
-    """(model, preprocess, tokenizer) for an open_clip config name, randomly initialised (no download)."""
+def create_clip(name: str, **model_options):
+    """(model, preprocess, tokenizer) for an open_clip config name, randomly initialised (no download);
+    ``model_options`` go to the model class (e.g. ``nonscalar_logit_scale=True``: FSDP2 shards no scalar)."""
     import open_clip
 
     check_model(name)
-    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True)
+    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True,
+                                                                 **model_options)
     return model, preprocess, open_clip.get_tokenizer(name)
 
 

@@ -89,7 +89,9 @@ def train(cfg: ClipTrainConfig) -> dict:
     loss_fn = build_clip_loss(cfg.loss, local_loss=True, gather_with_grad=True, rank=rank, world_size=world,
                               **cfg.loss_options)
     set_seed(cfg.seed)
-    model, preprocess, tokenizer = create_clip(cfg.model)
+    sharded = getattr(accelerator, "is_fsdp2", False)
+    # fully_shard takes no scalar parameter: under FSDP2 the logit scale is open_clip's 1-element one
+    model, preprocess, tokenizer = create_clip(cfg.model, **({"nonscalar_logit_scale": True} if sharded else {}))
     zeroshot = cfg.zeroshot
     if cfg.data is None:
         with accelerator.main_process_first():
@@ -116,7 +118,12 @@ def train(cfg: ClipTrainConfig) -> dict:
 
     def zero_shot():
         result = None
-        if zeroshot and main:
+        if zeroshot and sharded:  # FSDP2: every process gathers the model and evaluates (main's result kept)
+            raw.unshard()
+            result = evaluate_zeroshot(raw, tokenizer, preprocess, zeroshot, device=device)
+            raw.reshard()
+            result = result if main else None
+        elif zeroshot and main:
             result = evaluate_zeroshot(raw, tokenizer, preprocess, zeroshot, device=device)
         accelerator.wait_for_everyone()
         return result
@@ -142,7 +149,8 @@ def train(cfg: ClipTrainConfig) -> dict:
         if state.step % cfg.log_every == 0 or state.step == cfg.steps:
             # The global loss is the mean of the processes' local losses (equal local batches).
             global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()
-            log.log(state.step, loss=global_loss, logit_scale=raw.logit_scale.exp().item(),
+            scale = raw.logit_scale.full_tensor() if sharded else raw.logit_scale  # FSDP2: a DTensor
+            log.log(state.step, loss=global_loss, logit_scale=scale.exp().item(),
                     lr=scheduler.get_last_lr()[0])
             bar.set_postfix(loss=f"{global_loss:.3f}")
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:

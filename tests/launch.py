@@ -1,0 +1,27 @@
+"""`accelerate launch` of a script on N CPU processes, for the tests that run real launches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+
+def accelerate_launch(processes: int, **env) -> tuple[list[str], dict]:
+    """The command up to the script, and the environment (this one's, one intra-op thread, ``env`` on top).
+
+    1 process: ``--cpu``. More: ``--cpu`` would start one process only (accelerate 1.15 starts several CPU
+    processes under mpirun alone), so the torchrun launcher of ``--multi_gpu`` with ACCELERATE_USE_CPU=1,
+    which runs them on the CPU with gloo (accelerate's MULTI_CPU), on a free port.
+    """
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if processes == 1:
+        command.append("--cpu")
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        command += ["--multi_gpu", "--main_process_port", str(port)]
+        env = {"ACCELERATE_USE_CPU": "1", **env}
+    return command, {**os.environ, "OMP_NUM_THREADS": "1", **env}
