@@ -175,11 +175,44 @@ def test_number_scale_and_no_grad():
     _close(grad, want, 2e-6, "d anchors")
 
 
-@pytest.mark.parametrize("allow_tf32", [False, True])
-def test_dot_precision_follows_allow_tf32(monkeypatch, allow_tf32):
-    """float32 inputs: TF32 products exactly when torch.backends.cuda.matmul.allow_tf32 is set; float16: TF32
-    always (only dL is rounded: float16 operands are exact in TF32). The kernels still run."""
+@pytest.fixture
+def float32_precision():
+    """Restores torch's float32 matmul precision after the test, whichever API set it (see precision.py)."""
+    matmul, new_api = torch.backends.cuda.matmul, hasattr(torch.backends, "fp32_precision")
+    try:
+        legacy = matmul.allow_tf32  # raises once the new API is in use
+    except RuntimeError:
+        legacy = None
+    saved = (torch.backends.fp32_precision, matmul.fp32_precision) if new_api else None
+    yield
+    if new_api:  # "none" (nothing set) unless the new API had set it; then the legacy flag as it was
+        set_legacy = legacy is not None and saved[1] != "none"
+        torch.backends.fp32_precision, matmul.fp32_precision = saved[0], "none" if set_legacy else saved[1]
+    if legacy is not None and (not new_api or set_legacy):
+        matmul.allow_tf32 = legacy
+
+
+_NEW_API = hasattr(torch.backends, "fp32_precision")
+# How a user allows or forbids TF32 for float32 matmuls, and whether it is then allowed.
+_SETTINGS = [("torch.backends.cuda.matmul.allow_tf32 = False", False),
+             ("torch.backends.cuda.matmul.allow_tf32 = True", True),
+             ("torch.set_float32_matmul_precision('high')", True),
+             ("torch.set_float32_matmul_precision('highest')", False)]
+if _NEW_API:  # torch >= 2.9: transformers 5's --tf32 sets the generic one
+    _SETTINGS += [("torch.backends.fp32_precision = 'tf32'", True),
+                  ("torch.backends.fp32_precision = 'ieee'", False),
+                  ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", True),
+                  ("torch.backends.fp32_precision = 'tf32'; torch.backends.cuda.matmul.fp32_precision = 'ieee'", False),
+                  ("torch.backends.fp32_precision = 'ieee'; torch.backends.cuda.matmul.fp32_precision = 'tf32'", True)]
+
+
+@pytest.mark.parametrize("setting, allowed", _SETTINGS, ids=[s for s, _ in _SETTINGS])
+def test_dot_precision_follows_the_tf32_setting(monkeypatch, float32_precision, setting, allowed):
+    """float32 inputs: TF32 products exactly when the user allows TF32 for float32 matmuls, through the legacy
+    flag or torch >= 2.9's fp32_precision (after which reading the legacy flag raises: issue 23's crash);
+    float16: TF32 always (only dL is rounded: float16 operands are exact in TF32). The kernels still run."""
     from contrastkit.losses import triton_stats
+    from contrastkit.losses.precision import tf32_matmul_allowed
 
     seen, launch = [], triton_stats._launch
 
@@ -188,17 +221,14 @@ def test_dot_precision_follows_allow_tf32(monkeypatch, allow_tf32):
         launch(*args, **kwargs)
 
     monkeypatch.setattr(triton_stats, "_launch", spy)
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
-        a = torch.randn(16, 16, device=DEVICE)
-        for dtype, want in ((torch.float32, "tf32" if allow_tf32 else "ieee"), (torch.float16, "tf32")):
-            seen.clear()
-            x = a.to(dtype).requires_grad_()
-            negative_stats_triton(x, x, 1.0, **TILES).sum().backward()
-            assert seen == [want] * 3
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+    exec(setting, {"torch": torch})
+    assert tf32_matmul_allowed() is allowed
+    a = torch.randn(16, 16, device=DEVICE)
+    for dtype, want in ((torch.float32, "tf32" if allowed else "ieee"), (torch.float16, "tf32")):
+        seen.clear()
+        x = a.to(dtype).requires_grad_()
+        negative_stats_triton(x, x, 1.0, **TILES).sum().backward()
+        assert seen == [want] * 3
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -16,7 +16,8 @@ One program per row tile computes dA (looping over column tiles), one per column
 tiles): deterministic, no atomics. Cost in [M, K, D] matrix products: forward 1 (2 with columns: the columns
 are the rows of b a^T), backward 4 (each kernel recomputes the tile, then one product), so 5 (6).
 
-Products accumulate in float32; float32 inputs use TF32 when torch.backends.cuda.matmul.allow_tf32 is set.
+Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
+(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision).
 In backward, dL meets b (or a) as bfloat16 for bfloat16 inputs, and as TF32 for float16 ones (float16's
 range would flush small dL to zero). Statistics are float32; gradients come back in the inputs' dtype.
 No host synchronisation: the scale is read on the device, shapes never depend on values.
@@ -31,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
 
 from contrastkit.losses.chunked import host_checks_allowed
+from contrastkit.losses.precision import tf32_matmul_allowed
 from triton.runtime.jit import JITFunction
 
 # Excluded pairs get a finite, hugely negative logit (as in chunked.py): exp() of it is 0 and, unlike -inf,
@@ -347,6 +349,6 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     if exclude is not None:
         exclude = exclude.contiguous()
     # float16: dL meets the float16 operand as TF32 (float16's mantissa, float32's range) on the tensor cores
-    tf32 = anchors.dtype == torch.float16 or (anchors.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+    tf32 = anchors.dtype == torch.float16 or (anchors.dtype == torch.float32 and tf32_matmul_allowed())
     return _negative_stats(anchors, candidates, scale, exclude, with_mean, columns, block_m, block_n, block_d,
                            tf32)
