@@ -37,15 +37,20 @@ def _features(g, rows, d, dtype=torch.float32):
 
 
 def _compare(a, b, scale, tol, grad_tol, *, scale_tol=None, same=False, **options):
-    """Values and the gradients of sum(w * stats) for random w: kernel (inputs as given) against the float64
-    reference of the same (rounded) inputs. Errors relative to the reference's largest entry; the scale's
-    gradient (float32 whatever the inputs) within scale_tol (default grad_tol)."""
+    """Values and the gradients of sum(w * stats) for random w: kernel (inputs as given, 16-wide tiles)
+    against the float64 reference of the same (rounded) inputs. Errors relative to the reference's largest
+    entry; the scale's gradient (float32 whatever the inputs) within scale_tol (default grad_tol)."""
+    _compare_at(a, b, scale, tol, grad_tol, scale_tol=scale_tol, same=same, tiles=TILES, **options)
+
+
+def _compare_at(a, b, scale, tol, grad_tol, *, scale_tol=None, same=False, tiles, **options):
+    """_compare with the given tiles ({}: the production configuration)."""
     a64, b64 = a.detach().double().cpu().requires_grad_(), b.detach().double().cpu().requires_grad_()
     s64 = torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)
     a_k, b_k = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     s_k = torch.tensor(float(scale), device=a.device, requires_grad=True)
     want = reference(a64, a64 if same else b64, s64, **options)
-    got = negative_stats_triton(a_k, a_k if same else b_k, s_k, **options, **TILES)
+    got = negative_stats_triton(a_k, a_k if same else b_k, s_k, **options, **tiles)
     assert got.dtype == torch.float32 and got.shape == want.shape
     _close(got, want, tol, "values")
     w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -272,3 +277,37 @@ def test_compiles_into_one_graph():
         results.append([value.detach(), *torch.autograd.grad(value, leaves)])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+# The production configuration under the interpreter: the tiles of INTERPRETER_CONFIG (64 x 64, D in chunks
+# of 64, the gradient in chunks of 256), D = 512, several tiles on every axis and partial last tiles
+# (150 = 2 * 64 + 22), and the split over the other axis (150 > 128 columns: 2 splits) that small batches take.
+PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 100, 0, False, torch.float32),
+              ("two views", 150, 150, 2, True, torch.float32), ("two views", 150, 150, 2, False, torch.bfloat16),
+              ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32)]
+
+
+@pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
+                         ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
+def test_production_configuration_equals_float64_reference(setting, m, k, excluded, with_mean, dtype):
+    """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
+    with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
+    scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
+    from contrastkit.losses.triton_stats import INTERPRETER_CONFIG, _split
+
+    assert INTERPRETER_CONFIG["BLOCK_M"] == 64 and _split(3, 150, torch.device("cpu"))[0] == 2
+    g = torch.Generator().manual_seed(20 + m + k + excluded)
+    a = _features(g, m, 512, dtype).to(DEVICE)
+    b = a if setting == "two views" else _features(g, k, 512, dtype).to(DEVICE)
+    exclude = None
+    if setting == "two views":  # itself and its other view, as base.py's two-view setting
+        own = torch.arange(m)
+        exclude = torch.stack([own, (own + m // 2) % m], dim=1)
+    elif setting == "image-text":
+        exclude = torch.arange(m)[:, None]
+    elif excluded:
+        exclude = torch.stack([torch.randperm(k, generator=g)[:excluded] for _ in range(m)])
+    options = dict(exclude=None if exclude is None else exclude.to(DEVICE), with_mean=with_mean,
+                   columns=setting == "image-text")
+    grad_tol = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    _compare_at(a, b, 14.0, 2e-6, grad_tol, scale_tol=1e-5, same=setting == "two views", tiles={}, **options)
