@@ -26,7 +26,7 @@ the cost in [M, K, D] matrix products is:
 Small M (few row tiles) splits the other axis over programs (flash-decoding style): each split writes its
 partial statistics (or partial gradients in float32), combined by a few torch ops on [splits, M] (or
 [splits, M, D]), so that B = 256 fills the GPU. On CUDA the tiles, warps and pipeline stages are autotuned
-(keyed on M, K, D); under TRITON_INTERPRET=1 (the CPU tests) one fixed production configuration runs.
+(keyed on M, K, D); under TRITON_INTERPRET=1 (the CPU tests) the production default (first of _configs).
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
 (precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision). In backward
@@ -55,7 +55,6 @@ _EXCLUDED = tl.constexpr(-0.25 * 3.4028234663852886e38)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 D_OUT_MAX = 256  # the widest chunk of D one backward program accumulates in registers (64 x 256 float32)
 SPLIT_ALIGN = 128  # a split's share of the other axis is a multiple of every tile (<= 128)
-INTERPRETER_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64)  # the production tiles, for TRITON_INTERPRET
 
 
 @triton.jit
@@ -256,17 +255,23 @@ def _interpreted() -> bool:
 _INTERPRETED = _interpreted()
 
 
-def _configs(backward, d):
-    """The autotune space, every entry compiled for sm_90 and sm_80 without register spills
-    (tests/test_triton_compile.py): 64- and 128-row tiles, 4 and 8 warps, 2 to 4 pipeline stages, BLOCK_D = D
-    where D <= 256 (the row tile then loaded once: see _dots). Backward keeps 64 x D_OUT float32 in the
-    registers of 8 warps: D_OUT 256 (512 spills on sm_90), so D = 512 takes two chunks."""
+def _configs(backward, d, itemsize):
+    """The autotune space for features of dimension d and itemsize bytes. Its first entry is the production
+    default, compiled for sm_90 and sm_80 without register spills (tests/test_triton_compile.py) and the
+    configuration the interpreter runs; docs/performance.md lists what the others compile to. 64- and 128-row
+    tiles, 4 and 8 warps, 2 to 4 pipeline stages, BLOCK_D = D where D <= 256 (the row tile then loaded once:
+    see _dots), BLOCK_D halved for float32. Backward keeps 64 x D_OUT float32 in the registers of 8 warps:
+    D_OUT 256 (512 spills on sm_90), so D = 512 takes two chunks."""
     whole = triton.next_power_of_2(d)
     if backward:  # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages)
-        shapes = [(64, 64, 64, 8, 2), (64, 64, 64, 8, 3), (64, 32, 128, 8, 2), (64, 128, 64, 8, 2)]
+        shapes = [(64, 32, 64, 8, 2), (64, 64, 64, 8, 2), (64, 32, 64, 8, 3), (64, 64, 128, 8, 2)]
     else:
         shapes = [(128, 64, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 2), (64, 64, 64, 4, 3),
                   (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)]
+    if itemsize == 4:
+        shapes = [(m, n, bd // 2, w, s) for m, n, bd, w, s in shapes]
+        if backward:
+            shapes[0] = (64, 16, 32, 8, 2)
     if whole <= 256:
         shapes += [(m, n, whole, w, s) for m, n, _, w, s in shapes[:2]]
     extra = dict(D_OUT=min(whole, D_OUT_MAX)) if backward else {}
@@ -275,20 +280,20 @@ def _configs(backward, d):
 
 
 @functools.cache
-def _tuned(kernel_name, d):
-    """The kernel under triton.autotune for features of dimension d (CUDA only: the interpreter has nothing
-    to time), keyed on the sizes."""
+def _tuned(kernel_name, d, itemsize):
+    """The kernel under triton.autotune (CUDA only: the interpreter has nothing to time), keyed on the sizes."""
     kernel = globals()[kernel_name]
     backward = kernel_name == "_grad"
     key = ["M", "K", "N_OUT", "D", "ROLE"] if backward else ["M", "K", "D"]
-    return triton.autotune(_configs(backward, d), key=key)(kernel)
+    return triton.autotune(_configs(backward, d, itemsize), key=key)(kernel)
 
 
 def _launch(kernel, grid, *args, blocks=None, **kwargs):
-    """Runs kernel (a name) on grid(meta): under the interpreter with the production tiles (or blocks), on
-    CUDA autotuned (or with blocks when given, 4 warps)."""
-    config = dict(blocks or INTERPRETER_CONFIG)
-    if kernel == "_grad":
+    """Runs kernel (a name) on grid(meta): with blocks where given (4 warps on CUDA), else under the
+    interpreter the production default (the first of _configs), on CUDA autotuned."""
+    backward, itemsize = kernel == "_grad", args[0].element_size()
+    config = dict(blocks) if blocks else _configs(backward, kwargs["D"], itemsize)[0].kwargs
+    if backward:
         config["D_OUT"] = min(triton.next_power_of_2(kwargs["D"]), D_OUT_MAX)
     if _INTERPRETED:
         if not is_fake(args[0]):  # runs on the host; nothing to run while tracing shapes
@@ -297,7 +302,7 @@ def _launch(kernel, grid, *args, blocks=None, **kwargs):
     if blocks is not None:
         wrap_triton(globals()[kernel])[grid(config)](*args, **kwargs, **config)
     else:
-        wrap_triton(_tuned(kernel, kwargs["D"]))[grid](*args, **kwargs)
+        wrap_triton(_tuned(kernel, kwargs["D"], itemsize))[grid](*args, **kwargs)
 
 
 def _operator(name):
@@ -485,7 +490,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     gradient; an exclude index outside [0, K) excludes nothing (indices are not checked: that would sync).
     candidates the very tensor anchors (two views): one gradient for it from one backward kernel.
     block_m, block_n, block_d: fixed tiles (powers of two >= 16, all three or none); None: autotuned on
-    CUDA, INTERPRETER_CONFIG under the interpreter.
+    CUDA, the production default under the interpreter.
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
