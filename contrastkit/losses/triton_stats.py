@@ -54,7 +54,7 @@ from contrastkit.losses.precision import tf32_matmul_allowed
 _EXCLUDED = tl.constexpr(-0.25 * 3.4028234663852886e38)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 D_OUT_MAX = 256  # the widest chunk of D one backward program accumulates in registers (64 x 256 float32)
-SPLIT_ALIGN = 128  # a split's share of the other axis is a multiple of every tile (<= 128)
+SPLIT_ALIGN = 64  # a split's share of the other axis: a multiple of 64 rows (a partial tile where BLOCK_N is 128)
 
 
 @triton.jit
