@@ -255,37 +255,38 @@ def _interpreted() -> bool:
 _INTERPRETED = _interpreted()
 
 
-def _configs(backward, d, itemsize):
-    """The autotune space for features of dimension d and itemsize bytes. Its first entry is the production
-    default, compiled for sm_90 and sm_80 without register spills (tests/test_triton_compile.py) and the
-    configuration the interpreter runs; docs/performance.md lists what the others compile to. 64- and 128-row
-    tiles, 4 and 8 warps, 2 to 4 pipeline stages, BLOCK_D = D where D <= 256 (the row tile then loaded once:
-    see _dots), BLOCK_D halved for float32. Backward keeps 64 x D_OUT float32 in the registers of 8 warps:
+# The autotune spaces, (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, sm_90 only): the entries that compile without
+# register spills at D = 512 (docs/gpu/compile-d512.md; 128-row backward tiles, 64 x 128 x 64 and 4-warp
+# 64 x 128 forward tiles all spill), the first of each the production default, spill-free on sm_90 and sm_80
+# (tests/test_triton_compile.py) and the configuration the interpreter runs.
+_SPACES = {(False, 2): [(128, 64, 64, 8, 3, False), (128, 128, 32, 8, 4, True)],
+           (True, 2): [(64, 32, 64, 8, 2, False), (64, 32, 64, 8, 3, False), (64, 64, 64, 8, 2, True)],
+           (False, 4): [(128, 64, 32, 8, 3, False), (64, 64, 32, 4, 3, False), (128, 128, 16, 8, 4, True),
+                        (128, 64, 64, 8, 2, True), (128, 128, 32, 8, 3, True)],
+           (True, 4): [(64, 16, 32, 8, 2, False)]}
+
+
+def _configs(backward, d, itemsize, hopper=True):
+    """The autotune space of the forward or backward kernel for features of dimension d and itemsize bytes
+    (_SPACES; sm_90-only entries where ``hopper``). Where D <= 256 the forward also tries BLOCK_D = D (the
+    row tile then loaded once: see _dots). Backward keeps 64 x D_OUT float32 in the registers of 8 warps:
     D_OUT 256 (512 spills on sm_90), so D = 512 takes two chunks."""
     whole = triton.next_power_of_2(d)
-    if backward:  # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages)
-        shapes = [(64, 32, 64, 8, 2), (64, 64, 64, 8, 2), (64, 32, 64, 8, 3), (64, 64, 128, 8, 2)]
-    else:
-        shapes = [(128, 64, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 128, 8, 2), (64, 64, 64, 4, 3),
-                  (128, 128, 64, 8, 3), (64, 128, 64, 4, 4)]
-    if itemsize == 4:
-        shapes = [(m, n, bd // 2, w, s) for m, n, bd, w, s in shapes]
-        if backward:
-            shapes[0] = (64, 16, 32, 8, 2)
-    if whole <= 256:
-        shapes += [(m, n, whole, w, s) for m, n, _, w, s in shapes[:2]]
+    shapes = [shape[:5] for shape in _SPACES[backward, 2 if itemsize == 2 else 4] if hopper or not shape[5]]
+    if whole <= 256 and not backward:
+        shapes.append(shapes[0][:2] + (whole,) + shapes[0][3:])
     extra = dict(D_OUT=min(whole, D_OUT_MAX)) if backward else {}
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_D=min(b, whole), **extra), num_warps=w, num_stages=s)
             for m, n, b, w, s in dict.fromkeys(shapes)]
 
 
 @functools.cache
-def _tuned(kernel_name, d, itemsize):
+def _tuned(kernel_name, d, itemsize, hopper):
     """The kernel under triton.autotune (CUDA only: the interpreter has nothing to time), keyed on the sizes."""
     kernel = globals()[kernel_name]
     backward = kernel_name == "_grad"
     key = ["M", "K", "N_OUT", "D", "ROLE"] if backward else ["M", "K", "D"]
-    return triton.autotune(_configs(backward, d, itemsize), key=key)(kernel)
+    return triton.autotune(_configs(backward, d, itemsize, hopper), key=key)(kernel)
 
 
 def _launch(kernel, grid, *args, blocks=None, **kwargs):
@@ -302,7 +303,8 @@ def _launch(kernel, grid, *args, blocks=None, **kwargs):
     if blocks is not None:
         wrap_triton(globals()[kernel])[grid(config)](*args, **kwargs, **config)
     else:
-        wrap_triton(_tuned(kernel, kwargs["D"], itemsize))[grid](*args, **kwargs)
+        hopper = torch.cuda.get_device_capability(args[0].device)[0] >= 9
+        wrap_triton(_tuned(kernel, kwargs["D"], itemsize, hopper))[grid](*args, **kwargs)
 
 
 def _operator(name):
