@@ -92,6 +92,15 @@ def test_two_views_same_tensor(with_mean):
     _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=with_mean)
 
 
+def test_same_tensor_with_asymmetric_exclusions():
+    """One tensor as anchors and candidates, exclusions not symmetric (i leaves out k, k keeps i): the
+    one-kernel backward's dL_ki term must read row k's own exclusions."""
+    g = torch.Generator().manual_seed(13)
+    z = _features(g, 37, 24).to(DEVICE)
+    exclude = torch.stack([torch.randperm(37, generator=g)[:2] for _ in range(37)]).to(DEVICE)
+    _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=True)
+
+
 def test_rows_with_many_excluded_columns():
     """17 of 20 columns excluded (and one of them twice): the whole first column tile for every row, so the
     online maximum starts on excluded pairs and must drop them when the valid ones come."""
