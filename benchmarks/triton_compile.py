@@ -86,13 +86,13 @@ def _shape(config):
 
 
 def quick_cases(d: int = 512) -> list[dict]:
-    """The production default (first of each autotune space) of every kernel: forward and the three
+    """The production default (first of each architecture's autotune space) of every kernel: forward and the three
     backward roles in bf16 on sm_90, float32 (TF32) forward and two-view backward on sm_90, float16 two-view
     backward on sm_90; forward and two-view backward in bf16 and float32 on sm_80."""
     from contrastkit.losses.triton_stats import _configs
 
     def case(kernel, arch, dtype, role=None):
-        config = _shape(_configs(kernel == "grad", d, ITEMSIZE[dtype])[0])
+        config = _shape(_configs(kernel == "grad", d, ITEMSIZE[dtype], arch)[0])
         extra = {} if role is None else dict(role=role, columns=role != 2, partial=role == 1)
         return dict(kernel=kernel, arch=arch, dtype=dtype, d=d, config=config, **extra)
 
@@ -110,9 +110,9 @@ def all_cases(d: int = 512, dtypes=("bf16", "fp32")) -> list[dict]:
     for arch in (90, 80):
         for dtype in dtypes:
             cases += [dict(kernel="fwd", arch=arch, dtype=dtype, d=d, config=_shape(c))
-                      for c in _configs(False, d, ITEMSIZE[dtype], arch == 90)]
+                      for c in _configs(False, d, ITEMSIZE[dtype], arch)]
             cases += [dict(kernel="grad", role=role, columns=role != 2, arch=arch, dtype=dtype, d=d, config=_shape(c))
-                      for c in _configs(True, d, ITEMSIZE[dtype], arch == 90) for role in (0, 1, 2)]
+                      for c in _configs(True, d, ITEMSIZE[dtype], arch) for role in (0, 1, 2)]
     return cases
 
 

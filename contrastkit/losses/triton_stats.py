@@ -255,24 +255,26 @@ def _interpreted() -> bool:
 _INTERPRETED = _interpreted()
 
 
-# The autotune spaces, (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, sm_90 only): the entries that compile without
-# register spills at D = 512 (docs/gpu/compile-d512.md; 128-row backward tiles, 64 x 128 x 64 and 4-warp
-# 64 x 128 forward tiles all spill), the first of each the production default, spill-free on sm_90 and sm_80
-# (tests/test_triton_compile.py) and the configuration the interpreter runs.
-_SPACES = {(False, 2): [(128, 64, 64, 8, 3, False), (128, 128, 32, 8, 4, True)],
-           (True, 2): [(64, 32, 64, 8, 2, False), (64, 32, 64, 8, 3, False), (64, 64, 64, 8, 2, True)],
-           (False, 4): [(128, 64, 32, 8, 3, False), (64, 64, 32, 4, 3, False), (128, 128, 16, 8, 4, True),
-                        (128, 64, 64, 8, 2, True), (128, 128, 32, 8, 3, True)],
-           (True, 4): [(64, 16, 32, 8, 2, False)]}
+# The autotune spaces, (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures): the entries that compile
+# without register spills at D = 512 for those architectures (docs/gpu/compile.md; 128-row backward tiles,
+# 64 x 128 x 64 and 4-warp 64 x 128 forward tiles all spill), the first for an architecture its production
+# default, spill-free with triton 3.5 and 3.8 (tests/test_triton_compile.py); the first of all is the
+# configuration the interpreter runs.
+_SPACES = {(False, 2): [(128, 64, 64, 8, 3, (90, 80)), (128, 128, 32, 8, 4, (90,))],
+           (True, 2): [(64, 32, 64, 8, 2, (90,)), (64, 16, 64, 8, 2, (80, 90)), (64, 32, 64, 8, 3, (90,)),
+                       (64, 64, 64, 8, 2, (90,))],
+           (False, 4): [(128, 64, 32, 8, 3, (90, 80)), (64, 64, 32, 4, 3, (90, 80)), (128, 128, 16, 8, 4, (90,)),
+                        (128, 64, 64, 8, 2, (90,)), (128, 128, 32, 8, 3, (90,))],
+           (True, 4): [(64, 16, 32, 8, 2, (90, 80))]}
 
 
-def _configs(backward, d, itemsize, hopper=True):
+def _configs(backward, d, itemsize, arch=90):
     """The autotune space of the forward or backward kernel for features of dimension d and itemsize bytes
-    (_SPACES; sm_90-only entries where ``hopper``). Where D <= 256 the forward also tries BLOCK_D = D (the
-    row tile then loaded once: see _dots). Backward keeps 64 x D_OUT float32 in the registers of 8 warps:
-    D_OUT 256 (512 spills on sm_90), so D = 512 takes two chunks."""
+    on sm_<arch> (90: Hopper and later, else 80; _SPACES). Where D <= 256 the forward also tries BLOCK_D = D
+    (the row tile then loaded once: see _dots). Backward keeps 64 x D_OUT float32 in the registers of 8
+    warps: D_OUT 256 (512 spills on sm_90), so D = 512 takes two chunks."""
     whole = triton.next_power_of_2(d)
-    shapes = [shape[:5] for shape in _SPACES[backward, 2 if itemsize == 2 else 4] if hopper or not shape[5]]
+    shapes = [shape[:5] for shape in _SPACES[backward, 2 if itemsize == 2 else 4] if arch in shape[5]]
     if whole <= 256 and not backward:
         shapes.append(shapes[0][:2] + (whole,) + shapes[0][3:])
     extra = dict(D_OUT=min(whole, D_OUT_MAX)) if backward else {}
@@ -281,12 +283,12 @@ def _configs(backward, d, itemsize, hopper=True):
 
 
 @functools.cache
-def _tuned(kernel_name, d, itemsize, hopper):
+def _tuned(kernel_name, d, itemsize, arch):
     """The kernel under triton.autotune (CUDA only: the interpreter has nothing to time), keyed on the sizes."""
     kernel = globals()[kernel_name]
     backward = kernel_name == "_grad"
     key = ["M", "K", "N_OUT", "D", "ROLE"] if backward else ["M", "K", "D"]
-    return triton.autotune(_configs(backward, d, itemsize, hopper), key=key)(kernel)
+    return triton.autotune(_configs(backward, d, itemsize, arch), key=key)(kernel)
 
 
 def _launch(kernel, grid, *args, blocks=None, **kwargs):
@@ -303,8 +305,8 @@ def _launch(kernel, grid, *args, blocks=None, **kwargs):
     if blocks is not None:
         wrap_triton(globals()[kernel])[grid(config)](*args, **kwargs, **config)
     else:
-        hopper = torch.cuda.get_device_capability(args[0].device)[0] >= 9
-        wrap_triton(_tuned(kernel, kwargs["D"], itemsize, hopper))[grid](*args, **kwargs)
+        arch = 90 if torch.cuda.get_device_capability(args[0].device)[0] >= 9 else 80
+        wrap_triton(_tuned(kernel, kwargs["D"], itemsize, arch))[grid](*args, **kwargs)
 
 
 def _operator(name):
