@@ -60,10 +60,18 @@ METHODS = ["floor-2v", "infonce", "dcl", "dclw", "eqco", "cacr", "infonce-torch"
            "lightly-dcl", "lightly-dclw", "floor-clip", "clip", "clip-dcl", "clip-torch", "openclip", "infcl"]
 # Methods that hold the whole matrix (and its gradient): skipped where that would not fit.
 QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "openclip"}
-CUDA_ONLY = {"infcl"}  # Inf-CL's Triton kernels (pip install inf-cl)
+# Not in the default list (benchmarks/gpu_check.sh names them): every objective in both settings, through
+# the Triton kernels forced ("-triton"), and image-text through each objective ("clip-<objective>[-backend]").
+OBJECTIVES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
+TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-triton" for o in OBJECTIVES[1:]]
+GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]]
+TWO_VIEW |= {m for m in GPU_METHODS if not m.startswith("clip")}
+IMAGE_TEXT |= {m for m in GPU_METHODS if m.startswith("clip")}
+CUDA_ONLY = {"infcl", *TRITON}  # Inf-CL's Triton kernels (pip install inf-cl); ours (CPU: interpreter only)
 # contrastkit method -> the peers it is compared with (the first is the table's "/ peer")
 PEERS = {"infonce": ["lightly-ntxent"], "dcl": ["lightly-dcl"], "dclw": ["lightly-dclw"],
          "clip": ["openclip", "infcl"], "clip-dcl": ["openclip", "infcl"]}
+PEERS.update({f"{m}-triton": PEERS[m] for m in ("infonce", "dcl", "dclw", "clip", "clip-dcl")})
 GIB = 2**30
 
 
@@ -102,8 +110,9 @@ def _step(method: str, n: int, d: int, args) -> dict:
             return {method: infcl}
         from contrastkit.losses import build_loss
 
-        loss_fn = build_loss("dcl" if method == "clip-dcl" else "infonce",
-                             backend="torch" if method == "clip-torch" else "auto")
+        parts = method.split("-")[1:]  # clip[-objective][-backend]
+        backend = parts.pop() if parts and parts[-1] in ("torch", "triton", "dense") else "auto"
+        loss_fn = build_loss(parts[0] if parts else "infonce", backend=backend)
         return {method: lambda: loss_fn.cross_modal(x, y, logit_scale=scale).backward()}
     if method.startswith("lightly"):
         from lightly.loss import DCLLoss, DCLWLoss, NTXentLoss
@@ -193,6 +202,8 @@ def worker(method: str, sizes: list[int], d: int, args) -> None:
     """Peak extra memory of one call of one method at increasing sizes; one JSON line per size."""
     import torch
 
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     cuda, sync, last = args.device.startswith("cuda"), _sync(args), None
     for n in sizes:
         if estimate := _too_big(method, n, last, args.mem_limit_gib):
@@ -229,7 +240,7 @@ def measure(method, d, args):
     """Memory of one method at every size in a fresh subprocess; sizes it did not reach are reported."""
     cmd = [sys.executable, __file__, "--worker", method, str(d), "--sizes", ",".join(map(str, args.sizes)),
            "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype,
-           "--mem-limit-gib", str(args.mem_limit_gib)]
+           "--mem-limit-gib", str(args.mem_limit_gib), *(["--tf32"] if args.tf32 else [])]
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_TOP_PAD_"}
     env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     if args.threads:
@@ -363,7 +374,7 @@ def _line(r) -> str:
 def markdown(records) -> str:
     lines = ["| setting | method | N | D | time (ms) | median (ms) | peak extra (MiB) | / floor | / peer |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(records, key=lambda r: (r["d"], r["setting"], r["n"], METHODS.index(r["method"]))):
+    for r in sorted(records, key=lambda r: (r["d"], r["setting"], r["n"], (METHODS + GPU_METHODS).index(r["method"]))):
         row = f"| {r['setting']} | {r['method']} | {r['n']} | {r['d']} |"
         if r["status"] != "ok":
             lines.append(f"{row} {r['status']} {r.get('note', '')} | | | | |")
@@ -383,14 +394,15 @@ def plot(records, path):
     dims = sorted({r["d"] for r in records})
     fig, axes = plt.subplots(2, len(dims), figsize=(6 * len(dims), 8), squeeze=False)
     for col, d in enumerate(dims):
-        for i, method in enumerate(METHODS):
-            style = "--" if method.startswith(("lightly", "openclip")) else ":" if method.startswith("floor") else "-"
+        for i, method in enumerate(METHODS + GPU_METHODS):
+            style = ("--" if method.startswith(("lightly", "openclip", "infcl")) else ":" if method.startswith("floor")
+                     else "-." if method.endswith("-triton") else "-")
             for row, key, scale in ((0, "time_s", 1), (1, "peak_extra_bytes", 2**-20)):
                 ok = sorted((r for r in records if r["method"] == method and r["d"] == d and r["status"] == "ok"
                              and (r[key] or 0) > 0), key=lambda r: r["n"])
                 if ok:
                     axes[row, col].plot([r["n"] for r in ok], [r[key] * scale for r in ok], style, marker="o",
-                                        color=plt.cm.tab20(i), label=method)
+                                        color=plt.cm.tab20(i % 20), label=method)
         for row, label in enumerate(["forward+backward time (s)", "peak extra memory (MiB)"]):
             ax = axes[row, col]
             ax.set(xscale="log", yscale="log", xlabel="N", ylabel=label, title=f"D = {d}")
@@ -421,7 +433,7 @@ def meta(args) -> dict:
             "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "cpu": cpu or platform.processor() or None, "cpu_count": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
-            "repeats": args.repeats, "time": args.time, "memory": args.memory, "mem_limit_gib": args.mem_limit_gib,
+            "tf32": args.tf32, "repeats": args.repeats, "time": args.time, "memory": args.memory, "mem_limit_gib": args.mem_limit_gib,
             "keep_freed_memory": args.keep_freed_memory}
 
 
@@ -442,6 +454,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="autocast dtype (contrastkit computes its scores in float32 regardless)")
+    parser.add_argument("--tf32", action="store_true",
+                        help="allow TF32 for float32 matmuls (torch.set_float32_matmul_precision('high'))")
     parser.add_argument("--threads", type=int, default=0, help="torch / OMP threads (0: torch's default)")
     parser.add_argument("--mem-limit-gib", type=float, default=8.0)
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="time only")
@@ -454,15 +468,19 @@ def main(argv=None):
     if args.worker:
         worker(args.worker[0], args.sizes, int(args.worker[1]), args)
         return
-    unknown = set(args.methods) - set(METHODS)
+    unknown = set(args.methods) - set(METHODS) - set(GPU_METHODS)
     if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS + GPU_METHODS)}")
+    if args.tf32 and args.dtype != "float32":
+        parser.error("--tf32 applies to --dtype float32 only")
     if not (args.memory or args.time):
         parser.error("--no-memory and --no-time leave nothing to measure")
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED.items()):
         # glibc reads them at start-up: the run goes on in a child process that has them
         cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]

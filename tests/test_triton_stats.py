@@ -37,15 +37,20 @@ def _features(g, rows, d, dtype=torch.float32):
 
 
 def _compare(a, b, scale, tol, grad_tol, *, scale_tol=None, same=False, **options):
-    """Values and the gradients of sum(w * stats) for random w: kernel (inputs as given) against the float64
-    reference of the same (rounded) inputs. Errors relative to the reference's largest entry; the scale's
-    gradient (float32 whatever the inputs) within scale_tol (default grad_tol)."""
+    """Values and the gradients of sum(w * stats) for random w: kernel (inputs as given, 16-wide tiles)
+    against the float64 reference of the same (rounded) inputs. Errors relative to the reference's largest
+    entry; the scale's gradient (float32 whatever the inputs) within scale_tol (default grad_tol)."""
+    _compare_at(a, b, scale, tol, grad_tol, scale_tol=scale_tol, same=same, tiles=TILES, **options)
+
+
+def _compare_at(a, b, scale, tol, grad_tol, *, scale_tol=None, same=False, tiles, **options):
+    """_compare with the given tiles ({}: the production configuration)."""
     a64, b64 = a.detach().double().cpu().requires_grad_(), b.detach().double().cpu().requires_grad_()
     s64 = torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)
     a_k, b_k = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     s_k = torch.tensor(float(scale), device=a.device, requires_grad=True)
     want = reference(a64, a64 if same else b64, s64, **options)
-    got = negative_stats_triton(a_k, a_k if same else b_k, s_k, **options, **TILES)
+    got = negative_stats_triton(a_k, a_k if same else b_k, s_k, **options, **tiles)
     assert got.dtype == torch.float32 and got.shape == want.shape
     _close(got, want, tol, "values")
     w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -85,6 +90,15 @@ def test_two_views_same_tensor(with_mean):
     own = torch.arange(2 * n)
     exclude = torch.stack([own, (own + n) % (2 * n)], dim=1).to(DEVICE)
     _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=with_mean)
+
+
+def test_same_tensor_with_asymmetric_exclusions():
+    """One tensor as anchors and candidates, exclusions not symmetric (i leaves out k, k keeps i): the
+    one-kernel backward's dL_ki term must read row k's own exclusions."""
+    g = torch.Generator().manual_seed(13)
+    z = _features(g, 37, 24).to(DEVICE)
+    exclude = torch.stack([torch.randperm(37, generator=g)[:2] for _ in range(37)]).to(DEVICE)
+    _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=True)
 
 
 def test_rows_with_many_excluded_columns():
@@ -175,11 +189,45 @@ def test_number_scale_and_no_grad():
     _close(grad, want, 2e-6, "d anchors")
 
 
-@pytest.mark.parametrize("allow_tf32", [False, True])
-def test_dot_precision_follows_allow_tf32(monkeypatch, allow_tf32):
-    """float32 inputs: TF32 products exactly when torch.backends.cuda.matmul.allow_tf32 is set; float16: TF32
-    always (only dL is rounded: float16 operands are exact in TF32). The kernels still run."""
+@pytest.fixture
+def float32_precision():
+    """Restores torch's float32 matmul precision after the test, whichever API set it (see precision.py)."""
+    matmul, new_api = torch.backends.cuda.matmul, hasattr(torch.backends, "fp32_precision")
+    try:
+        legacy = matmul.allow_tf32  # raises once the new API is in use
+    except RuntimeError:
+        legacy = None
+    saved = (torch.backends.fp32_precision, matmul.fp32_precision) if new_api else None
+    yield
+    if new_api:  # "none" (nothing set) unless the new API had set it; then the legacy flag as it was
+        set_legacy = legacy is not None and saved[1] != "none"
+        torch.backends.fp32_precision, matmul.fp32_precision = saved[0], "none" if set_legacy else saved[1]
+    if legacy is not None and (not new_api or set_legacy):
+        matmul.allow_tf32 = legacy
+
+
+_NEW_API = hasattr(torch.backends, "fp32_precision")
+# How a user allows or forbids TF32 for float32 matmuls, and whether it is then allowed.
+_SETTINGS = [("torch.backends.cuda.matmul.allow_tf32 = False", False),
+             ("torch.backends.cuda.matmul.allow_tf32 = True", True),
+             ("torch.set_float32_matmul_precision('high')", True),
+             ("torch.set_float32_matmul_precision('highest')", False)]
+if _NEW_API:  # torch >= 2.9: transformers 5's --tf32 sets the generic one
+    _SETTINGS += [("torch.backends.fp32_precision = 'tf32'", True),
+                  ("torch.backends.fp32_precision = 'ieee'", False),
+                  ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", True),
+                  ("torch.backends.fp32_precision = 'tf32'; torch.backends.cuda.matmul.fp32_precision = 'ieee'", False),
+                  ("torch.backends.fp32_precision = 'ieee'; torch.backends.cuda.matmul.fp32_precision = 'tf32'", True)]
+
+
+@pytest.mark.parametrize("setting, allowed", _SETTINGS, ids=[s for s, _ in _SETTINGS])
+def test_dot_precision_follows_the_tf32_setting(monkeypatch, float32_precision, setting, allowed):
+    """float32 inputs: TF32 products exactly when the user allows TF32 for float32 matmuls, through the legacy
+    flag or torch >= 2.9's fp32_precision (after which reading the legacy flag raises: issue 23's crash);
+    float16: float16 products, never TF32. One tensor as both operands: two launches (forward, one backward
+    kernel). The kernels still run."""
     from contrastkit.losses import triton_stats
+    from contrastkit.losses.precision import tf32_matmul_allowed
 
     seen, launch = [], triton_stats._launch
 
@@ -188,17 +236,14 @@ def test_dot_precision_follows_allow_tf32(monkeypatch, allow_tf32):
         launch(*args, **kwargs)
 
     monkeypatch.setattr(triton_stats, "_launch", spy)
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
-        a = torch.randn(16, 16, device=DEVICE)
-        for dtype, want in ((torch.float32, "tf32" if allow_tf32 else "ieee"), (torch.float16, "tf32")):
-            seen.clear()
-            x = a.to(dtype).requires_grad_()
-            negative_stats_triton(x, x, 1.0, **TILES).sum().backward()
-            assert seen == [want] * 3
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+    exec(setting, {"torch": torch})
+    assert tf32_matmul_allowed() is allowed
+    a = torch.randn(16, 16, device=DEVICE)
+    for dtype, want in ((torch.float32, "tf32" if allowed else "ieee"), (torch.float16, "ieee")):
+        seen.clear()
+        x = a.to(dtype).requires_grad_()
+        negative_stats_triton(x, x, 1.0, **TILES).sum().backward()
+        assert seen == [want] * 2
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -216,7 +261,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="D = 16"):
         negative_stats_triton(a, a[:, :8], 1.0)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
-        negative_stats_triton(a, a, 1.0, block_n=24)
+        negative_stats_triton(a, a, 1.0, block_m=16, block_n=24, block_d=16)
+    with pytest.raises(ValueError, match="together"):
+        negative_stats_triton(a, a, 1.0, block_n=32)
     with pytest.raises(ValueError, match="0-dim"):
         negative_stats_triton(a, a, torch.ones(1, device=DEVICE))
 
@@ -241,30 +288,37 @@ def test_compiles_into_one_graph():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-_COMPILE_FOR_H100 = """
-import inspect, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from contrastkit.losses import triton_stats as ts
-consts = dict(E=2, WITH_MEAN=True, COLUMNS=False, DL_BF16=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
-              PRECISION="ieee", UPCAST=False)
-for kernel in (ts._stats_fwd, ts._grad_anchors, ts._grad_candidates):
-    names = list(inspect.signature(kernel.fn).parameters)
-    types = {n: "constexpr" if n in consts else "*bf16" if n in ("a_ptr", "b_ptr") else "*i64" if n == "ex_ptr"
-             else "*fp32" if n.endswith("_ptr") else "i32" for n in names}
-    source = ASTSource(kernel, types, {(names.index(n),): v for n, v in consts.items() if n in names})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
-"""
+# The production configuration under the interpreter: the default tiles (first of triton_stats._configs:
+# forward 128 x 64 (D in chunks of 64, float32 32), backward 64 x 32 (the gradient in chunks of 256)), D = 512,
+# several tiles on every axis and partial last tiles (150 = 2 * 64 + 22), and the split over the other axis
+# (150 > 64 columns: 3 splits) that small batches take; 60 columns: one split, gradients written directly.
+PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, False, torch.float32),
+              ("two views", 150, 150, 2, True, torch.float32), ("two views", 150, 150, 2, False, torch.bfloat16),
+              ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32)]
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA every test compiles the kernels")
-def test_kernels_compile_for_h100():
-    """The interpreter runs the kernels' Python; this compiles them for sm_90 (no GPU needed), which catches
-    what only the compiler rejects (a non-constexpr global, a bad dot shape or dtype)."""
-    import os
-    import subprocess
-    import sys
+@pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
+                         ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
+def test_production_configuration_equals_float64_reference(setting, m, k, excluded, with_mean, dtype):
+    """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
+    with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
+    scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
+    from contrastkit.losses.triton_stats import _configs, _split
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert _configs(True, 512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
+    assert _split(3, 150, torch.device("cpu"))[0] == 3
+    g = torch.Generator().manual_seed(20 + m + k + excluded)
+    a = _features(g, m, 512, dtype).to(DEVICE)
+    b = a if setting == "two views" else _features(g, k, 512, dtype).to(DEVICE)
+    exclude = None
+    if setting == "two views":  # itself and its other view, as base.py's two-view setting
+        own = torch.arange(m)
+        exclude = torch.stack([own, (own + m // 2) % m], dim=1)
+    elif setting == "image-text":
+        exclude = torch.arange(m)[:, None]
+    elif excluded:
+        exclude = torch.stack([torch.randperm(k, generator=g)[:excluded] for _ in range(m)])
+    options = dict(exclude=None if exclude is None else exclude.to(DEVICE), with_mean=with_mean,
+                   columns=setting == "image-text")
+    grad_tol = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    _compare_at(a, b, 14.0, 2e-6, grad_tol, scale_tol=1e-5, same=setting == "two views", tiles={}, **options)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The one command a machine with a GPU runs (issue 23; DESIGN.md "GPU"):
+#
+#     bash benchmarks/gpu_check.sh              # CUDA tests, then the benchmark, written under docs/gpu/<device>/
+#     bash benchmarks/gpu_check.sh --dry-run    # no GPU: its Python parts on the CPU, tiny sizes, into a temp dir
+#
+# 1. The CUDA tests: tests/test_cuda.py (host syncs, autocast, TF32, compile, memory at a large batch), then the
+#    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot show).
+# 2. benchmarks/losses.py, in one process per dtype (bfloat16, float16 autocast; float32 with TF32 allowed), at
+#    D 512 and N 256 .. 262144: every objective in both settings (automatic backend, the Triton kernels forced),
+#    the cuBLAS floor of the same matrix (3 GEMMs, timed in the same process), open_clip's ClipLoss and Inf-CL.
+#    Each writes losses.md, losses.json and losses.png to docs/gpu/<device name>/<dtype>/.
+# Environment: PYTHON (default python), SIZES, DIMS, REPEATS, MEM_LIMIT_GIB override the benchmark's defaults.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+DRY=0
+case "${1:-}" in
+  "") ;;
+  --dry-run) DRY=1 ;;
+  *) echo "error: unknown argument '$1' (usage: bash benchmarks/gpu_check.sh [--dry-run])" >&2; exit 2 ;;
+esac
+
+TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-triton,eqco-triton,cacr-triton,infonce-torch,lightly-ntxent"
+IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-torch,openclip,infcl"
+
+if [ "$DRY" = 1 ]; then
+  DEVICE=cpu
+  OUT=$(mktemp -d)/gpu/dry-run
+  SIZES=${SIZES:-64,128}; DIMS=${DIMS:-16}; REPEATS=${REPEATS:-1}; MEM_LIMIT_GIB=${MEM_LIMIT_GIB:-1}
+  MEMORY=--no-memory  # a subprocess per method: minutes on a CPU (tests/test_benchmark_losses.py covers it)
+else
+  if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "error: gpu_check.sh needs a CUDA device and torch.cuda.is_available() is False here" \
+         "(bash benchmarks/gpu_check.sh --dry-run checks its Python parts on the CPU)" >&2
+    exit 2
+  fi
+  DEVICE=cuda
+  NAME=$("$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.]+', '-', torch.cuda.get_device_name()).strip('-'))")
+  OUT=docs/gpu/$NAME
+  SIZES=${SIZES:-256,1024,4096,16384,32768,65536,131072,262144}; DIMS=${DIMS:-512}; REPEATS=${REPEATS:-5}
+  MEM_LIMIT_GIB=${MEM_LIMIT_GIB:-$("$PY" -c "import torch; print(int(0.8 * torch.cuda.get_device_properties(0).total_memory / 2**30))")}
+fi
+mkdir -p "$OUT"
+echo "== gpu_check: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
+
+echo "== 1/2 CUDA tests"
+if [ "$DRY" = 1 ]; then
+  "$PY" -m pytest -q tests/test_cuda.py  # skipped without CUDA: checks that it collects
+else
+  "$PY" -m pytest -q tests/test_cuda.py
+  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py
+fi
+
+echo "== 2/2 benchmark against the cuBLAS floor, open_clip and Inf-CL"
+for dtype in bfloat16 float16 float32; do
+  extra=()
+  [ "$dtype" = float32 ] && extra=(--tf32)
+  "$PY" benchmarks/losses.py --device "$DEVICE" --dtype "$dtype" "${extra[@]}" --sizes "$SIZES" --dims "$DIMS" \
+    --repeats "$REPEATS" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "$TWO_VIEW,$IMAGE_TEXT" \
+    --out "$OUT/$dtype${extra:+-tf32}"
+done
+echo "== gpu_check done: $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the table's conclusions"
