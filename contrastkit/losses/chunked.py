@@ -162,7 +162,10 @@ class _BlockStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad):
-        ctx.same_input = a is b  # two views on one process: the anchors are the candidates
+        # b None: two views on one process, the anchors are the candidates. Passed once, as torch.compile
+        # cannot trace a Function given one tensor twice; backward returns the summed gradient as a's.
+        ctx.same_input = b is None
+        b = a if ctx.same_input else b
         a_s = a * scale
         if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
             keep, row_grad = 0, None
@@ -185,8 +188,8 @@ class _BlockStats(torch.autograd.Function):
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
         # The kept blocks are saved tensors too, so autograd frees them once backward has run (a Python
         # attribute would hold them until the loss tensor dies: through the next step's forward).
-        ctx.save_for_backward(a, b, stats, exclude, scale if ctx.scale_is_tensor else None, shifts, norms, *spec,
-                              *kept)
+        ctx.save_for_backward(a, None if ctx.same_input else b, stats, exclude, scale if ctx.scale_is_tensor else None,
+                              shifts, norms, *spec, *kept)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
         return stats
@@ -194,6 +197,7 @@ class _BlockStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b, stats, exclude, scale_t, shifts, norms, *rest = ctx.saved_tensors
+        b = a if ctx.same_input else b
         spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
@@ -231,13 +235,12 @@ def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=None):
                 d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
         d_scale = d_scale.reshape(scale.shape)
     d_a = db = None
-    if ctx.same_input:
-        if need_a:
-            d_a = _times(_add_scaled(_transposed(db_t), d_as, scale), ratio)
-    else:
-        if need_a:
-            d_a = d_as * (scale * ratio) if guessed else d_as.mul_(scale)
-        db = _times(_transposed(db_t), ratio) if need_b else None
+    if need_a:
+        d_a = d_as * (scale * ratio) if guessed else d_as.mul_(scale)
+        if ctx.same_input:  # (no add(..., alpha=scale): inductor 2.14 fuses it into an addmm that drops alpha)
+            d_a = _times(_transposed(db_t), ratio).add_(d_a)
+    if need_b and not ctx.same_input:
+        db = _times(_transposed(db_t), ratio)
     return d_a, db, d_scale, None, None, None, None, None, None
 
 
@@ -245,11 +248,6 @@ def _transposed(x):
     """A contiguous copy of x^T (never a view of x: it is changed in place next), as collectives need:
     gloo's all_gather backward mishandles other layouts."""
     return x.T.clone(memory_format=torch.contiguous_format)
-
-
-def _add_scaled(y, x, scale):
-    """y += scale x in place, scale a number or a 0-dim tensor."""
-    return y.addcmul_(x, scale) if isinstance(scale, torch.Tensor) else y.add_(x, alpha=scale)
 
 
 def _times(x, ratio):
@@ -501,5 +499,5 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
-    return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, int(keep),
-                             row_grad)
+    return _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude, int(block),
+                             with_mean, columns, int(keep), row_grad)
