@@ -225,7 +225,7 @@ def _run(rank, world, sizes, init_file, out_dir):
     for name in SCORE_LOSSES:
         for setting in ("2views", "3views", "query_key", "cross_modal_scale"):
             local = [t[lo:hi] for t in x]
-            loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed=True)
+            loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed="uneven")
             ratios.clear()
             (weight * loss).backward()
             results[name, setting] = (float(loss) * weight, [t.grad for t in leaves], list(ratios))

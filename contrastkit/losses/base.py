@@ -34,6 +34,7 @@ DEVICE_BLOCK_ELEMENTS = 2**24
 # How the negatives' statistics are computed: "auto" (blockwise torch), or one forced (see choose_backend).
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
+Gather = bool | Literal["uneven"]  # gather_distributed: False, True (equal batch sizes) or "uneven"
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS = get_args(Reduction)
 
@@ -176,6 +177,9 @@ class ContrastiveLoss(Objective):
       query_key, [2 N] for cross_modal (images, then texts).
     - ``gather_distributed`` (False): the negatives come from every process (gathered with gradient),
       so that P processes (with DDP's gradient averaging) match one process on the concatenated batch.
+      True: every process holds the same batch size (checked on the device: no host round trip, and the
+      call compiles with fullgraph=True); "uneven": batch sizes may differ (exchanged between the hosts on
+      every call, e.g. for an epoch's last batch).
     - ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
       BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives
       with a closed-form ``stat_grad`` get backward's products done in forward and keep no block; the
@@ -193,9 +197,12 @@ class ContrastiveLoss(Objective):
 
     needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
 
-    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False, chunk_size: int | None = None,
-                 backend: Backend = "auto", reduction: Reduction = "mean"):
+    def __init__(self, *, normalize: bool = True, gather_distributed: Gather = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(normalize=normalize, reduction=reduction)
+        if gather_distributed not in (False, True, "uneven"):
+            raise ValueError(f"{self.name}: gather_distributed must be False, True or 'uneven', "
+                             f"got {gather_distributed!r}")
         if backend not in BACKENDS:
             raise ValueError(f"{self.name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 0):
@@ -342,7 +349,12 @@ class ContrastiveLoss(Objective):
     # ------------------------------------------------------------------ helpers
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return gather_with_grad(x) if self.gather_distributed else (x, 0)
+        return gather_with_grad(x, uneven=self.uneven) if self.gather_distributed else (x, 0)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether processes may hold different batch sizes (gather_distributed="uneven")."""
+        return self.gather_distributed == "uneven"
 
     def _resolve_backend(self, features: torch.Tensor) -> str:
         """The backend of this call (choose_backend), "triton" checked against the features and the install."""
