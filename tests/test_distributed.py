@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastkit.losses import available_losses, build_loss
 
@@ -140,6 +141,18 @@ def _run_compiled(rank, world, n, init_file, out_dir):
         loss, leaves = _compiled_call(name, setting, x, "aot_eager")
         (loss / world).backward()
         results[name, setting] = (float(loss) / world, [t.grad for t in leaves])
+    seen = []  # (collective, dtype, row width) of a bf16 step's gathers and their backward
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "all_gather" in str(func) or "reduce_scatter" in str(func):
+                seen.append((str(func), args[0].dtype, args[0].shape[-1]))
+            return func(*args, **(kwargs or {}))
+
+    z = [t[rank * n : (rank + 1) * n].bfloat16().requires_grad_() for t in _batch(9, world * n)[:2]]
+    with Collectives():
+        build_loss("dcl", gather_distributed=True)(*z).backward()
+    results["collectives"] = seen
     bad = build_loss("dcl", gather_distributed=True).double()
     z = [t[: n + rank] for t in _batch(8, 2 * n + 1)[:2]]  # n and n + 1 rows
     try:
@@ -155,7 +168,8 @@ def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
     """torch.compile(fullgraph=True) of the whole gathered loss (equal batch sizes: the sizes checked on the
     device, a functional all_gather whose backward is a reduce-scatter) on 2 gloo processes: the loss and
     every gradient of one process on the concatenated batch; unequal sizes without gather_distributed=
-    'uneven' stop with an error that says so."""
+    'uneven' stop with an error that says so; bf16 features are gathered, and their gradient reduce-scattered,
+    in bf16."""
     n, world = 5, 2
     mp.start_processes(_run_compiled, args=(world, n, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
                        start_method="spawn", join=True)
@@ -172,3 +186,6 @@ def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
             torch.testing.assert_close(sum(r[name, setting][1][2] for r in ranks), grads[2], rtol=1e-9, atol=1e-12)
     for r in ranks:
         assert r["uneven"] is not None and "gather_distributed='uneven'" in r["uneven"], r["uneven"]
+        features = [(op, dtype) for op, dtype, width in r["collectives"] if width == 2 * 6]  # both views' rows
+        assert any("all_gather" in op for op, _ in features) and any("reduce_scatter" in op for op, _ in features)
+        assert all(dtype == torch.bfloat16 for _, dtype in features), features  # in the input dtype

@@ -248,13 +248,13 @@ class ContrastiveLoss(Objective):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
             dtype = _compute_dtype(*views.values())
             zs = list(views.values())
-            zs = zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs]
-            u = self._unit(torch.stack(zs), dtype)  # [V, n, D]: one copy, normalised (and saved) once
+            x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
+            u = self._unit(x, dtype)  # one copy, normalised (and saved) once
             anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
-                all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
-                total = all_u.shape[0]
-                all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
+                all_x, start = self._gather(x.transpose(0, 1).reshape(n, v * d))
+                total = all_x.shape[0]
+                all_u = self._unit(all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d), dtype)
             else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
                 all_u, start, total = anchors, 0, n
             if total < 2:
@@ -294,13 +294,17 @@ class ContrastiveLoss(Objective):
                 terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0], low=low)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
-            all_k, start = self._gather(k.reshape(n, -1))
-            total = all_k.shape[0]
+            if self.gather_distributed:
+                all_keys, start = self._gather(keys.reshape(n, -1))
+                total = all_keys.shape[0]
+                all_k = self._unit(all_keys.reshape(total * p, -1), dtype)
+            else:
+                all_k, start, total = k.reshape(n * p, -1), 0, n
             if total < 2:
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
             own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
-            terms = self.negative_terms(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p, low=low)
+            terms = self.negative_terms(pos, q, all_k, own, (total - 1) * p, low=low)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -321,8 +325,9 @@ class ContrastiveLoss(Objective):
             n = a.shape[0]
             pos = (a * b).sum(-1, keepdim=True)
             if self.gather_distributed:
-                both, start = self._gather(torch.cat([a, b], dim=1))
-                all_a, all_b = both.split(a.shape[1], dim=1)
+                same = image.dtype == text.dtype
+                both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
+                all_a, all_b = (self._unit(x, dtype) for x in both.split(a.shape[1], dim=1))
             else:
                 all_a, all_b, start = a, b, 0
             total = all_a.shape[0]
@@ -349,6 +354,9 @@ class ContrastiveLoss(Objective):
     # ------------------------------------------------------------------ helpers
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every process's rows of x and this process's offset. The settings gather the raw features, in
+        their own dtype (a bf16 batch moves half the bytes of its float32 unit vectors), and normalise the
+        gathered rows: exactly the unit vectors one process would compute."""
         return gather_with_grad(x, uneven=self.uneven) if self.gather_distributed else (x, 0)
 
     @property
