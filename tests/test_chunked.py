@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS
+from contrastkit.losses.base import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking
 from contrastkit.losses.chunked import negative_stats
 
 SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
@@ -68,7 +68,7 @@ def test_blockwise_equals_dense_float64(name, setting, device):
 @pytest.mark.parametrize("setting", ["2views", "3views", "query_key", "cross_modal_scale"])
 def test_blockwise_equals_dense_float32(name, setting, device):
     """Relative error under 1e-5 in float32, at the low temperature where exp() is most sensitive (on CUDA
-    the automatic choice, chunk_size None, is the Triton backend)."""
+    the automatic choice, chunk_size None, is the blockwise kernel on the exact path)."""
     opts = {} if name == "cacr" else {"temperature": 0.05}
     x, extra = _inputs(7, 96, 32, torch.float32, device)
     want, leaves = _loss(name, setting, 0, x, extra, **opts)
@@ -187,8 +187,8 @@ def test_blockwise_saves_nothing_quadratic():
 
 def test_automatic_choice():
     fn = build_loss("infonce")
-    assert fn._blocking(1024) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
-    assert build_loss("infonce", chunk_size=7)._blocking(8) == (7, 0)  # none kept
+    assert blocking("cpu", 1024, None) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
+    assert blocking("cpu", 8, 7) == (7, 0)  # none kept
     cpu = torch.zeros(2, 2)
     assert fn._resolve_backend(cpu) == "torch"
     assert build_loss("infonce", chunk_size=0)._resolve_backend(cpu) == "dense"
@@ -225,7 +225,7 @@ def _run(rank, world, sizes, init_file, out_dir):
     for name in SCORE_LOSSES:
         for setting in ("2views", "3views", "query_key", "cross_modal_scale"):
             local = [t[lo:hi] for t in x]
-            loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed=True)
+            loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed="uneven")
             ratios.clear()
             (weight * loss).backward()
             results[name, setting] = (float(loss) * weight, [t.grad for t in leaves], list(ratios))

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastkit.losses import available_losses, build_loss
 
@@ -20,10 +21,10 @@ def _batch(seed, n, d=6):
     return [torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(4)]  # z1, z2, z3, queue-ish
 
 
-def _make(name):
+def _make(name, gather=True):
     opts = dict(OPTIONS.get(name, {}))
     if name != "unigrad":
-        opts["gather_distributed"] = True
+        opts["gather_distributed"] = gather
     return build_loss(name, **opts).double()
 
 
@@ -31,10 +32,11 @@ def _run(rank, world, sizes, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     total = sum(sizes)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    gather = True if len(set(sizes)) == 1 else "uneven"  # equal sizes: checked on the device, no host round trip
     results = {}
     for name in available_losses():
         views = [z[lo:hi].clone().requires_grad_() for z in _batch(0, total)[:2]]
-        loss_fn = _make(name)
+        loss_fn = _make(name, gather)
         weight = sizes[rank] / total  # the global mean is the size-weighted mean of local means
         loss = loss_fn(*views)
         (weight * loss).backward()
@@ -47,16 +49,16 @@ def _run(rank, world, sizes, init_file, out_dir):
                          getattr(loss_fn, "correlation", None))
     for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):  # image-text
         a, b = (x[lo:hi].clone().requires_grad_() for x in _batch(4, total)[:2])
-        loss = _make(name).cross_modal(a, b)
+        loss = _make(name, gather).cross_modal(a, b)
         (sizes[rank] / total * loss).backward()
         results[name + "/cross_modal"] = (float(loss) * sizes[rank] / total, [a.grad, b.grad], None)
     for name in ("dcl", "cacr"):  # several views and the query/key form without a queue
         z = [x[lo:hi].clone().requires_grad_() for x in _batch(2, total)[:3]]
-        loss = _make(name)(*z)
+        loss = _make(name, gather)(*z)
         (sizes[rank] / total * loss).backward()
         results[name + "/3views"] = (float(loss) * sizes[rank] / total, [x.grad for x in z], None)
         q, k = (x[lo:hi].clone().requires_grad_() for x in _batch(3, total)[:2])
-        loss = _make(name).query_key(q, k)
+        loss = _make(name, gather).query_key(q, k)
         (sizes[rank] / total * loss).backward()
         results[name + "/query_key"] = (float(loss) * sizes[rank] / total, [q.grad, k.grad], None)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -108,3 +110,82 @@ def test_gathered_processes_equal_one_process(sizes, tmp_path):
             for r in ranks:
                 torch.testing.assert_close(r[name][2], corr)
     assert bounds[-1] == sum(sizes)
+
+
+COMPILED = [("dclw", "two_views"), ("infonce", "image_text"), ("dcl", "query_key")]
+
+
+def _compiled_call(name, setting, x, compiled):
+    fn = build_loss(name, gather_distributed=compiled is not None).double()
+
+    def call(a, b, scale):
+        if setting == "two_views":
+            return fn(a, b)
+        if setting == "image_text":
+            return fn.cross_modal(a, b, logit_scale=scale)
+        return fn.query_key(a, b)
+
+    if compiled:
+        call = torch.compile(call, fullgraph=True, backend=compiled)
+    leaves = [t.clone().requires_grad_() for t in x]
+    loss = call(*leaves)
+    return loss, leaves
+
+
+def _run_compiled(rank, world, n, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for name, setting in COMPILED:
+        x = [t[rank * n : (rank + 1) * n] for t in _batch(7, world * n)[:2]] + [torch.tensor(10.0, dtype=torch.float64)]
+        torch._dynamo.reset()
+        loss, leaves = _compiled_call(name, setting, x, "aot_eager")
+        (loss / world).backward()
+        results[name, setting] = (float(loss) / world, [t.grad for t in leaves])
+    seen = []  # (collective, dtype, row width) of a bf16 step's gathers and their backward
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "all_gather" in str(func) or "reduce_scatter" in str(func):
+                seen.append((str(func), args[0].dtype, args[0].shape[-1]))
+            return func(*args, **(kwargs or {}))
+
+    z = [t[rank * n : (rank + 1) * n].bfloat16().requires_grad_() for t in _batch(9, world * n)[:2]]
+    with Collectives():
+        build_loss("dcl", gather_distributed=True)(*z).backward()
+    results["collectives"] = seen
+    bad = build_loss("dcl", gather_distributed=True).double()
+    z = [t[: n + rank] for t in _batch(8, 2 * n + 1)[:2]]  # n and n + 1 rows
+    try:
+        bad(*z)
+        results["uneven"] = None
+    except RuntimeError as e:
+        results["uneven"] = str(e)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
+    """torch.compile(fullgraph=True) of the whole gathered loss (equal batch sizes: the sizes checked on the
+    device, a functional all_gather whose backward is a reduce-scatter) on 2 gloo processes: the loss and
+    every gradient of one process on the concatenated batch; unequal sizes without gather_distributed=
+    'uneven' stop with an error that says so; bf16 features are gathered, and their gradient reduce-scattered,
+    in bf16."""
+    n, world = 5, 2
+    mp.start_processes(_run_compiled, args=(world, n, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       start_method="spawn", join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name, setting in COMPILED:
+        x = _batch(7, world * n)[:2] + [torch.tensor(10.0, dtype=torch.float64)]
+        loss, leaves = _compiled_call(name, setting, x, None)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        assert sum(r[name, setting][0] for r in ranks) == pytest.approx(float(loss), rel=1e-10), (name, setting)
+        for i in range(2):
+            torch.testing.assert_close(torch.cat([r[name, setting][1][i] for r in ranks]), grads[i], rtol=1e-9,
+                                       atol=1e-12)
+        if setting == "image_text":  # the scale's gradient: each process's share, summed (as DDP would)
+            torch.testing.assert_close(sum(r[name, setting][1][2] for r in ranks), grads[2], rtol=1e-9, atol=1e-12)
+    for r in ranks:
+        assert r["uneven"] is not None and "gather_distributed='uneven'" in r["uneven"], r["uneven"]
+        features = [(op, dtype) for op, dtype, width in r["collectives"] if width == 2 * 6]  # both views' rows
+        assert any("all_gather" in op for op, _ in features) and any("reduce_scatter" in op for op, _ in features)
+        assert all(dtype == torch.bfloat16 for _, dtype in features), features  # in the input dtype

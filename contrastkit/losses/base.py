@@ -8,6 +8,7 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Literal, get_args
 
@@ -18,16 +19,22 @@ from contrastkit.distributed import gather_with_grad
 from contrastkit.losses.chunked import host_checks_allowed, negative_stats
 from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
 
-# Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
+# Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
 # backward, the others recomputed. On a 2-core CPU block sizes 2^18..2^22 timed alike, and keeping
 # vs recomputing differed by under 10% at 2^26 entries (page faults of fresh memory cost about what the
 # extra product does at D = 128).
 BLOCK_ELEMENTS = 2**22
-# How the negatives' statistics are computed: "auto" (Triton on CUDA, blockwise torch elsewhere), or one forced.
+KEEP_MAX_ELEMENTS = 2**26
+# On a GPU (any device but the CPU): blocks of about DEVICE_BLOCK_ELEMENTS logits, none kept. A block's
+# product is then 2^24 * 2 D flops (17 GFLOP at D = 512: tens of microseconds on an H100, far above a
+# launch), and the exact path holds at most two float32 blocks (128 MiB) at a time; 2^27 would hold 1 GiB
+# and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
+DEVICE_BLOCK_ELEMENTS = 2**24
+# How the negatives' statistics are computed: "auto" (blockwise torch), or one forced (see choose_backend).
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
-KEEP_MAX_ELEMENTS = 2**26
+Gather = bool | Literal["uneven"]  # gather_distributed: False, True (equal batch sizes) or "uneven"
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS = get_args(Reduction)
 
@@ -41,6 +48,33 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def choose_backend(requested: str, chunk_size: int | None) -> str:
+    """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" only where asked, else
+    "torch", on every device. On CUDA "torch" means cuBLAS products in GPU-sized blocks on the exact path
+    with no host read (chunked.py's safe path): the Triton kernels stay opt-in until a committed
+    benchmarks/gpu_check.sh table shows them correct and faster on a device (docs/gpu/, DESIGN.md GPU)."""
+    if requested == "dense" or chunk_size == 0:
+        return "dense"
+    return "triton" if requested == "triton" else "torch"
+
+
+def blocking(device_type: str, k: int, chunk_size: int | None) -> tuple[int, int]:
+    """(anchors per block, entries that may be kept for backward) of the blockwise torch kernel for a matrix
+    of k columns on a device of this type: the CPU's cache-sized blocks, some kept (BLOCK_ELEMENTS), or a
+    GPU's large blocks, none kept (DEVICE_BLOCK_ELEMENTS); chunk_size: that many anchors, none kept."""
+    if chunk_size is not None:
+        return chunk_size, 0
+    if device_type == "cpu":
+        return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
+    return max(1, DEVICE_BLOCK_ELEMENTS // k), 0
+
+
+def _no_autocast(device_type: str):
+    """Autocast off on this device; the meta device (tests/test_memory.py) has no autocast. (Not through
+    torch.amp.is_autocast_available: torch 2.9's dynamo cannot trace it.)"""
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
+
+
 def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
     """bfloat16 or float16 where the features come in it or autocast asks for it, else None. The Triton
     backend then takes the unit vectors in that dtype for its products (accumulated in float32): the
@@ -49,7 +83,7 @@ def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
         if f.dtype in (torch.bfloat16, torch.float16):
             return f.dtype
     device = features[0].device.type
-    if torch.is_autocast_enabled(device):
+    if device != "meta" and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 
@@ -143,6 +177,9 @@ class ContrastiveLoss(Objective):
       query_key, [2 N] for cross_modal (images, then texts).
     - ``gather_distributed`` (False): the negatives come from every process (gathered with gradient),
       so that P processes (with DDP's gradient averaging) match one process on the concatenated batch.
+      True: every process holds the same batch size (checked on the device: no host round trip, and the
+      call compiles with fullgraph=True); "uneven": batch sizes may differ (exchanged between the hosts on
+      every call, e.g. for an epoch's last batch).
     - ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
       BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives
       with a closed-form ``stat_grad`` get backward's products done in forward and keep no block; the
@@ -151,16 +188,21 @@ class ContrastiveLoss(Objective):
       the batch; a positive number: blocks of that many anchors, none kept; 0: the dense reference (one
       product, autograd through logsumexp). All three give the same values and gradients.
     - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
-      "auto" is Triton on CUDA and the blockwise torch kernel elsewhere.
+      "auto" is the blockwise torch kernel on every device (see choose_backend): on CPU cache-sized
+      blocks with host-checked fast paths, on CUDA cuBLAS products in GPU-sized blocks
+      (DEVICE_BLOCK_ELEMENTS) on the exact path, no value read on the host; "triton" is opt-in.
     """
 
     name = "contrastive"
 
     needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
 
-    def __init__(self, *, normalize: bool = True, gather_distributed: bool = False, chunk_size: int | None = None,
-                 backend: Backend = "auto", reduction: Reduction = "mean"):
+    def __init__(self, *, normalize: bool = True, gather_distributed: Gather = False,
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(normalize=normalize, reduction=reduction)
+        if gather_distributed not in (False, True, "uneven"):
+            raise ValueError(f"{self.name}: gather_distributed must be False, True or 'uneven', "
+                             f"got {gather_distributed!r}")
         if backend not in BACKENDS:
             raise ValueError(f"{self.name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 0):
@@ -202,15 +244,17 @@ class ContrastiveLoss(Objective):
         views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
         check_features(self.name, views, values=False)  # values: see _reduce
         low = _low_precision(*views.values())
-        with torch.autocast(z1.device.type, enabled=False):
+        with _no_autocast(z1.device.type):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
             dtype = _compute_dtype(*views.values())
-            u = torch.stack([self._unit(z, dtype) for z in views.values()])  # [V, n, D]
+            zs = list(views.values())
+            x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
+            u = self._unit(x, dtype)  # one copy, normalised (and saved) once
             anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
-                all_u, start = self._gather(u.transpose(0, 1).reshape(n, v * d))
-                total = all_u.shape[0]
-                all_u = all_u.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
+                all_x, start = self._gather(x.transpose(0, 1).reshape(n, v * d))
+                total = all_x.shape[0]
+                all_u = self._unit(all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d), dtype)
             else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
                 all_u, start, total = anchors, 0, n
             if total < 2:
@@ -220,7 +264,10 @@ class ContrastiveLoss(Objective):
             # Positives: the other views of the same sample, from local features (no gather needed).
             idx = torch.arange(v, device=u.device)
             others = idx[None, : v - 1] + (idx[None, : v - 1] >= idx[:, None]).long()  # [V, V-1]: w != a
-            gram = torch.einsum("and,bnd->nab", u, u)  # [n, V, V]
+            # [n, V, V]: u_a . u_b, with u in one operand only, so that backward makes one [V, n, D] gradient
+            # (not two summed): the transpose gives the other operand's half of it.
+            half = torch.einsum("and,bnd->nab", u, u.detach())
+            gram = half + half.transpose(1, 2) - half.detach()
             pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
 
             # Negatives: every view of every sample but the anchor's own sample's views.
@@ -239,7 +286,7 @@ class ContrastiveLoss(Objective):
         if keys.shape[0] != query.shape[0]:
             raise ValueError(f"{self.name}: query has {query.shape[0]} rows but key has {keys.shape[0]}")
         low = _low_precision(*features.values())
-        with torch.autocast(query.device.type, enabled=False):
+        with _no_autocast(query.device.type):
             dtype = _compute_dtype(query, key)
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
@@ -247,13 +294,17 @@ class ContrastiveLoss(Objective):
                 terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0], low=low)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
-            all_k, start = self._gather(k.reshape(n, -1))
-            total = all_k.shape[0]
+            if self.gather_distributed:
+                all_keys, start = self._gather(keys.reshape(n, -1))
+                total = all_keys.shape[0]
+                all_k = self._unit(all_keys.reshape(total * p, -1), dtype)
+            else:
+                all_k, start, total = k.reshape(n * p, -1), 0, n
             if total < 2:
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
             own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
-            terms = self.negative_terms(pos, q, all_k.reshape(total * p, -1), own, (total - 1) * p, low=low)
+            terms = self.negative_terms(pos, q, all_k, own, (total - 1) * p, low=low)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -266,7 +317,7 @@ class ContrastiveLoss(Objective):
         check_features(self.name, features, values=False)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
         low = _low_precision(image, text)
-        with torch.autocast(image.device.type, enabled=False):
+        with _no_autocast(image.device.type):
             dtype = _compute_dtype(image, text)
             a, b = self._unit(image, dtype), self._unit(text, dtype)
             if isinstance(scale, torch.Tensor):
@@ -274,8 +325,9 @@ class ContrastiveLoss(Objective):
             n = a.shape[0]
             pos = (a * b).sum(-1, keepdim=True)
             if self.gather_distributed:
-                both, start = self._gather(torch.cat([a, b], dim=1))
-                all_a, all_b = both.split(a.shape[1], dim=1)
+                same = image.dtype == text.dtype
+                both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
+                all_a, all_b = (self._unit(x, dtype) for x in both.split(a.shape[1], dim=1))
             else:
                 all_a, all_b, start = a, b, 0
             total = all_a.shape[0]
@@ -302,32 +354,27 @@ class ContrastiveLoss(Objective):
     # ------------------------------------------------------------------ helpers
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return gather_with_grad(x) if self.gather_distributed else (x, 0)
+        """Every process's rows of x and this process's offset. The settings gather the raw features, in
+        their own dtype (a bf16 batch moves half the bytes of its float32 unit vectors), and normalise the
+        gathered rows: exactly the unit vectors one process would compute."""
+        return gather_with_grad(x, uneven=self.uneven) if self.gather_distributed else (x, 0)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether processes may hold different batch sizes (gather_distributed="uneven")."""
+        return self.gather_distributed == "uneven"
 
     def _resolve_backend(self, features: torch.Tensor) -> str:
-        """The backend of this call: "dense" (chunk_size=0 or asked), "triton" (asked, or "auto" on CUDA
-        where Triton is installed and the features are not float64), else "torch" (blockwise)."""
-        if self.backend == "dense" or self.chunk_size == 0:
-            return "dense"
-        if self.backend == "triton":
+        """The backend of this call (choose_backend), "triton" checked against the features and the install."""
+        backend = choose_backend(self.backend, self.chunk_size)
+        if backend == "triton":
             if features.dtype == torch.float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
                                 "features; use backend='torch' for float64")
             if not triton_available():
                 raise RuntimeError(f"{self.name}: backend='triton' needs the triton package (pip install triton), "
                                    "and on CPU tensors TRITON_INTERPRET=1 set before triton is imported")
-            return "triton"
-        if (self.backend == "auto" and features.is_cuda and features.dtype != torch.float64
-                and self.chunk_size is None and triton_available()):
-            return "triton"
-        return "torch"
-
-    def _blocking(self, k: int) -> tuple[int, int]:
-        """(anchors per block, entries that may be kept for backward) of the blockwise torch kernel for a
-        matrix of k columns."""
-        if self.chunk_size is not None:
-            return self.chunk_size, 0
-        return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
+        return backend
 
     def _negative_stats(self, backend, anchors, candidates, scale, exclude, low, *, columns=False, row_grad=None):
         """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) through the
@@ -342,9 +389,11 @@ class ContrastiveLoss(Objective):
                 candidates = anchors if same else candidates.to(low)
             return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
                                          columns=columns)
-        block, keep = self._blocking(candidates.shape[0])
+        block, keep = blocking(anchors.device.type, candidates.shape[0], self.chunk_size)
+        # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
+        # sample's views) are symmetric.
         return negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
-                              columns=columns, keep=keep, row_grad=row_grad)
+                              columns=columns, keep=keep, row_grad=row_grad, symmetric=candidates is anchors)
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
                        low=None) -> Terms:

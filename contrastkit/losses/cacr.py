@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from contrastkit.losses.base import Backend, ContrastiveLoss, Reduction
+from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction
 from contrastkit.losses.functional import Terms, _check_temperature, cacr_stat_terms, cacr_terms
 
 
@@ -23,7 +23,7 @@ class CACRLoss(ContrastiveLoss):
     name = "cacr"
     needs_mean = True
 
-    def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, *, normalize: bool = True, gather_distributed: bool = False,
+    def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, *, normalize: bool = True, gather_distributed: Gather = False,
                  chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
                          backend=backend, reduction=reduction)

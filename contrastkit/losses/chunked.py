@@ -161,32 +161,35 @@ class _BlockStats(torch.autograd.Function):
     """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad):
-        ctx.same_input = a is b  # two views on one process: the anchors are the candidates
-        a_s = a * scale
+    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric):
+        # b None: two views on one process, the anchors are the candidates. Passed once, as torch.compile
+        # cannot trace a Function given one tensor twice; backward returns the summed gradient as a's.
+        ctx.same_input = b is None
+        b = a if ctx.same_input else b
         if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
             keep, row_grad = 0, None
         # The fast path's checks (overflow, the columns' error bound) and backward's check of the guess read
         # values on the host; elsewhere (CUDA, torch.compile) the safe path runs, exact with no check.
         fast = host_checks_allowed(a)
-        state = None
+        state, a_s = None, a * scale if fast else None  # the safe path scales each block's rows (no [M, D] copy)
         if fast and columns and not with_mean:
             state = _fast_columns(a_s, b, exclude, block, keep)
         elif fast and not columns:
             state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None, row_grad)
         ctx.fast = state is not None
+        ctx.symmetric = symmetric and ctx.same_input and not ctx.fast and not columns
         spec = ()
         if ctx.fast:
             stats, shifts, norms, kept, *spec = state
         else:
-            stats, kept = _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep)
+            stats, kept = _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep)
             shifts = norms = None
         ctx.block, ctx.with_mean, ctx.columns, ctx.n_spec = block, with_mean, columns, len(spec)
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
         # The kept blocks are saved tensors too, so autograd frees them once backward has run (a Python
         # attribute would hold them until the loss tensor dies: through the next step's forward).
-        ctx.save_for_backward(a, b, stats, exclude, scale if ctx.scale_is_tensor else None, shifts, norms, *spec,
-                              *kept)
+        ctx.save_for_backward(a, None if ctx.same_input else b, stats, exclude, scale if ctx.scale_is_tensor else None,
+                              shifts, norms, *spec, *kept)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
         return stats
@@ -194,23 +197,24 @@ class _BlockStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b, stats, exclude, scale_t, shifts, norms, *rest = ctx.saved_tensors
+        b = a if ctx.same_input else b
         spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
         if not (need_a or need_b or need_scale):
-            return (None,) * 9
+            return (None,) * 10
         ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
             return _finish(ctx, grad, a, stats, scale, spec[1], spec[2], ratio)
-        a_s = a * scale
+        a_s = a * scale if ctx.fast else None
         if ctx.fast and ctx.columns:
             d_as, db_t = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
         elif ctx.fast:
             d_as, db_t = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
                                              stats if ctx.with_mean else None, scale)
         else:
-            d_as, db_t = _safe_backward(a_s, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
-                                        ctx.columns)
+            d_as, db_t = _safe_backward(a, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
+                                        ctx.columns, ctx.symmetric)
         return _finish(ctx, grad, a, stats, scale, d_as, db_t)
 
 
@@ -219,37 +223,33 @@ def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=None):
     faster products), both times ``ratio`` when they are forward's guess (saved tensors, so never changed
     in place; None: computed by backward, and scaled in place). When one tensor is both anchors and
     candidates (two views on one process) its gradient is the sum, returned once (autograd would add
-    the two). The transposed copy comes first: elementwise ops reading db_t.T took up to twice as long."""
+    the two). The transposed copy comes first: elementwise ops reading db_t.T took up to twice as long.
+    Symmetric (see _safe_backward): d_as is (dL + dL^T) b, the whole gradient over scale, and db_t None."""
     need_a, need_b, need_scale = ctx.needs_input_grad[:3]
     guessed, ratio = ratio is not None, 1.0 if ratio is None else ratio
     d_scale = None
     if need_scale:
-        d_scale = (d_as * a).sum() * ratio
+        d_scale = (d_as * a).sum() * (0.5 if ctx.symmetric else ratio)  # <dL, a b^T> = <dL + dL^T, a a^T> / 2
         if ctx.with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
             if ctx.columns:
                 d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
         d_scale = d_scale.reshape(scale.shape)
     d_a = db = None
-    if ctx.same_input:
-        if need_a:
-            d_a = _times(_add_scaled(_transposed(db_t), d_as, scale), ratio)
-    else:
-        if need_a:
-            d_a = d_as * (scale * ratio) if guessed else d_as.mul_(scale)
-        db = _times(_transposed(db_t), ratio) if need_b else None
-    return d_a, db, d_scale, None, None, None, None, None, None
+    if need_a:
+        d_a = d_as * (scale * ratio) if guessed else d_as.mul_(scale)
+        # No add(..., alpha=scale): inductor (2.9.1, 2.14.1, CPU) turns add(c, a @ b, alpha=s) into addmm, alpha lost.
+        if ctx.same_input and not ctx.symmetric:
+            d_a = _times(_transposed(db_t), ratio).add_(d_a)
+    if need_b and not ctx.same_input:
+        db = _times(_transposed(db_t), ratio)
+    return d_a, db, d_scale, None, None, None, None, None, None, None
 
 
 def _transposed(x):
     """A contiguous copy of x^T (never a view of x: it is changed in place next), as collectives need:
     gloo's all_gather backward mishandles other layouts."""
     return x.T.clone(memory_format=torch.contiguous_format)
-
-
-def _add_scaled(y, x, scale):
-    """y += scale x in place, scale a number or a 0-dim tensor."""
-    return y.addcmul_(x, scale) if isinstance(scale, torch.Tensor) else y.add_(x, alpha=scale)
 
 
 def _times(x, ratio):
@@ -421,33 +421,40 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
 # ----------------------------------------------------------------------------- safe: exact maxima, CACR's mean
 
 
-def _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep):
-    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not."""
-    m, k = a_s.shape[0], b.shape[0]
-    stats = a_s.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m))
+def _scaled_logits(a, scale, b, exclude, r0, r1):
+    """The block's logits, its rows of a scaled on the way (no scaled copy of the whole of a)."""
+    return _put_excluded(torch.mm(a[r0:r1] * scale, b.T), exclude, r0, r1)
+
+
+def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep):
+    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not. No value
+    is read on the host: the path of CUDA and torch.compile. At most two blocks live at a time."""
+    m, k = a.shape[0], b.shape[0]
+    stats = a.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m))
     lse, mean = stats[0], stats[1] if with_mean else None
     if columns:
-        col_max = a_s.new_full((k,), float("-inf"))
-        col_sum, col_wsum = a_s.new_zeros(k), a_s.new_zeros(k)
+        col_max = a.new_full((k,), float("-inf"))
+        col_sum, col_wsum = a.new_zeros(k), a.new_zeros(k)
     kept = []
     for r0, r1, keep_block in _blocks(m, k, block, keep):
-        logits = _block_logits(a_s, b, exclude, r0, r1)
+        logits = _scaled_logits(a, scale, b, exclude, r0, r1)
         lse[r0:r1] = torch.logsumexp(logits, dim=1)
         if with_mean:
-            mean[r0:r1] = (torch.exp(logits - lse[r0:r1, None]) * logits).sum(dim=1) / scale
+            mean[r0:r1] = torch.sub(logits, lse[r0:r1, None]).exp_().mul_(logits).sum(dim=1) / scale
         if columns:
             # Online logsumexp down the columns (and the softmax-weighted sum for the mean). A column whose
             # block holds only its excluded entry counts it once, but the first valid entry after it
             # rescales that by exp(excluded - valid) = 0, and every column has one.
             new_max = torch.maximum(col_max, logits.amax(dim=0))
             rescale = torch.exp(col_max - new_max)
-            e = torch.exp(logits - new_max)
+            e = torch.sub(logits, new_max).exp_()
             col_sum.mul_(rescale).add_(e.sum(dim=0))
             if with_mean:
-                col_wsum.mul_(rescale).add_((e * logits).sum(dim=0))
+                col_wsum.mul_(rescale).add_(e.mul_(logits).sum(dim=0))
             col_max = new_max
         if keep_block:
             kept.append(logits)
+        del logits  # before the next block's product: one block at a time
     if columns:
         col = 2 if with_mean else 1
         stats[col] = col_max + torch.log(col_sum)
@@ -456,31 +463,52 @@ def _safe_forward(a_s, b, scale, exclude, block, with_mean, columns, keep):
     return stats, kept
 
 
-def _safe_dlogits(logits, lse, grad, mean, grad_mean, scale):
-    """Gradient of the statistics in one direction with respect to the block's logits."""
+def _safe_dlogits(logits, lse, grad, mean, grad_mean, scale, inplace=False):
+    """Gradient of the statistics in one direction with respect to the block's logits: p (alpha + beta L),
+    p = exp(L - lse), beta = g_mean / scale, alpha = g + beta (1 - scale mean) (module docstring). With
+    ``inplace`` (a recomputed block) the result overwrites the logits: one block of temporaries fewer."""
     if mean is None:
-        return torch.exp(logits - lse).mul_(grad)
-    return torch.exp(logits - lse).mul_(grad + grad_mean / scale * (1.0 + logits - scale * mean))
+        return (logits.sub_(lse) if inplace else logits - lse).exp_().mul_(grad)
+    p = torch.exp(logits - lse)
+    beta = grad_mean / scale
+    alpha = grad + beta * (1.0 - scale * mean)
+    return (logits.mul_(beta) if inplace else logits * beta).add_(alpha).mul_(p)
 
 
-def _safe_backward(a_s, b, exclude, block, kept, stats, grad, scale, with_mean, columns):
+def _safe_backward(a, b, exclude, block, kept, stats, grad, scale, with_mean, columns, symmetric):
+    """d a_s and d b^T, block by block. ``symmetric`` (two views on one process: b is a, and the excluded
+    pairs are symmetric): L is symmetric, so the transposed term p_ki of each block is exp(L_ik - lse_k) and
+    d a = scale (dL + dL^T) a comes row block by row block, one product each, with no [D, K] accumulator:
+    d_as is then (dL + dL^T) b and db_t None (see _finish)."""
     col = 2 if with_mean else 1
-    d_as, db_t = torch.empty_like(a_s), b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
-    for i, r0 in enumerate(range(0, a_s.shape[0], block)):
-        r1 = min(r0 + block, a_s.shape[0])
-        logits = kept[i] if i < len(kept) else _block_logits(a_s, b, exclude, r0, r1)
+    m = a.shape[0]
+    d_as = torch.empty_like(a)
+    db_t = None if symmetric else b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
+    for i, r0 in enumerate(range(0, m, block)):
+        r1 = min(r0 + block, m)
+        recomputed = i >= len(kept)
+        logits = _scaled_logits(a, scale, b, exclude, r0, r1) if recomputed else kept[i]
+        other = None
+        if columns or symmetric:  # the columns' term first, while the logits are intact
+            c = col if columns else 0
+            mean, g_mean = (stats[c + 1], grad[c + 1]) if with_mean else (None, None)
+            other = _safe_dlogits(logits, stats[c], grad[c], mean, g_mean, scale)
         mean, g_mean = (stats[1, r0:r1, None], grad[1, r0:r1, None]) if with_mean else (None, None)
-        dl = _safe_dlogits(logits, stats[0, r0:r1, None], grad[0, r0:r1, None], mean, g_mean, scale)
-        if columns:
-            mean, g_mean = (stats[col + 1], grad[col + 1]) if with_mean else (None, None)
-            dl += _safe_dlogits(logits, stats[col], grad[col], mean, g_mean, scale)
-        _block_grads(dl, b, a_s, r0, r1, d_as, db_t)
+        dl = _safe_dlogits(logits, stats[0, r0:r1, None], grad[0, r0:r1, None], mean, g_mean, scale,
+                           inplace=recomputed)
+        if other is not None:
+            dl = dl.add_(other)
+            del other
+        torch.mm(dl, b, out=d_as[r0:r1])
+        if not symmetric:
+            db_t.addmm_((a[r0:r1] * scale).T, dl)
+        del logits, dl  # before the next block's product: two blocks at a time
     return d_as, db_t
 
 
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
                    block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
-                   row_grad=None):
+                   row_grad=None, symmetric: bool = False):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
@@ -492,6 +520,10 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     row_grad (rows only): ``row_grad(stats_rows [S, rows], r0, r1)`` -> d loss / d stats of rows r0:r1,
     for a caller whose loss is a sum of per-row terms of the statistics: backward's products are then
     done in forward and no block is kept (see _fast_rows). A wrong guess costs time, never exactness.
+
+    symmetric (rows only): the caller vouches that candidates is anchors and that k is excluded from row i
+    exactly when i is from row k (two views on one process); the exact path's backward (CUDA, compiled)
+    then takes one product per block instead of two, and no [D, K] accumulator (see _safe_backward).
     """
     if columns:
         m = anchors.shape[0]
@@ -501,5 +533,5 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
-    return _BlockStats.apply(anchors, candidates, scale, exclude, int(block), with_mean, columns, int(keep),
-                             row_grad)
+    return _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude, int(block),
+                             with_mean, columns, int(keep), row_grad, symmetric)

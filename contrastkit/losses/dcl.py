@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from contrastkit.distributed import gather_no_grad
-from contrastkit.losses.base import Backend, ContrastiveLoss, Reduction
+from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction
 from contrastkit.losses.functional import Terms, _check_temperature, dclw_weights, softmax_terms
 
 
@@ -22,7 +22,7 @@ class DCLLoss(ContrastiveLoss):
 
     name = "dcl"
 
-    def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: bool = False,
+    def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: Gather = False,
                  chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
                          backend=backend, reduction=reduction)
@@ -54,7 +54,7 @@ class DCLWLoss(DCLLoss):
 
     name = "dclw"
 
-    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, *, normalize: bool = True, gather_distributed: bool = False,
+    def __init__(self, temperature: float = 0.1, sigma: float = 0.5, *, normalize: bool = True, gather_distributed: Gather = False,
                  chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(temperature, normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
                          backend=backend, reduction=reduction)
@@ -62,4 +62,5 @@ class DCLWLoss(DCLLoss):
         self.sigma = sigma
 
     def positive_weight(self, pos: torch.Tensor) -> torch.Tensor:
-        return dclw_weights(pos, self.sigma, gather_no_grad(pos) if self.gather_distributed else None)
+        all_pos = gather_no_grad(pos, uneven=self.uneven) if self.gather_distributed else None
+        return dclw_weights(pos, self.sigma, all_pos)

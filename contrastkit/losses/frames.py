@@ -69,7 +69,7 @@ class FrameObjective:
             # DCLW's weights are a softmax over the batch's positive pairs: every process's frames
             # (a collective: called on every process, also one with no frame left).
             options["pos_weight"] = K.dclw_weights(pos[:, None], options.get("sigma", 0.5),
-                                                   gather_no_grad(pos))[:, 0]
+                                                   gather_no_grad(pos, uneven=True))[:, 0]  # frames differ
         if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
             return neg.sum() * 0.0, dropped
         return self.kernel(pos, neg, neg_mask=valid, **options).sum(), dropped

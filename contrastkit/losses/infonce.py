@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from contrastkit.losses.base import Backend, ContrastiveLoss, Reduction
+from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction
 from contrastkit.losses.functional import Terms, _check_temperature, eqco_negatives, softmax_terms
 
 
@@ -19,7 +19,7 @@ class InfoNCELoss(ContrastiveLoss):
 
     name = "infonce"
 
-    def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: bool = False,
+    def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: Gather = False,
                  chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
                          backend=backend, reduction=reduction)
@@ -54,7 +54,7 @@ class EqCoLoss(InfoNCELoss):
 
     name = "eqco"
 
-    def __init__(self, temperature: float = 0.1, alpha: float = 256.0, *, normalize: bool = True, gather_distributed: bool = False,
+    def __init__(self, temperature: float = 0.1, alpha: float = 256.0, *, normalize: bool = True, gather_distributed: Gather = False,
                  chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
         super().__init__(temperature, normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
                          backend=backend, reduction=reduction)

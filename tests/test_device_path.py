@@ -1,0 +1,82 @@
+"""The path a GPU runs, proven on the CPU: backend="auto" is the blockwise torch kernel on every device, in
+GPU-sized blocks off the CPU, on the exact path that reads no value on the host (chunked.py's safe path,
+which the CPU takes only as a fallback). Forced here on CPU tensors, it equals the dense float64 path for
+every objective and setting; on the meta device, where any host read raises, every call runs through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_chunked import SCORE_LOSSES, SETTINGS, _inputs, _loss, _value_and_grads
+
+import contrastkit.losses.chunked as chunked
+from contrastkit.losses import build_loss
+from contrastkit.losses.base import BLOCK_ELEMENTS, DEVICE_BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking, choose_backend
+from contrastkit.losses.chunked import negative_stats
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """CPU calls take the path of CUDA and torch.compile: no host checks, hence no fast path."""
+    monkeypatch.setattr(chunked, "host_checks_allowed", lambda x: False)
+
+
+def test_auto_is_the_blockwise_torch_kernel_on_every_device():
+    for device in ("cpu", "cuda", "meta"):  # the choice does not depend on the device: Triton is opt-in
+        assert choose_backend("auto", None) == "torch", device
+    assert choose_backend("triton", None) == "triton"
+    assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"
+    assert choose_backend("torch", 8) == "torch"
+
+
+def test_gpu_sized_blocks_off_the_cpu():
+    k = 2**19  # two views at N = 262144
+    assert blocking("cpu", k, None) == (BLOCK_ELEMENTS // k, KEEP_MAX_ELEMENTS)
+    assert blocking("cuda", k, None) == (DEVICE_BLOCK_ELEMENTS // k, 0)  # 32 anchors: a 17 GFLOP product at D 512
+    assert blocking("cuda", 2**30, None) == (1, 0)
+    assert blocking("cuda", k, 5) == (5, 0)
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_device_path_equals_dense_float64(name, setting, device_path):
+    x, extra = _inputs(hash((name, setting, "device")) % 2**31, 11, 6, torch.float64)
+    want, want_grads = _value_and_grads(name, setting, 0, x, extra)
+    for chunk in (4, None):  # ragged blocks (11 = 4 + 4 + 3 anchors), automatic
+        got, grads = _value_and_grads(name, setting, chunk, x, extra)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"chunk {chunk}: {m}")
+        for i, (g, w) in enumerate(zip(grads, want_grads)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"chunk {chunk} grad {i}: {m}")
+
+
+@pytest.mark.parametrize("with_mean", [False, True])
+@pytest.mark.parametrize("keep", [0, 100])
+def test_symmetric_backward_gradcheck(with_mean, keep, device_path):
+    """Two views on one process: one product per block for (dL + dL^T) a; finite differences in the
+    features and a learnable scale, the excluded pairs a sample's two views."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.nn.functional.normalize(torch.randn(6, 3, generator=g, dtype=torch.float64), dim=1).requires_grad_()
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    own = torch.arange(3)
+    exclude = torch.stack([own, own + 3], dim=1).repeat(2, 1)  # row v*3+i leaves out i and 3+i
+    torch.autograd.gradcheck(lambda a, s: negative_stats(a, a, s, exclude=exclude, block=4, with_mean=with_mean,
+                                                         keep=keep, symmetric=True), (a, scale))
+
+
+def _meta_call(name, setting):
+    x, extra = _inputs(0, 9, 5, torch.float32)
+    meta = [t.to("meta") for t in x]
+    extra = {k: v.to("meta") for k, v in extra.items()}
+    loss, leaves = _loss(name, setting, None, meta, extra)
+    return loss, leaves
+
+
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_no_host_read_on_the_device_path(name, setting):
+    """On the meta device every .item(), bool(tensor) or value-dependent shape raises: forward and backward
+    of every objective and setting run through, so a CUDA step has none of them (no sync)."""
+    loss, leaves = _meta_call(name, setting)
+    grads = torch.autograd.grad(loss, leaves)
+    assert loss.device.type == "meta" and all(g.shape == t.shape for g, t in zip(grads, leaves))
+

@@ -1,0 +1,127 @@
+"""The loss's memory at CUDA sizes, counted on the CPU without computing anything: the features live on the
+meta device, which takes the path of CUDA (backend="auto": the blockwise torch kernel in GPU-sized blocks,
+the exact path with no host read), and every tensor an operator makes is counted while it lives. Two
+numbers per call: what stays alive between forward and backward (the saved tensors and nothing else), and
+the peak beyond the inputs and their gradients (what torch.cuda.max_memory_allocated would show, less the
+inputs and .grad, as tests/test_cuda.py measures it on a GPU)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from contrastkit.losses import build_loss
+from contrastkit.losses.base import DEVICE_BLOCK_ELEMENTS
+
+MiB = 2**20
+ROW_BYTES = 64  # per anchor: its statistics, excluded columns, norms (a few numbers each)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages made by operators and still alive: now (``total``) and at most (``peak``).
+    Storages of the ``exclude`` tensors (the inputs) are not counted, nor views (no new storage)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.excluded = {t.untyped_storage()._cdata for t in exclude}
+        self.live: dict[int, int] = {}
+        self.total = self.peak = 0
+
+    def _free(self, key):
+        self.total -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.live and key not in self.excluded:
+                    self.live[key] = storage.nbytes()
+                    self.total += storage.nbytes()
+                    weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.total)
+        return out
+
+
+def count(call, inputs):
+    """(bytes kept from forward to backward, bytes saved for backward, peak bytes beyond the inputs and
+    their gradients) of ``call(*inputs)`` then backward, inputs on the meta device."""
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in mode.excluded:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    mode = LiveBytes(exclude=inputs)
+    with mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = call(*inputs)
+        kept = mode.total - loss.untyped_storage().nbytes()
+        loss.backward()
+    grads = sum(t.grad.untyped_storage().nbytes() for t in inputs if t.grad is not None)
+    return kept, sum(saved.values()), mode.peak - grads
+
+
+def _features(n, d, count_=2, dtype=torch.bfloat16):
+    return [torch.empty(n, d, device="meta", dtype=dtype, requires_grad=True) for _ in range(count_)]
+
+
+def test_the_counter_counts():
+    """Frees are seen as they happen: 3 buffers of 4 MiB at most, 1 left alive."""
+    mode = LiveBytes()
+    with mode:
+        x = torch.ones(2**20, device="meta")
+        y = x * 2
+        z = y + x
+        del x, y
+        w = z * 3
+        del z
+    assert (mode.peak, mode.total) == (12 * MiB, 4 * MiB)
+    assert w.shape == (2**20,)
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_cuda_memory_limit_holds_by_count(setting):
+    """tests/test_cuda.py's large-batch case, N = 65536, D = 256 bf16 (DCL): under its 512 MiB limit. Only the
+    normalised features (float32, one copy) and per-anchor vectors (statistics, excluded indices) are kept
+    for backward."""
+    n, d = 65536, 256
+    z = _features(n, d)
+    fn = build_loss("dcl")
+
+    def call(z1, z2):
+        return fn.cross_modal(z1, z2, logit_scale=14.0) if setting == "image_text" else fn(z1, z2)
+
+    kept, saved, peak = count(call, z)
+    unit, rows = 2 * n * d * 4, 2 * n  # both views' unit vectors in float32; anchors
+    assert saved <= unit + ROW_BYTES * rows and kept <= unit + ROW_BYTES * rows, (kept / MiB, saved / MiB)
+    assert peak < 512 * MiB, f"{peak / MiB:.0f} MiB"
+
+
+CALLS = {
+    "three_views": (lambda fn, z: fn(*z), 3),
+    "query_key": (lambda fn, z: fn.query_key(z[0], z[1]), 2),
+    "queue": (lambda fn, z: fn.query_key(z[0], z[1], z[2].detach()), 3),
+}
+
+
+@pytest.mark.parametrize("name", ["dcl", "cacr"])
+@pytest.mark.parametrize("setting", CALLS)
+def test_other_settings_stay_linear(name, setting):
+    """Three views, query/key and a queue (N = 16384, D = 256, a queue of 16384): kept <= the unit vectors,
+    peak <= 4 copies of them plus three GPU blocks (CACR's mean takes three, the others two; no [M, K] matrix:
+    that alone would be 1-2 GiB)."""
+    n, d = 16384, 256
+    call, views = CALLS[setting]
+    z = _features(n, d, views)
+    fn = build_loss(name)
+    kept, saved, peak = count(lambda *x: call(fn, x), z)
+    unit, rows = views * n * d * 4, views * n
+    assert kept <= unit + ROW_BYTES * rows and saved <= unit + ROW_BYTES * rows, (kept / MiB, saved / MiB)
+    assert peak <= 4 * unit + 3 * DEVICE_BLOCK_ELEMENTS * 4, f"{peak / MiB:.0f} MiB"
