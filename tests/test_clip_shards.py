@@ -1,0 +1,206 @@
+"""The CLIP recipe on webdataset shards in img2dataset's layout: every sample once per epoch across
+processes and loader workers, exact resume after a kill, bad samples skipped and counted (too many: one
+error line naming the shard), '::' mixing, and 2 processes x 2 workers learn."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("open_clip")
+pytest.importorskip("webdataset")
+
+from PIL import Image  # noqa: E402
+
+from contrastkit.cli import parse  # noqa: E402
+from contrastkit.clip.train import ClipTrainConfig  # noqa: E402
+from contrastkit.data.shards import (Position, ShardStream, plan_epochs, shard_urls,  # noqa: E402
+                                     write_img2dataset_shards)
+from contrastkit.training import latest_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _pairs(n, start=0, corrupt=()):
+    """Small distinct images captioned by their index; the indices in ``corrupt`` get bytes that are no image."""
+    for i in range(start, start + n):
+        image = Image.new("RGB", (8, 8), ((i * 37) % 256, (i * 11) % 256, (i * 3) % 256))
+        yield (b"not a jpeg" if i in corrupt else image), f"pair {i}"
+
+
+def _to_tensor(image):
+    from torchvision.transforms.functional import pil_to_tensor
+
+    return pil_to_tensor(image)
+
+
+def _epoch_captions(urls, *, world, workers, batch, steps, per_epoch=None, start=0, rank_positions=None):
+    """Each process's batches of steps [start, steps) through a real DataLoader with ``workers`` workers."""
+    out = []
+    for rank in range(world):
+        stream = ShardStream(urls, _to_tensor, None, local_batch=batch // world, steps_per_epoch=per_epoch or steps,
+                             start=start,
+                             stop=steps, rank=rank, world=world, workers=workers, seed=5,
+                             positions=(rank_positions or {}).get(rank))
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
+        out.append([(captions, where.tolist()) for _, captions, where in loader])
+    return out
+
+
+def test_every_sample_once_per_epoch_across_processes_and_workers(tmp_path):
+    write_img2dataset_shards(tmp_path, _pairs(128), per_shard=16)  # 8 shards
+    urls, samples, steps = plan_epochs(str(tmp_path), 16, world=2, workers=2)
+    assert (len(urls), samples, steps) == (8, 128, 8)
+    runs = _epoch_captions(urls, world=2, workers=2, batch=16, steps=steps)
+    seen = [c for rank in runs for captions, _ in rank for c in captions]
+    assert sorted(seen) == sorted(f"pair {i}" for i in range(128))  # each key exactly once
+    assert all(len(rank) == steps for rank in runs)
+    # the DataLoader takes its workers in turn: step s comes from worker role s mod 2
+    assert [where[0] for _, where in runs[0]] == [0, 1] * 4
+    # a different epoch permutes the shards and reshuffles: another order, the same samples
+    again = _epoch_captions(urls, world=2, workers=2, batch=16, steps=2 * steps, per_epoch=steps)
+    assert sorted(c for rank in again for captions, _ in rank[steps:] for c in captions) == sorted(seen)
+    assert [b for b, _ in again[0][steps:]] != [b for b, _ in runs[0]]
+
+
+def test_resumed_stream_skips_what_was_taken_and_counts_bad_samples(tmp_path):
+    write_img2dataset_shards(tmp_path, _pairs(64, corrupt={3, 40}), per_shard=16)
+    urls = shard_urls(str(tmp_path))
+    full = _epoch_captions(urls, world=1, workers=2, batch=8, steps=10, per_epoch=8)[0]
+    last = {where[0]: where for _, where in full}
+    assert sum(where[3] for where in last.values()) >= 2  # both undecodable images skipped and counted
+    assert all(len(c) == 8 and "pair 3" not in c and "pair 40" not in c for c, _ in full)
+    # resume at step 5 (an odd step: the loader's worker 0 now plays role 1) from the positions after step 4
+    positions = {where[0]: Position(*where[1:]) for _, where in full[:5]}
+    resumed = _epoch_captions(urls, world=1, workers=2, batch=8, steps=10, per_epoch=8, start=5,
+                              rank_positions={0: positions})[0]
+    assert resumed == full[5:]
+
+
+def test_two_shard_sets_mix_with_double_colon(tmp_path):
+    write_img2dataset_shards(tmp_path / "a", _pairs(32), per_shard=16)
+    write_img2dataset_shards(tmp_path / "b", _pairs(32, start=1000), per_shard=16)
+    data = f"{tmp_path}/a/{{00000..00001}}.tar::{tmp_path}/b/{{00000..00001}}.tar"
+    urls, samples, steps = plan_epochs(data, 8, world=1, workers=2)
+    assert len(urls) == 4 and samples == 64 and steps == 8
+    seen = [c for captions, _ in _epoch_captions(urls, world=1, workers=2, batch=8, steps=steps)[0] for c in captions]
+    assert sorted(seen) == sorted(f"pair {i}" for i in [*range(32), *range(1000, 1032)])
+
+
+def test_shard_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    write_img2dataset_shards(tmp_path, _pairs(48), per_shard=16)  # 3 shards
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for data, message in [(f"{tmp_path}/{{00000..00002}}.tar", r"3 shards for 2 process\(es\) x 2 loader worker\(s\): "
+                                                               r"need at least 4 shards"),
+                          (f"{tmp_path}/{{00000..00004}}.tar", "2 of 5 shards .* do not exist, e.g. .*00003.tar")]:
+        with pytest.raises(SystemExit) as exit_:
+            parse(ClipTrainConfig, argv=["--data", data, "--workers", "2"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("error: --data: ") and len(err.splitlines()) == 1
+        assert re.search(message, err), err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "00000_stats.json").unlink()
+    with pytest.raises(ValueError, match="no img2dataset _stats.json .* give --train-num-samples"):
+        plan_epochs(str(tmp_path), 8, world=1, workers=0)
+    assert plan_epochs(str(tmp_path), 8, world=1, workers=0, num_samples=40)[1:] == (40, 5)
+
+
+# ---------------------------------------------------------------------------- the recipe
+
+
+def _recipe(*args, kill_at=None, processes=1, port=29571):
+    argv = ["recipes/clip/train.py", "--no-progress", "--log-every", "1", "--eval-every", "0", *map(str, args)]
+    env = dict(ENV)
+    if kill_at:
+        env["KILL_AT"] = kill_at
+        argv = ["tests/scripts/killed_run.py", *argv]
+    if processes > 1:
+        argv = ["-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes), "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), *argv]
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_kill_then_resume_ends_bit_identical_and_bad_samples_are_counted(tmp_path):
+    """10 steps, into the second epoch (8 steps each), with 2 workers and 2 undecodable images; killed in step 8,
+    resumed from checkpoint_5 (mid-epoch, each role's position restored), it ends with the weights of the
+    uninterrupted run."""
+    from safetensors.torch import load_file
+
+    write_img2dataset_shards(tmp_path / "shards", _pairs(128, corrupt={5, 77}), per_shard=16)
+    args = ["--data", tmp_path / "shards", "--batch-size", "16", "--steps", "10", "--warmup", "2", "--workers", "2",
+            "--save-every", "5", "--seed", "3"]
+    straight = _recipe(*args, "--out-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _recipe(*args, "--out-dir", tmp_path / "run", kill_at="step:8")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert latest_checkpoint(tmp_path / "run").name == "checkpoint_5"
+    resumed = _recipe(*args, "--out-dir", tmp_path / "run", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load_file(str(tmp_path / "straight/checkpoints/checkpoint_10/model.safetensors"))
+    b = load_file(str(tmp_path / "run/checkpoints/checkpoint_10/model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["bad_samples"] == json.loads((tmp_path / "straight/summary.json").read_text())["bad_samples"] >= 2
+    assert summary["shards"] == 8 and summary["train_pairs"] == 128 and summary["steps_per_epoch"] == 8
+
+
+def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_path):
+    write_img2dataset_shards(tmp_path, _pairs(64, corrupt={17, 18, 19}), per_shard=16)  # 3 of 16 in 00001.tar
+    done = _recipe("--data", tmp_path, "--batch-size", "8", "--steps", "8", "--workers", "2", "--save-every", "0",
+                   "--out-dir", tmp_path / "run")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(errors) == 1 and re.fullmatch(f"error: {tmp_path}/00001.tar: [23] of its 16 samples are unusable "
+                                             r"\(no image, an image that does not decode, or no caption\): more "
+                                             "than 10% of the shard", errors[0]), errors
+
+
+def test_two_processes_two_workers_learn(tmp_path):
+    """2 processes x 2 loader workers, 80 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
+    held-out CLIP loss (InfoNCE over 4 batches of 32 unseen pairs) falls by at least 0.2 from the untrained
+    model's (measured: 3.39 -> 2.97, log 32 = 3.47; without optimizer steps it does not move)."""
+    from accelerate.utils import set_seed
+    from safetensors.torch import load_file
+
+    from contrastkit.adapters.open_clip import build_clip_loss
+    from contrastkit.clip.models import create_clip
+    from contrastkit.data.image_text import make_shapes_clip
+
+    root = make_shapes_clip(tmp_path / "data", num_train=640, num_zeroshot_per_class=1, progress=False)
+    rows = list(csv.DictReader(open(root / "train.csv"), delimiter="\t"))
+    pairs = [(Image.open(r["filepath"]), r["title"]) for r in rows]
+    write_img2dataset_shards(tmp_path / "train", pairs[:512], per_shard=32)
+    done = _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "80", "--warmup", "8", "--workers",
+                   "2", "--save-every", "80", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run",
+                   processes=2, port=29573)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+    set_seed(0)  # the recipe's initialisation, untrained
+    model, preprocess, tokenizer = create_clip("contrastkit-tiny")
+    loss_fn = build_clip_loss("infonce")
+
+    def held_out_loss():
+        losses = []
+        with torch.no_grad():
+            for i in range(512, 640, 32):
+                images = torch.stack([preprocess(image) for image, _ in pairs[i:i + 32]])
+                losses.append(loss_fn(**model(images, tokenizer([text for _, text in pairs[i:i + 32]]))).item())
+        return sum(losses) / len(losses)
+
+    model.eval()
+    untrained = held_out_loss()
+    model.load_state_dict(load_file(str(tmp_path / "run/checkpoints/checkpoint_80/model.safetensors")))
+    trained = held_out_loss()
+    assert trained <= untrained - 0.2, f"held-out loss trained {trained:.3f}, untrained {untrained:.3f}"
