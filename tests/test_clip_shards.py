@@ -71,7 +71,7 @@ def test_every_sample_once_per_epoch_across_processes_and_workers(tmp_path):
     # a different epoch permutes the shards and reshuffles: another order, the same samples
     again = _epoch_captions(urls, world=2, workers=2, batch=16, steps=2 * steps, per_epoch=steps)
     assert sorted(c for rank in again for captions, _ in rank[steps:] for c in captions) == sorted(seen)
-    assert [b for b, _ in again[0][steps:]] != [b for b, _ in runs[0]]
+    assert {c for b, _ in again[0][steps:] for c in b} != {c for b, _ in runs[0] for c in b}  # other shards
 
 
 def test_resumed_stream_skips_what_was_taken_and_counts_bad_samples(tmp_path):
@@ -169,8 +169,8 @@ def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_
 
 def test_two_processes_two_workers_learn(tmp_path):
     """2 processes x 2 loader workers, 80 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
-    held-out CLIP loss (InfoNCE over 4 batches of 32 unseen pairs) falls by at least 0.2 from the untrained
-    model's (measured: 3.39 -> 2.97, log 32 = 3.47; without optimizer steps it does not move)."""
+    held-out CLIP loss (InfoNCE over 4 batches of 32 unseen pairs) falls by at least 0.3 from the untrained
+    model's (measured: 3.62 -> 2.97, log 32 = 3.47; without optimizer steps it does not move)."""
     from accelerate.utils import set_seed
     from safetensors.torch import load_file
 
@@ -203,4 +203,4 @@ def test_two_processes_two_workers_learn(tmp_path):
     untrained = held_out_loss()
     model.load_state_dict(load_file(str(tmp_path / "run/checkpoints/checkpoint_80/model.safetensors")))
     trained = held_out_loss()
-    assert trained <= untrained - 0.2, f"held-out loss trained {trained:.3f}, untrained {untrained:.3f}"
+    assert trained <= untrained - 0.3, f"held-out loss trained {trained:.3f}, untrained {untrained:.3f}"
