@@ -46,8 +46,10 @@ class ClipTrainConfig(RunOptions):
                                               "_stats.json files)")
     dataset_resampled: bool = arg(False, "shards: draw shards with replacement (open_clip's --dataset-resampled)")
     shuffle_buffer: int = arg(5000, "shards: samples in each loader worker's shuffle buffer")
-    max_bad_fraction: float = arg(0.1, "fraction of a shard (or of a CSV/folder set) that may be unusable "
-                                       "(skipped and counted) before it is an error")
+    max_bad_fraction: float = arg(0.1, "fraction of a shard (or of the images loaded from a CSV/folder) that may "
+                                       "be unusable (skipped and counted) before it is an error")
+    verify_images: bool = arg(False, "CSV/folder: open every image before the first step and drop the unreadable "
+                                     "ones (small sets); default: skip and count them when loaded")
     csv_separator: str | None = arg(None, "CSV separator (default: tab, or comma for a .csv without tabs)")
     zeroshot: str | None = arg(None, "ImageNet-layout folder for zero-shot evaluation "
                                      "(default: the embedded held-out split)")
@@ -123,8 +125,13 @@ def train(cfg: ClipTrainConfig) -> dict:
                                                            resampled=cfg.dataset_resampled)
     else:
         dataset = load_image_text(data_path, preprocess, tokenizer, caption_key=cfg.caption_key,
-                                  img_key=cfg.img_key, sep=cfg.csv_separator, max_bad_fraction=cfg.max_bad_fraction)
+                                  img_key=cfg.img_key, sep=cfg.csv_separator, max_bad_fraction=cfg.max_bad_fraction,
+                                  verify=cfg.verify_images)
         epoch_samples = len(dataset)
+
+    def bad_samples() -> int:  # unusable samples skipped so far, all processes
+        mine = positions.bad if positions is not None else dataset.bad.value
+        return int(accelerator.reduce(torch.tensor(mine, device=device), "sum"))
 
     # fused: one kernel for all parameters (on a CPU about 8x faster than the default for this model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
@@ -181,11 +188,8 @@ def train(cfg: ClipTrainConfig) -> dict:
         if state.step % cfg.log_every == 0 or state.step == cfg.steps:
             # The global loss is the mean of the processes' local losses (equal local batches).
             global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()
-            extra = {}
-            if positions is not None:  # samples skipped so far, all processes
-                extra["bad_samples"] = int(accelerator.reduce(torch.tensor(positions.bad, device=device), "sum"))
             log.log(state.step, loss=global_loss, logit_scale=raw.logit_scale.exp().item(),
-                    lr=scheduler.get_last_lr()[0], **extra)
+                    lr=scheduler.get_last_lr()[0], bad_samples=bad_samples())
             bar.set_postfix(loss=f"{global_loss:.3f}")
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
             result = zero_shot()
@@ -199,9 +203,9 @@ def train(cfg: ClipTrainConfig) -> dict:
     summary = {"loss_name": cfg.loss, "model": cfg.model, "steps": state.step, "batch_size": cfg.batch_size,
                "processes": world, "train_pairs": epoch_samples, "data": str(data_path), "zeroshot_data": zeroshot,
                "train_seconds": round(time.time() - started, 1), "config": asdict(cfg)}
+    summary["bad_samples"] = bad_samples()
     if positions is not None:
-        summary.update(shards=len(urls), steps_per_epoch=steps_per_epoch, bad_samples=int(
-            accelerator.reduce(torch.tensor(positions.bad, device=device), "sum")))
+        summary.update(shards=len(urls), steps_per_epoch=steps_per_epoch)
     if last:
         log.log(state.step, **{f"zeroshot_{k}": v for k, v in last.items() if k in ("top1", "top5")})
         summary.update({f"zeroshot_{k}": v for k, v in last.items()})
