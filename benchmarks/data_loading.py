@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -108,6 +109,7 @@ def main(argv=None):
         parser.error(f"{len(urls)} shards for {args.workers} workers: both loaders need a shard per worker")
     loaders = {"recipe": recipe_loader, "open_clip_train": open_clip_loader}
     runs = {name: [] for name in loaders}
+    load_before = os.getloadavg()[0]
     for r in range(args.rounds):
         for name in (list(loaders) if r % 2 == 0 else list(loaders)[::-1]):
             result = measure(lambda: loaders[name](urls, preprocess, tokenizer, args.batch_size, args.workers, stop),
@@ -123,7 +125,8 @@ def main(argv=None):
             "commit": commit, "shards": len(urls), "data": data, "model": args.model, "workers": args.workers,
             "batch_size": args.batch_size, "batches": args.batches, "rounds": args.rounds,
             "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "webdataset": webdataset.__version__}
+            "torch": torch.__version__, "webdataset": webdataset.__version__,
+            "load_average_1min": [load_before, os.getloadavg()[0]]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "data_loading.json").write_text(json.dumps({"meta": meta, "median": median, "ratio": ratio,
@@ -132,7 +135,8 @@ def main(argv=None):
              f"`{meta['command']}` at {commit}: {len(urls)} shards, model {args.model}'s preprocessing, "
              f"{args.workers} workers, batch {args.batch_size}, {args.batches} batches timed after the first, "
              f"median of {args.rounds} rounds (alternating order); torch {torch.__version__}, webdataset "
-             f"{webdataset.__version__}, {meta['cpu']}.", "",
+             f"{webdataset.__version__}, {meta['cpu']} with {os.cpu_count()} cores, 1-minute load average "
+             f"{load_before:.1f} before and {meta['load_average_1min'][1]:.1f} after (other jobs included).", "",
              "| loader | samples/s | first batch (s) |", "|---|---|---|"]
     lines += [f"| {name} | {m['samples_per_s']:.0f} | {m['first_batch_s']:.2f} |" for name, m in median.items()]
     lines += ["", f"Ratio recipe / open_clip_train: **{ratio:.2f}x** samples/s."]
