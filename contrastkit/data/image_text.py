@@ -223,7 +223,8 @@ class ImageTextFolder(_ImageText):
         images = ds["image"]
         sources = [im["bytes"] if im.get("bytes") else im["path"] for im in images]
         names = [im.get("path") or f"{path}[{i}]" for i, im in enumerate(images)]
-        keep = _check_images(sources, lambda i: names[i], max_bad_fraction, str(path)) if verify else range(len(ds))
+        keep = (_check_images(sources, lambda i: names[i], max_bad_fraction, str(path)) if verify
+                else range(len(ds)))
         captions = ds[caption_key]
         super().__init__([sources[i] for i in keep], [captions[i] for i in keep], [names[i] for i in keep],
                          transform, tokenizer, what=str(path), max_bad_fraction=max_bad_fraction)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
