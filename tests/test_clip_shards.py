@@ -42,14 +42,15 @@ def _to_tensor(image):
     return pil_to_tensor(image)
 
 
-def _epoch_captions(urls, *, world, workers, batch, steps, per_epoch=None, start=0, rank_positions=None):
+def _epoch_captions(urls, *, world, workers, batch, steps, per_epoch=None, start=0, rank_positions=None,
+                    resampled=False):
     """Each process's batches of steps [start, steps) through a real DataLoader with ``workers`` workers."""
     out = []
     for rank in range(world):
         stream = ShardStream(urls, _to_tensor, None, local_batch=batch // world, steps_per_epoch=per_epoch or steps,
                              start=start,
                              stop=steps, rank=rank, world=world, workers=workers, seed=5,
-                             positions=(rank_positions or {}).get(rank))
+                             positions=(rank_positions or {}).get(rank), resampled=resampled)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
         out.append([(captions, where.tolist()) for _, captions, where in loader])
     return out
@@ -93,6 +94,15 @@ def test_two_shard_sets_mix_with_double_colon(tmp_path):
     assert len(urls) == 4 and samples == 64 and steps == 8
     seen = [c for captions, _ in _epoch_captions(urls, world=1, workers=2, batch=8, steps=steps)[0] for c in captions]
     assert sorted(seen) == sorted(f"pair {i}" for i in [*range(32), *range(1000, 1032)])
+
+
+def test_resampled_mode_draws_shards_with_replacement_deterministically(tmp_path):
+    write_img2dataset_shards(tmp_path, _pairs(32), per_shard=16)  # 2 shards for 4 readers: allowed resampled
+    urls, _, steps = plan_epochs(str(tmp_path), 8, world=2, workers=2, resampled=True)
+    first, again = (_epoch_captions(urls, world=2, workers=2, batch=8, steps=steps, resampled=True) for _ in "ab")
+    assert first == again  # the draws follow the seed
+    seen = [c for rank in first for captions, _ in rank for c in captions]
+    assert len(seen) == 32 and set(seen) <= {f"pair {i}" for i in range(32)} and len(set(seen)) < 32  # repeats
 
 
 def test_shard_errors_are_one_line(tmp_path, monkeypatch, capsys):
