@@ -140,24 +140,48 @@ def test_missing_data_path_and_columns(tmp_path):
         train(ClipTrainConfig(data=str(tmp_path / "missing"), out_dir=str(tmp_path / "o"), progress=False))
 
 
-def test_unreadable_images_warn_with_a_count_or_fail_when_too_many(tmp_path):
+def test_unreadable_images_are_replaced_and_counted_when_loaded_or_fail_when_too_many(tmp_path):
+    import warnings
+
+    from contrastkit.data.image_text import load_image_text
+    from contrastkit.data.shards import DataError
+
+    (tmp_path / "few").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is opened up front
+        dataset = load_image_text(_csv(tmp_path / "few", n=20, corrupt=1))
+    assert len(dataset) == 20 and dataset.loaded.value == 0
+    assert dataset[0] == dataset[1] and dataset.bad.value == 1  # row 0 is unreadable: the next row stands in
+    (tmp_path / "many").mkdir()
+    dataset = load_image_text(_csv(tmp_path / "many", n=20, corrupt=5))
+    with pytest.raises(DataError, match=r"many/pairs.tsv: \d+ of the \d+ images loaded so far are unreadable, "
+                                        r"e.g. .*img\d.png; more than 10%"):
+        [dataset[i] for i in range(20)]
+
+
+def test_verify_images_opens_every_image_up_front(tmp_path):
     from contrastkit.data.image_text import load_image_text
 
     (tmp_path / "few").mkdir()
     with pytest.warns(UserWarning, match="1 of 20 images are unreadable.*img0.png.*skipping them"):
-        dataset = load_image_text(_csv(tmp_path / "few", n=20, corrupt=1))
+        dataset = load_image_text(_csv(tmp_path / "few", n=20, corrupt=1), verify=True)
     assert len(dataset) == 19
     (tmp_path / "many").mkdir()
     with pytest.raises(ValueError, match="5 of 20 images are unreadable.*more than 10%"):
-        load_image_text(_csv(tmp_path / "many", n=20, corrupt=5))
+        load_image_text(_csv(tmp_path / "many", n=20, corrupt=5), verify=True)
 
 
 def test_training_on_user_csv_goes_on_past_an_unreadable_image(tmp_path):
     path = _csv(tmp_path, n=20, corrupt=1)
+    summary = train(ClipTrainConfig(data=str(path), out_dir=str(tmp_path / "run"), batch_size=10, steps=2,
+                                    warmup=1, log_every=1, eval_every=0, save_every=0, progress=False))
+    assert summary["steps"] == 2 and summary["train_pairs"] == 20 and "zeroshot_top1" not in summary
+    assert summary["bad_samples"] == 1  # the epoch's 2 steps load each row once
     with pytest.warns(UserWarning, match="1 of 20 images are unreadable"):
-        summary = train(ClipTrainConfig(data=str(path), out_dir=str(tmp_path / "run"), batch_size=8, steps=2,
-                                        warmup=1, log_every=1, eval_every=0, save_every=0, progress=False))
-    assert summary["steps"] == 2 and summary["train_pairs"] == 19 and "zeroshot_top1" not in summary
+        summary = train(ClipTrainConfig(data=str(path), out_dir=str(tmp_path / "verified"), batch_size=8, steps=2,
+                                        warmup=1, log_every=1, eval_every=0, save_every=0, progress=False,
+                                        verify_images=True))
+    assert summary["train_pairs"] == 19 and summary["bad_samples"] == 0
 
 
 def test_unknown_model_and_loss(tmp_path):

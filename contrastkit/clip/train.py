@@ -1,7 +1,8 @@
 """CLIP training with a contrastkit objective: an accelerate loop over an open_clip model.
 
 ``recipes/clip/train.py`` parses arguments into a ``ClipTrainConfig`` and calls ``train``. The loop:
-global batches in a fixed order derived from (seed, epoch), split across processes; the loss is the
+global batches in a fixed order derived from (seed, epoch), split across processes (webdataset shards are
+streamed instead, in an order fixed the same way: ``contrastkit.data.shards``); the loss is the
 open_clip adapter's with local_loss and gather_with_grad, so P processes equal one process on the global
 batch; AdamW with warmup + cosine; the CLIP logit scale clamped to ln(100) as open_clip does; zero-shot
 evaluation on a held-out ImageNet-layout folder; metrics JSONL, a plot, a summary JSON and the trackers of
@@ -12,6 +13,7 @@ resumed run continues exactly.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 
 from contrastkit.adapters.open_clip import CLIP_LOSSES, DEFAULT_MODEL, build_clip_loss, check_model, create_clip
 from contrastkit.cli import arg, existing, positive
+from contrastkit.data.shards import IMAGE_KEYS, ShardPositions, ShardStream, is_shards, plan_epochs
 from contrastkit.training import RunOptions
 
 
@@ -29,13 +32,23 @@ class ClipTrainConfig(RunOptions):
     loss_options: dict = arg(help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), chunk_size=512",
                              factory=dict, aliases=["--loss-option"])
     model: str = arg(DEFAULT_MODEL, "any open_clip config name (random initialisation, nothing downloaded)")
-    data: str | None = arg(None, "open_clip CSV/TSV (filepath, title) or a Hugging Face image folder with "
-                                 "captions; default: the embedded shapes data")
+    data: str | None = arg(None, "webdataset shards as img2dataset writes them ('/data/{00000..00331}.tar', "
+                                 "'::' joining several sets, or their folder), an open_clip CSV/TSV (filepath, "
+                                 "title) or a Hugging Face image folder with captions; default: the embedded data")
     data_dir: str | None = arg(None, "where the embedded data is generated (default ~/.cache/contrastkit)")
     num_train: int = arg(4096, "embedded data: training pairs")
     zeroshot_per_class: int = arg(50, "embedded data: held-out zero-shot images per class")
-    img_key: str = arg("filepath", "CSV image path column")
-    caption_key: str | None = arg(None, "caption column (default: title for CSV, text for an image folder)")
+    img_key: str = arg("filepath", "CSV image path column (shards: the image extensions, default jpg;jpeg;png;webp)")
+    caption_key: str | None = arg(None, "caption column (default: title for CSV, text for an image folder, "
+                                        "txt for shards)")
+    train_num_samples: int | None = arg(None, "shards: samples in an epoch (default: the count in img2dataset's "
+                                              "_stats.json files)")
+    dataset_resampled: bool = arg(False, "shards: draw shards with replacement (open_clip's --dataset-resampled)")
+    shuffle_buffer: int = arg(5000, "shards: samples in each loader worker's shuffle buffer")
+    max_bad_fraction: float = arg(0.1, "fraction of a shard (or of the images loaded from a CSV/folder) that may "
+                                       "be unusable (skipped and counted) before it is an error")
+    verify_images: bool = arg(False, "CSV/folder: open every image before the first step and drop the unreadable "
+                                     "ones (small sets); default: skip and count them when loaded")
     csv_separator: str | None = arg(None, "CSV separator (default: tab, or comma for a .csv without tabs)")
     zeroshot: str | None = arg(None, "ImageNet-layout folder for zero-shot evaluation "
                                      "(default: the embedded held-out split)")
@@ -61,9 +74,15 @@ class ClipTrainConfig(RunOptions):
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
         for name in ("batch_size", "steps", "lr", "log_every", "num_train", "zeroshot_per_class"):
             positive(name, getattr(self, name))
-        for name in ("weight_decay", "warmup", "eval_every", "save_every", "workers"):
+        for name in ("weight_decay", "warmup", "eval_every", "save_every", "workers", "max_bad_fraction"):
             positive(name, getattr(self, name), zero=True)
-        existing("data", self.data, "training data")
+        positive("shuffle_buffer", self.shuffle_buffer)
+        positive("train_num_samples", self.train_num_samples)
+        if is_shards(self.data):  # the processes as accelerate launch sets them
+            plan_epochs(self.data, self.batch_size, int(os.environ.get("WORLD_SIZE", 1)), self.workers,
+                        num_samples=self.train_num_samples, resampled=self.dataset_resampled)
+        else:
+            existing("data", self.data, "training data")
         existing("zeroshot", self.zeroshot, "zero-shot folder")
         self.check_run()
         check_model(self.model)
@@ -100,9 +119,20 @@ def train(cfg: ClipTrainConfig) -> dict:
         data_path = root / "train.csv"
         zeroshot = zeroshot or str(root / "zeroshot")
     else:
-        data_path = Path(cfg.data)
-    dataset = load_image_text(data_path, preprocess, tokenizer, caption_key=cfg.caption_key, img_key=cfg.img_key,
-                              sep=cfg.csv_separator)
+        data_path = cfg.data if is_shards(cfg.data) else Path(cfg.data)
+    if is_shards(data_path):
+        urls, epoch_samples, steps_per_epoch = plan_epochs(data_path, cfg.batch_size, world, cfg.workers,
+                                                           num_samples=cfg.train_num_samples,
+                                                           resampled=cfg.dataset_resampled)
+    else:
+        dataset = load_image_text(data_path, preprocess, tokenizer, caption_key=cfg.caption_key,
+                                  img_key=cfg.img_key, sep=cfg.csv_separator, max_bad_fraction=cfg.max_bad_fraction,
+                                  verify=cfg.verify_images)
+        epoch_samples = len(dataset)
+
+    def bad_samples() -> int:  # unusable samples skipped so far, all processes
+        mine = positions.bad if positions is not None else dataset.bad.value
+        return int(accelerator.reduce(torch.tensor(mine, device=device), "sum"))
 
     # fused: one kernel for all parameters (on a CPU about 8x faster than the default for this model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
@@ -111,6 +141,7 @@ def train(cfg: ClipTrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: accelerate would step it once per process; it counts global steps.
     accelerator.register_for_checkpointing(scheduler, state)
+    positions = ShardPositions(accelerator, cfg.workers) if is_shards(data_path) else None
     resumed = resume(accelerator, out_dir, required=True) if cfg.resume else None
     log = MetricsLog(out_dir, enabled=main, resume_step=state.step if resumed else None, accelerator=accelerator)
     start_trackers(accelerator, f"clip-{cfg.loss}", asdict(cfg))
@@ -128,14 +159,28 @@ def train(cfg: ClipTrainConfig) -> dict:
         accelerator.wait_for_everyone()
         return result
 
-    # Our sampler already shards the global batch, so the loader is not prepared (accelerate would shard again).
-    sampler = StepBatches(len(dataset), cfg.batch_size, rank, world, cfg.seed, state.step, cfg.steps)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.workers,
-                                         pin_memory=device.type == "cuda")
+    # Our sampler (or stream) already shards the global batch, so the loader is not prepared (accelerate would
+    # shard again).
+    if positions is None:
+        sampler = StepBatches(len(dataset), cfg.batch_size, rank, world, cfg.seed, state.step, cfg.steps)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.workers,
+                                             pin_memory=device.type == "cuda")
+    else:
+        image_keys = IMAGE_KEYS if cfg.img_key == "filepath" else cfg.img_key.split(";")
+        stream = ShardStream(urls, preprocess, tokenizer, local_batch=cfg.batch_size // world,
+                             steps_per_epoch=steps_per_epoch, start=state.step, stop=cfg.steps, rank=rank,
+                             world=world, workers=cfg.workers, seed=cfg.seed, resampled=cfg.dataset_resampled,
+                             shuffle_buffer=cfg.shuffle_buffer, image_keys=image_keys,
+                             caption_key=cfg.caption_key or "txt", max_bad_fraction=cfg.max_bad_fraction,
+                             positions=positions.latest)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.workers,
+                                             pin_memory=device.type == "cuda")
     bar = tqdm(total=cfg.steps, initial=state.step, desc=f"clip {cfg.loss}", disable=not (main and cfg.progress))
     started = time.time()
     model.train()
-    for images, texts in loader:
+    for images, texts, *where in loader:
+        if positions is not None:
+            positions.update(where[0])
         out = model(images.to(device, non_blocking=True), texts.to(device, non_blocking=True))
         loss = loss_fn(**out)
         optimizer.zero_grad(set_to_none=True)
@@ -151,7 +196,7 @@ def train(cfg: ClipTrainConfig) -> dict:
             global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()
             scale = raw.logit_scale.full_tensor() if sharded else raw.logit_scale  # FSDP2: a DTensor
             log.log(state.step, loss=global_loss, logit_scale=scale.exp().item(),
-                    lr=scheduler.get_last_lr()[0])
+                    lr=scheduler.get_last_lr()[0], bad_samples=bad_samples())
             bar.set_postfix(loss=f"{global_loss:.3f}")
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:
             result = zero_shot()
@@ -163,8 +208,11 @@ def train(cfg: ClipTrainConfig) -> dict:
     bar.close()
     last = zero_shot()
     summary = {"loss_name": cfg.loss, "model": cfg.model, "steps": state.step, "batch_size": cfg.batch_size,
-               "processes": world, "train_pairs": len(dataset), "data": str(data_path), "zeroshot_data": zeroshot,
+               "processes": world, "train_pairs": epoch_samples, "data": str(data_path), "zeroshot_data": zeroshot,
                "train_seconds": round(time.time() - started, 1), "config": asdict(cfg)}
+    summary["bad_samples"] = bad_samples()
+    if positions is not None:
+        summary.update(shards=len(urls), steps_per_epoch=steps_per_epoch)
     if last:
         log.log(state.step, **{f"zeroshot_{k}": v for k, v in last.items() if k in ("top1", "top5")})
         summary.update({f"zeroshot_{k}": v for k, v in last.items()})

@@ -9,8 +9,13 @@
   column).
 - ``load_image_text(path, ...)``: picks one of the two from the path.
 
-Unreadable images are dropped with a warning that counts them (a few bad files in a big set should not
-stop a run); when more than ``max_bad_fraction`` of the set is unreadable it is an error instead.
+Images are opened when a batch needs them, not before the first step (a pass over CC3M's 3M files takes
+minutes from the page cache, hours from network storage). An unreadable one is replaced by the next
+readable row (the step's batch keeps its size, and the replacement depends on the row alone, so a resumed
+run loads the same) and counted in ``dataset.bad``; once more than ``max_bad_fraction`` of the images
+loaded are unreadable it is a ``DataError``. ``verify=True`` keeps the earlier behaviour for small sets:
+every image opened up front, the unreadable ones dropped with a warning that counts them, or an error
+above ``max_bad_fraction``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -27,6 +33,7 @@ from pathlib import Path
 from PIL import Image
 from torch.utils.data import Dataset
 
+from contrastkit.data.shards import DataError
 from contrastkit.data.shapes import COLORS, POSITIONS, SHAPES, SIZES, render, sample_spec
 
 SHAPES_CLIP_VERSION = 2
@@ -123,21 +130,45 @@ def _check_images(sources: list, describe, max_bad_fraction: float, what: str) -
 
 
 class _ImageText(Dataset):
-    """(image tensor, token ids) pairs from image sources and captions."""
+    """(image tensor, token ids) pairs from image sources and captions; an unreadable image is replaced by the
+    next readable row and counted in ``bad`` (shared with the loader workers), ``loaded`` counts them all."""
 
-    def __init__(self, sources: list, captions: list[str], names: list[str], transform, tokenizer):
+    def __init__(self, sources: list, captions: list[str], names: list[str], transform, tokenizer, *,
+                 what: str = "", max_bad_fraction: float = 0.1):
         self.sources, self.captions, self.names = sources, captions, names
         self.transform, self.tokenizer = transform, tokenizer
+        self.what, self.max_bad_fraction = what, max_bad_fraction
+        self.loaded, self.bad = multiprocessing.Value("q", 0), multiprocessing.Value("q", 0)
+        self.last_bad = multiprocessing.Value("q", -1)
 
     def __len__(self) -> int:
         return len(self.captions)
 
-    def __getitem__(self, i):
+    def _open(self, i: int):
         try:
             with Image.open(_file(self.sources[i])) as im:
                 image = im.convert("RGB")
-        except Exception as err:
-            raise ValueError(f"cannot decode image {self.names[i]}: {type(err).__name__}: {err}") from err
+        except Exception:  # PIL raises many types for a bad file
+            image = None
+            with self.bad.get_lock():
+                self.bad.value += 1
+                self.last_bad.value = i
+        with self.loaded.get_lock():
+            self.loaded.value += 1
+            loaded, bad = self.loaded.value, self.bad.value
+        if bad > self.max_bad_fraction * loaded and loaded >= min(len(self), 100):
+            raise DataError(f"{self.what}: {bad} of the {loaded} images loaded so far are unreadable, e.g. "
+                            f"{self.names[self.last_bad.value]}; more than {self.max_bad_fraction:.0%}")
+        return image
+
+    def __getitem__(self, i):
+        for j in range(i, i + len(self)):
+            image = self._open(j % len(self))
+            if image is not None:
+                break
+        else:
+            raise DataError(f"{self.what}: no image of the set can be read")
+        i = j % len(self)
         image = self.transform(image) if self.transform is not None else image
         text = self.tokenizer([self.captions[i]])[0] if self.tokenizer is not None else self.captions[i]
         return image, text
@@ -150,7 +181,7 @@ class ImageTextCsv(_ImageText):
     """
 
     def __init__(self, path: str | Path, transform=None, tokenizer=None, *, img_key: str = "filepath",
-                 caption_key: str = "title", sep: str = "\t", max_bad_fraction: float = 0.1):
+                 caption_key: str = "title", sep: str = "\t", max_bad_fraction: float = 0.1, verify: bool = False):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"image-text CSV not found: {path}")
@@ -165,9 +196,9 @@ class ImageTextCsv(_ImageText):
         if not rows:
             raise ValueError(f"{path}: no rows")
         files = [p if os.path.isabs(p) else str(path.parent / p) for p, _ in rows]
-        keep = _check_images(files, lambda i: files[i], max_bad_fraction, str(path))
+        keep = _check_images(files, lambda i: files[i], max_bad_fraction, str(path)) if verify else range(len(rows))
         super().__init__([files[i] for i in keep], [rows[i][1] for i in keep], [files[i] for i in keep],
-                         transform, tokenizer)
+                         transform, tokenizer, what=str(path), max_bad_fraction=max_bad_fraction)
 
 
 class ImageTextFolder(_ImageText):
@@ -175,7 +206,7 @@ class ImageTextFolder(_ImageText):
     ``file_name`` column and a caption column (``caption_key``)."""
 
     def __init__(self, path: str | Path, transform=None, tokenizer=None, *, caption_key: str = "text",
-                 split: str = "train", max_bad_fraction: float = 0.1):
+                 split: str = "train", max_bad_fraction: float = 0.1, verify: bool = False):
         from datasets import Image as HFImage
         from datasets import load_dataset
 
@@ -192,22 +223,25 @@ class ImageTextFolder(_ImageText):
         images = ds["image"]
         sources = [im["bytes"] if im.get("bytes") else im["path"] for im in images]
         names = [im.get("path") or f"{path}[{i}]" for i, im in enumerate(images)]
-        keep = _check_images(sources, lambda i: names[i], max_bad_fraction, str(path))
+        keep = (_check_images(sources, lambda i: names[i], max_bad_fraction, str(path)) if verify
+                else range(len(ds)))
         captions = ds[caption_key]
         super().__init__([sources[i] for i in keep], [captions[i] for i in keep], [names[i] for i in keep],
-                         transform, tokenizer)
+                         transform, tokenizer, what=str(path), max_bad_fraction=max_bad_fraction)
 
 
 def load_image_text(path: str | Path, transform=None, tokenizer=None, *, caption_key: str | None = None,
-                    img_key: str = "filepath", sep: str | None = None, max_bad_fraction: float = 0.1) -> _ImageText:
-    """A CSV/TSV file (open_clip's format) or a Hugging Face image folder with captions, from ``path``."""
+                    img_key: str = "filepath", sep: str | None = None, max_bad_fraction: float = 0.1,
+                    verify: bool = False) -> _ImageText:
+    """A CSV/TSV file (open_clip's format) or a Hugging Face image folder with captions, from ``path``;
+    ``verify``: open every image now (see the module docstring)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data path does not exist: {path}")
     if path.is_dir():
         return ImageTextFolder(path, transform, tokenizer, caption_key=caption_key or "text",
-                               max_bad_fraction=max_bad_fraction)
+                               max_bad_fraction=max_bad_fraction, verify=verify)
     if sep is None:
         sep = "," if path.suffix.lower() == ".csv" and "\t" not in path.open().readline() else "\t"
     return ImageTextCsv(path, transform, tokenizer, img_key=img_key, caption_key=caption_key or "title", sep=sep,
-                        max_bad_fraction=max_bad_fraction)
+                        max_bad_fraction=max_bad_fraction, verify=verify)

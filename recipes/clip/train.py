@@ -2,15 +2,24 @@
 
     accelerate launch recipes/clip/train.py --loss dcl            # embedded shapes data, tiny model, a few minutes
     accelerate launch recipes/clip/train.py --loss dclw --model ViT-B-32 --data pairs.tsv --zeroshot imagenet/val
+    accelerate launch recipes/clip/train.py --loss dcl --data '/data/cc3m/{00000..00331}.tar' --workers 4
     python recipes/clip/train.py --config run.yaml --lr 5e-4      # values from a YAML file, the flag overrides
 """
 
+import sys
+
 from contrastkit.cli import parse
 from contrastkit.clip.train import ClipTrainConfig, train
+from contrastkit.data.shards import DataError
 
 
 def main(argv=None):
-    summary = train(parse(ClipTrainConfig, description=__doc__, argv=argv))
+    cfg = parse(ClipTrainConfig, description=__doc__, argv=argv)
+    try:
+        summary = train(cfg)
+    except DataError as err:  # bad shards found while streaming: one line, as for any other bad input
+        sys.stderr.write(f"error: {err}\n")
+        raise SystemExit(2) from None
     if "zeroshot_top1" in summary:
         print(f"zero-shot top-1 {summary['zeroshot_top1']:.3f} (top-5 {summary['zeroshot_top5']:.3f}, chance "
               f"{summary['zeroshot_chance']:.3f}) on {summary['zeroshot_num_images']} held-out images; "
