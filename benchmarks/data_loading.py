@@ -98,7 +98,7 @@ def main(argv=None):
 
     import webdataset
 
-    from contrastkit.clip.models import create_clip
+    from contrastkit.adapters.open_clip import create_clip
     from contrastkit.data.shards import shard_urls
 
     data = args.shards or write_shards(Path(args.work_dir), args.samples, args.per_shard)

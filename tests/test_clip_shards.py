@@ -187,7 +187,7 @@ def test_two_processes_two_workers_learn(tmp_path):
     from safetensors.torch import load_file
 
     from contrastkit.adapters.open_clip import build_clip_loss
-    from contrastkit.clip.models import create_clip
+    from contrastkit.adapters.open_clip import create_clip
     from contrastkit.data.image_text import make_shapes_clip
 
     root = make_shapes_clip(tmp_path / "data", num_train=640, num_zeroshot_per_class=1, progress=False)
