@@ -102,7 +102,8 @@ class MultipleNegativesLoss(nn.Module):
             raise ValueError(str(err)) from None
         self.model = model
         self.name, self.scale, self.options = name, scale, options
-        self.gather_across_devices, self.directions, self.partition_mode = gather_across_devices, directions, partition_mode
+        self.gather_across_devices, self.directions = gather_across_devices, directions
+        self.partition_mode = partition_mode
 
     def forward(self, sentence_features, labels: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_loss_from_embeddings(embed_columns(self.model, sentence_features), labels)
@@ -129,10 +130,10 @@ class MultipleNegativesLoss(nn.Module):
 
     def get_config_dict(self) -> dict[str, Any]:
         """What the model card records."""
-        return {"loss": self.name, "scale": self.scale, "similarity_fct": util.similarity_fct_name(self.similarity_fct),
+        return {"loss": self.name, "scale": self.scale,
+                "similarity_fct": util.similarity_fct_name(self.similarity_fct),
                 "gather_across_devices": self.gather_across_devices, "directions": self.directions,
-                "partition_mode": self.partition_mode,
-                **{k: v for k, v in self.options.items() if k not in ("temperature", "normalize", "gather_distributed")}}
+                "partition_mode": self.partition_mode, **{k: v for k, v in self.options.items() if k not in REPLACED}}
 
 
 class CachedMultipleNegativesLoss(CachedLossMixin, nn.Module):
