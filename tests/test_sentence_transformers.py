@@ -186,7 +186,8 @@ def test_trainer_with_cached_dcl_learns(tmp_path):
 
 def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
     """accelerate launch, 2 CPU processes (gloo), gather_across_devices=True, batch 4 per process: the logged
-    losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates)."""
+    losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates), with
+    MultipleNegativesLoss and with CachedMultipleNegativesLoss."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -199,11 +200,11 @@ def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     two = json.loads((tmp_path / "two" / "losses.json").read_text())
-    assert two["world_size"] == 2
-    two = two["losses"]
     one = _train_script().train(str(tmp_path / "one"), loss="dclw", steps=4)
-    assert len(two) == len(one) == 4
-    assert two == pytest.approx(one, rel=2e-4)
+    assert (two["world_size"], one["world_size"]) == (2, 1)
+    for form in ("plain", "cached"):
+        assert len(two[form]) == len(one[form]) == 4
+        assert two[form] == pytest.approx(one[form], rel=2e-4), form
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
