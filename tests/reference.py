@@ -89,3 +89,37 @@ def unigrad(z1, z2, correlation, lam, *, mean=True):
         for i in range(a.shape[0]):
             losses.append(-(a[i] * t[i]).sum() + lam / 2 * a[i] @ correlation @ a[i])
     return torch.stack(losses).mean() if mean else torch.stack(losses)
+
+
+def ranking(queries, docs, kind, *, mean=True, **p):
+    """Retrieval with in-batch and hard negatives (sentence-transformers' MultipleNegativesRankingLoss):
+    docs is a list of [N, D] columns, docs[0] the positives, the others hard negatives. Anchor i is query i,
+    its positive docs[0][i], its negatives every row of every column but docs[0][i]."""
+    q = unit(queries)
+    columns = [unit(d) for d in docs]
+    n = q.shape[0]
+    if kind == "dclw":
+        pairs = torch.stack([(q[i] * columns[0][i]).sum() for i in range(n)]).detach()
+        e = torch.exp(pairs / p["sigma"])
+        weights = 2 - e / e.mean()
+    losses = []
+    for i in range(n):
+        sp = (q[i] * columns[0][i]).sum()
+        s_neg = torch.stack([(q[i] * col[j]).sum() for c, col in enumerate(columns) for j in range(n)
+                             if (c, j) != (0, i)])
+        if kind in ("infonce", "eqco"):
+            t = p["tau"]
+            m = t * math.log(p["alpha"] / len(s_neg)) if kind == "eqco" else 0.0
+            num = torch.exp((sp - m) / t)
+            losses.append(-torch.log(num / (num + torch.exp(s_neg / t).sum())))
+        elif kind in ("dcl", "dclw"):
+            t = p["tau"]
+            w = weights[i] if kind == "dclw" else 1.0
+            losses.append(-w * sp / t + torch.log(torch.exp(s_neg / t).sum()))
+        elif kind == "cacr":  # one positive: its attraction weight is 1
+            c_pos = ((q[i] - columns[0][i]) ** 2).sum()
+            c_neg = torch.stack([((q[i] - col[j]) ** 2).sum() for c, col in enumerate(columns) for j in range(n)
+                                 if (c, j) != (0, i)])
+            w_neg = torch.exp(-p["t_neg"] * c_neg) / torch.exp(-p["t_neg"] * c_neg).sum()
+            losses.append(c_pos - (w_neg * c_neg).sum())
+    return torch.stack(losses).mean() if mean else torch.stack(losses)

@@ -52,7 +52,7 @@ def _run(rank, world, sizes, init_file, out_dir):
         loss = _make(name, gather).cross_modal(a, b)
         (sizes[rank] / total * loss).backward()
         results[name + "/cross_modal"] = (float(loss) * sizes[rank] / total, [a.grad, b.grad], None)
-    for name in ("dcl", "cacr"):  # several views and the query/key form without a queue
+    for name in ("dcl", "cacr"):  # several views, the query/key form without a queue, with hard negatives
         z = [x[lo:hi].clone().requires_grad_() for x in _batch(2, total)[:3]]
         loss = _make(name, gather)(*z)
         (sizes[rank] / total * loss).backward()
@@ -61,6 +61,10 @@ def _run(rank, world, sizes, init_file, out_dir):
         loss = _make(name, gather).query_key(q, k)
         (sizes[rank] / total * loss).backward()
         results[name + "/query_key"] = (float(loss) * sizes[rank] / total, [q.grad, k.grad], None)
+        q, k, hard = (x[lo:hi].clone().requires_grad_() for x in _batch(5, total)[:3])
+        loss = _make(name, gather).query_key(q, k, negatives=hard)
+        (sizes[rank] / total * loss).backward()
+        results[name + "/hard_negatives"] = (float(loss) * sizes[rank] / total, [q.grad, k.grad, hard.grad], None)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -89,6 +93,9 @@ def _single(sizes):
         q, k = (x.clone().requires_grad_() for x in _batch(3, total)[:2])
         loss = build_loss(name).double().query_key(q, k)
         expected[name + "/query_key"] = (float(loss), torch.autograd.grad(loss, (q, k)), None)
+        q, k, hard = (x.clone().requires_grad_() for x in _batch(5, total)[:3])
+        loss = build_loss(name).double().query_key(q, k, negatives=hard)
+        expected[name + "/hard_negatives"] = (float(loss), torch.autograd.grad(loss, (q, k, hard)), None)
     return expected
 
 

@@ -24,7 +24,8 @@ modules = sys.argv[1:]
 def floor(name):
     parts = name.split(".")
     return FLOORS[parts[1]] if len(parts) > 1 else -1  # the package's own __init__ is below everything
-optional = {"contrastkit.adapters.fairseq2_wav2vec2": "fairseq2"}  # only where fairseq2 is installed
+optional = {"contrastkit.adapters.fairseq2_wav2vec2": "fairseq2",  # only where the library is installed
+            "contrastkit.adapters.sentence_transformers": "sentence_transformers"}
 modules = [m for m in modules if optional.get(m) is None or importlib.util.find_spec(optional[m])]
 def fresh(order):
     for name in [n for n in sys.modules if n == "contrastkit" or n.startswith("contrastkit.")]:

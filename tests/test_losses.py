@@ -350,3 +350,27 @@ def test_softmax_losses_exact_in_float64_past_softplus_threshold(kind):
     upstream = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
     for g, w in zip(torch.autograd.grad(got, (pos, neg), upstream), torch.autograd.grad(want, (pos, neg), upstream)):
         torch.testing.assert_close(g, w, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("kind", list(SCORE_LOSSES))
+@pytest.mark.parametrize("n,h", [(5, 1), (4, 3), (1, 2)])
+def test_query_key_hard_negatives_match_reference(kind, n, h, device):
+    """query_key(q, k, negatives=...): every sample's keys and extra candidates are the negatives, the
+    query's own key excepted; values and gradients (of q, k and the negatives) against the float64 reference."""
+    cls, opts, ref = _params(kind, 0.2)
+    q, k, *hard = _views(31 + n + h, n, 6, v=2 + h, device=device)
+    got = cls(**opts).query_key(q, k, negatives=torch.stack(hard, dim=1))
+    expected = reference.ranking(q, [k, *hard], kind, **ref)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for a, b in zip(_grads(got, [q, k, *hard]), _grads(expected, [q, k, *hard])):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11)
+
+
+def test_query_key_negatives_errors():
+    q, k, hn = _views(2, 4, 6, v=3)
+    with pytest.raises(ValueError, match="queue or negatives"):
+        DCLLoss().query_key(q, k, torch.randn(5, 6, dtype=torch.float64), negatives=hn)
+    with pytest.raises(ValueError, match="negatives has 3"):
+        DCLLoss().query_key(q, k, negatives=hn[:3])
+    with pytest.raises(ValueError, match="dimension"):
+        DCLLoss().query_key(q, k, negatives=torch.randn(4, 5, dtype=torch.float64))

@@ -133,7 +133,7 @@ class Objective(nn.Module):
         self.reduction = reduction
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
-                  output_dict: bool = False):
+                  negatives: torch.Tensor | None = None, output_dict: bool = False):
         raise ValueError(f"{self.name} has no query/key (MoCo) form; use one of infonce, dcl, dclw, eqco, cacr")
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -276,35 +276,51 @@ class ContrastiveLoss(Objective):
             return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
-                  output_dict: bool = False):
-        """MoCo setting: query [N, D], key [N, D] (or [N, P, D] for P positives), queue [Q, D] or None."""
+                  negatives: torch.Tensor | None = None, output_dict: bool = False):
+        """MoCo setting: query [N, D], key [N, D] (or [N, P, D] for P positives), queue [Q, D] or None.
+
+        ``negatives`` [N, H, D] (or [N, D]), without a queue: H extra candidates per sample (retrieval's hard
+        negatives), gathered with the keys; every query contrasts with every sample's keys and extras, its
+        own sample's keys excepted (sentence-transformers' MultipleNegativesRankingLoss)."""
         keys = key if key.dim() == 3 else key[:, None]
-        features = {"query": query, "key": keys.reshape(-1, keys.shape[-1]) if keys.dim() == 3 else keys}
+        features = {"query": query, "key": keys.reshape(-1, keys.shape[-1])}
         if queue is not None:
             features["queue"] = queue
+        if negatives is not None:
+            if queue is not None:
+                raise ValueError(f"{self.name}: give a queue or negatives, not both")
+            negatives = negatives if negatives.dim() == 3 else negatives[:, None]
+            features["negatives"] = negatives.reshape(-1, negatives.shape[-1])
         check_features(self.name, features, same_shape=False, values=False)
-        if keys.shape[0] != query.shape[0]:
-            raise ValueError(f"{self.name}: query has {query.shape[0]} rows but key has {keys.shape[0]}")
+        for arg, t in (("key", keys), ("negatives", negatives)):
+            if t is not None and t.shape[0] != query.shape[0]:
+                raise ValueError(f"{self.name}: query has {query.shape[0]} rows but {arg} has {t.shape[0]}")
         low = _low_precision(*features.values())
         with _no_autocast(query.device.type):
-            dtype = _compute_dtype(query, key)
+            dtype = _compute_dtype(*features.values())
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
                 terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0], low=low)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
-            if self.gather_distributed:
-                all_keys, start = self._gather(keys.reshape(n, -1))
-                total = all_keys.shape[0]
-                all_k = self._unit(all_keys.reshape(total * p, -1), dtype)
+            c = p if negatives is None else p + negatives.shape[1]  # each sample's candidates: keys, then extras
+            if self.gather_distributed:  # the raw rows gathered (their own dtype), then normalised
+                raw = keys
+                if negatives is not None:
+                    same = negatives.dtype == keys.dtype
+                    raw = torch.cat([keys, negatives] if same else [keys.to(dtype), negatives.to(dtype)], dim=1)
+                all_raw, start = self._gather(raw.reshape(n, -1))
+                total = all_raw.shape[0]
+                all_k = self._unit(all_raw.reshape(total * c, -1), dtype)
             else:
-                all_k, start, total = k.reshape(n * p, -1), 0, n
-            if total < 2:
+                units = k if negatives is None else torch.cat([k, self._unit(negatives, dtype)], dim=1)
+                all_k, start, total = units.reshape(n * c, -1), 0, n
+            if total * c - p < 1:
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
-            own = ((start + torch.arange(n, device=q.device)) * p)[:, None] + torch.arange(p, device=q.device)
-            terms = self.negative_terms(pos, q, all_k, own, (total - 1) * p, low=low)
+            own = ((start + torch.arange(n, device=q.device)) * c)[:, None] + torch.arange(p, device=q.device)
+            terms = self.negative_terms(pos, q, all_k, own, total * c - p, low=low)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,

@@ -1,0 +1,79 @@
+"""SentenceTransformerTrainer, unchanged, with contrastkit's loss on the embedded paraphrase pairs: what a
+user runs. On several processes (a global batch of 8 split over them, negatives gathered from all):
+
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/st_train.py --out DIR --loss dclw --steps 4
+
+writes the number of processes and the logged losses to DIR/losses.json, of MultipleNegativesLoss and
+then of CachedMultipleNegativesLoss (mini-batches of half the process's batch).
+tests/test_sentence_transformers.py imports train() for the one-process run it compares with, and
+train_and_score() for the learning check.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+from contrastkit.adapters.sentence_transformers import CachedMultipleNegativesLoss, MultipleNegativesLoss
+from contrastkit.data.paraphrase import paraphrase_split
+from contrastkit.evaluation.text_retrieval import load_minilm, retrieval_scores
+
+
+def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_steps=1):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dropout:  # one process and two draw different dropout masks; the comparison needs none
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    args = SentenceTransformerTrainingArguments(
+        output_dir=out, per_device_train_batch_size=batch // world, max_steps=steps, learning_rate=1e-4,
+        warmup_steps=0, logging_steps=logging_steps, seed=0, save_strategy="no", report_to="none", disable_tqdm=True,
+        use_cpu=True, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None)
+    if cached:
+        loss_fn = CachedMultipleNegativesLoss(model, loss, mini_batch_size=batch // 2, gather_across_devices=world > 1)
+    else:
+        loss_fn = MultipleNegativesLoss(model, loss, gather_across_devices=world > 1)
+    data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [d for _, d in pairs]})
+    return SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss_fn)
+
+
+def train(out: str, *, loss: str, steps: int) -> dict:
+    """The logged loss of each of ``steps`` steps at a global batch of 8, dropout off, with the plain loss
+    and with the cached one, each from the pretrained weights."""
+    pairs, _ = paraphrase_split(num_train=8 * steps, num_test=8)
+    result = {}
+    for cached in (False, True):
+        torch.manual_seed(0)
+        trainer = _trainer(load_minilm(), out, pairs, loss=loss, batch=8, steps=steps, cached=cached, dropout=False)
+        trainer.train()
+        result["cached" if cached else "plain"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result["world_size"] = trainer.args.world_size
+    if trainer.is_world_process_zero():
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "losses.json").write_text(json.dumps(result))
+    return result
+
+
+def train_and_score(out: str, *, loss: str, cached: bool = False) -> tuple[float, float, list[float]]:
+    """MRR@10 of 64 held-out queries before and after one epoch of 192 pairs at batch 16 (12 steps)."""
+    torch.manual_seed(0)
+    pairs, test = paraphrase_split(num_train=192, num_test=64)
+    model = load_minilm()
+    before = retrieval_scores(model, test)["mrr@10"]
+    trainer = _trainer(model, out, pairs, loss=loss, batch=16, steps=12, cached=cached, dropout=True, logging_steps=3)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return before, retrieval_scores(model, test)["mrr@10"], losses
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--loss", default="dcl")
+    p.add_argument("--steps", type=int, default=4)
+    a = p.parse_args()
+    train(a.out, loss=a.loss, steps=a.steps)
