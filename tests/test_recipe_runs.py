@@ -59,7 +59,7 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_parameters(straight, tmp_
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5, 6]
-    assert len(list((tmp_path / "checkpoints").iterdir())) == 2  # accelerate's rotation (total_limit 2)
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2  # --keep-checkpoints 2 (the default)
 
 
 def test_report_to_tensorboard_writes_event_files(tmp_path):

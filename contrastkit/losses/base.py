@@ -8,6 +8,7 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Literal, get_args
 
@@ -54,6 +55,34 @@ def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+class NonFiniteError(ValueError):
+    """An input of a loss (features, logit scale) holds inf or NaN: what a diverging run produces."""
+
+
+def check_logit_scale(name: str, scale) -> None:
+    """A ``logit_scale`` must be a finite number > 0 (a negative one turns the objective around). A tensor's
+    values are read only where host reads are free (see host_checks_allowed); on CUDA a non-finite scale
+    shows as a non-finite loss, which the recipes' divergence check names."""
+    if isinstance(scale, torch.Tensor):
+        if not scale.is_floating_point():
+            raise TypeError(f"{name}: logit_scale must be a floating-point tensor or a number, got dtype {scale.dtype}")
+        if not host_checks_allowed(scale):
+            return
+        if not bool(torch.isfinite(scale).all()):
+            raise NonFiniteError(f"{name}: logit_scale has non-finite values (inf or NaN): the learnable scale "
+                                 "diverged; lower the learning rate")
+        if not bool((scale > 0).all()):
+            raise ValueError(f"{name}: logit_scale must be > 0, got min {float(scale.min())} "
+                             "(pass exp(t), CLIP's scale, not t)")
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name}: logit_scale must be a tensor or a number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise NonFiniteError(f"{name}: logit_scale must be finite, got {scale}")
+    if scale <= 0:
+        raise ValueError(f"{name}: logit_scale must be > 0, got {scale} (pass exp(t), CLIP's scale, not t)")
+
+
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True,
                    values: bool = True) -> None:
     """Clear errors for the feature inputs of a loss module: type, dtype, rank, shape, device, and (with
@@ -75,7 +104,7 @@ def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: b
         if t.shape[1] != first.shape[1]:
             raise ValueError(f"{name}: {arg} has dimension {t.shape[1]} but {first_name} has {first.shape[1]}")
         if values and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name}: {arg} has non-finite values (inf or NaN)")
+            raise NonFiniteError(f"{name}: {arg} has non-finite values (inf or NaN)")
 
 
 class Objective(nn.Module):
@@ -231,6 +260,9 @@ class ContrastiveLoss(Objective):
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
                   output_dict: bool = False):
         """MoCo setting: query [N, D], key [N, D] (or [N, P, D] for P positives), queue [Q, D] or None."""
+        for arg, t in (("query", query), ("key", key), ("queue", queue)):
+            if not isinstance(t, torch.Tensor) and not (arg == "queue" and t is None):
+                raise TypeError(f"{self.name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         keys = key if key.dim() == 3 else key[:, None]
         features = {"query": query, "key": keys.reshape(-1, keys.shape[-1]) if keys.dim() == 3 else keys}
         if queue is not None:
@@ -264,6 +296,8 @@ class ContrastiveLoss(Objective):
         loss's own scale (1 / temperature) when given."""
         features = {"image": image, "text": text}
         check_features(self.name, features, values=False)
+        if logit_scale is not None:
+            check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
         low = _low_precision(image, text)
         with torch.autocast(image.device.type, enabled=False):

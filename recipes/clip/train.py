@@ -5,12 +5,14 @@
     python recipes/clip/train.py --config run.yaml --lr 5e-4      # values from a YAML file, the flag overrides
 """
 
-from contrastkit.cli import parse
+from contrastkit.cli import one_line_errors, parse
 from contrastkit.clip.train import ClipTrainConfig, train
 
 
 def main(argv=None):
-    summary = train(parse(ClipTrainConfig, description=__doc__, argv=argv))
+    cfg = parse(ClipTrainConfig, description=__doc__, argv=argv)
+    with one_line_errors():
+        summary = train(cfg)
     if "zeroshot_top1" in summary:
         print(f"zero-shot top-1 {summary['zeroshot_top1']:.3f} (top-5 {summary['zeroshot_top5']:.3f}, chance "
               f"{summary['zeroshot_chance']:.3f}) on {summary['zeroshot_num_images']} held-out images; "

@@ -30,12 +30,11 @@ if where == "step":
 else:
     original_save = Accelerator.save_state
 
-    def save_state(self, *args, **kwargs):
-        if self.project_configuration.iteration != at:
-            return original_save(self, *args, **kwargs)
-        original_save(self, *args, **kwargs)
-        folder = Path(self.project_dir) / "checkpoints" / f"checkpoint_{at}"
-        model = folder / "model.safetensors"
+    def save_state(self, output_dir=None, *args, **kwargs):
+        if Path(output_dir).name != f"checkpoint_{at}":
+            return original_save(self, output_dir, *args, **kwargs)
+        original_save(self, output_dir, *args, **kwargs)
+        model = Path(output_dir) / "model.safetensors"
         model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
         os.kill(os.getpid(), signal.SIGKILL)
 
