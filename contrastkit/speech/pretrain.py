@@ -309,12 +309,16 @@ def pretext_comparison(model, heldout: list[torch.Tensor], cfg: PretrainConfig, 
 
 
 def export_upstream(model, cfg: PretrainConfig, path: Path) -> None:
-    """HF: ``save_pretrained`` (loads with Wav2Vec2Model.from_pretrained); fairseq2: config + state dict."""
+    """HF: ``save_pretrained`` (loads with Wav2Vec2Model.from_pretrained); fairseq2: the state dict as
+    ``fairseq2_wav2vec2.safetensors`` and the config as ``fairseq2_wav2vec2.json`` (no pickle to trust)."""
+    from safetensors.torch import save_file
+
     path.mkdir(parents=True, exist_ok=True)
     if cfg.backend == "hf":
         model.save_pretrained(str(path))
     else:
-        torch.save({"config": dataclasses.asdict(models.fairseq2_config(
-            codebook_sampling_temperature=(*cfg.gumbel, gumbel_decay(cfg)))), "state_dict": model.state_dict()},
-            path / "fairseq2_wav2vec2.pt")
+        config = dataclasses.asdict(models.fairseq2_config(codebook_sampling_temperature=(*cfg.gumbel,
+                                                                                          gumbel_decay(cfg))))
+        (path / "fairseq2_wav2vec2.json").write_text(json.dumps(config, default=lambda enum: enum.name, indent=2))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "fairseq2_wav2vec2.safetensors"))
     (path / "contrastkit.json").write_text(json.dumps({"backend": cfg.backend, "loss": cfg.loss}) + "\n")
