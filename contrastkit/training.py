@@ -401,13 +401,13 @@ class Divergence:
         self.first = torch.where(bad & ~self.bad, step, self.first)
         self.bad |= bad
 
-    def error(self, step: int, what: str) -> RunError:
-        return RunError(f"step {step}: the {what} became non-finite (inf or NaN); the run stopped. The last good "
+    def error(self, step: int, what: str, detail: str = "inf or NaN") -> RunError:
+        return RunError(f"step {step}: the {what} became non-finite ({detail}); the run stopped. The last good "
                         f"checkpoint is {_named(newest_good(self.out_dir))}: {HINT}")
 
     def from_loss(self, err: Exception, step: int) -> RunError:
         """The loss core's NonFiniteError (CPU: it names the input) as the run's one line."""
-        return self.error(step, "logit scale" if "logit_scale" in str(err) else "features (" + str(err) + ")")
+        return self.error(step, "logit scale" if "logit_scale" in str(err) else "features", str(err))
 
     def check(self, step: int, model=None) -> None:
         if self.bad is not None:

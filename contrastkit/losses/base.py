@@ -17,7 +17,7 @@ from torch import nn
 
 from contrastkit.distributed import gather_with_grad
 from contrastkit.losses.chunked import host_checks_allowed, negative_stats
-from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
+from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows
 
 # Automatic choice (chunk_size=None): blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -53,10 +53,6 @@ def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
-
-
-class NonFiniteError(ValueError):
-    """An input of a loss (features, logit scale) holds inf or NaN: what a diverging run produces."""
 
 
 def check_logit_scale(name: str, scale) -> None:
