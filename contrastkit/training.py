@@ -18,6 +18,7 @@ and a run that diverged end in a ``RunError`` naming the path, the cause and the
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -322,8 +323,12 @@ class Checkpoints:
         except (OSError, RuntimeError) as err:
             shutil.rmtree(path, ignore_errors=True)
             free = shutil.disk_usage(path.parent).free / 2**20 if path.parent.exists() else float("nan")
-            raise RunError(f"could not write checkpoint {path} ({_first_line(err)}; {free:.0f} MiB free on its "
-                           f"filesystem); the newest good checkpoint is {_named(newest_good(self.out_dir))}") from err
+            full = (getattr(err, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                    or "unexpected pos" in str(err))  # torch.save's zip writer on a short write
+            cause = "a file could not be written whole: the disk is full, or a quota or file-size limit was hit; "
+            raise RunError(f"could not write checkpoint {path} ({cause if full else ''}{_first_line(err)}; "
+                           f"{free:.0f} MiB free on its filesystem); the newest good checkpoint is "
+                           f"{_named(newest_good(self.out_dir))}") from err
         acc.wait_for_everyone()
         if acc.is_main_process:
             for old in _complete(self.out_dir)[:-self.keep]:

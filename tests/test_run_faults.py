@@ -125,7 +125,8 @@ def test_a_failed_save_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
                           preexec_fn=limit, cwd=ROOT)
     line = one_line(done.stderr)
     assert done.returncode == 1 and f"could not write checkpoint {tmp_path / 'checkpoints' / 'checkpoint_1'} (" in line
-    assert "MiB free" in line and "the newest good checkpoint is none" in line, line
+    assert "the disk is full, or a quota or file-size limit was hit" in line and "MiB free" in line, line
+    assert "the newest good checkpoint is none" in line
     assert not (tmp_path / "checkpoints" / "checkpoint_1").exists()
 
 

@@ -1,6 +1,7 @@
 """Run a recipe script and SIGKILL this process at a chosen point, as a crash would: ``KILL_AT=step:N``
 kills inside optimizer step N (after its backward, before the update is done); ``KILL_AT=save:N`` kills
-while checkpoint_N is being written (the model file half written, no COMPLETE marker yet).
+while checkpoint_N is being written (the model file half written, no COMPLETE marker yet). Under
+``accelerate launch``, ``KILL_RANK=R`` kills only process R.
 
     KILL_AT=save:4 python tests/scripts/killed_run.py recipes/vision/train.py --steps 6 ...
 """
@@ -16,6 +17,8 @@ from accelerate import Accelerator
 
 where, at = os.environ["KILL_AT"].split(":")
 at = int(at)
+if os.environ.get("KILL_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    at = -1  # another process of the run is the one killed
 
 if where == "step":
     original_step, calls = torch.optim.AdamW.step, [0]
