@@ -154,3 +154,27 @@ def test_resume_applies_a_new_learning_rate_and_records_it(tmp_path):
     assert summary["config"]["lr"] == 5e-2
     assert summary["resumes"] == [{"step": 2, "checkpoint": str(tmp_path / "b" / "checkpoints" / "checkpoint_2"),
                                    "changed": {"lr": {"was": 1e-3, "now": 5e-2}}}]
+
+
+def test_clip_resume_applies_a_new_learning_rate(clip_data, tmp_path, capsys, monkeypatch):
+    """The same in the CLIP recipe, from its command line: the change is said and recorded."""
+    argv = ["--data-dir", str(clip_data), "--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8",
+            "--steps", "4", "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "2",
+            "--no-progress", "--lr", "1e-3"]
+    for run in ("a", "b"):
+        assert run_script("recipes/clip/train.py", [*argv, "--out-dir", str(tmp_path / run)], capsys, monkeypatch)[0] == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "checkpoint_4")
+    code, out, err = run_script("recipes/clip/train.py", [*argv, "--out-dir", str(tmp_path / "b"), "--resume",
+                                                         "--lr", "5e-2"], capsys, monkeypatch)
+    assert code == 0 and "--resume: --lr 0.05 (the checkpoint's run had 0.001), applied from step 2" in out + err
+
+    def lrs(run):
+        return {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+                if "lr" in r}
+
+    a, b = lrs("a"), lrs("b")
+    assert b[2] == a[2] and b[3] == pytest.approx(50 * a[3], rel=1e-9) and b[4] == pytest.approx(50 * a[4], rel=1e-9)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["config"]["lr"] == 5e-2 and summary["resumes"][0]["changed"] == {"lr": {"was": 1e-3, "now": 5e-2}}

@@ -47,7 +47,7 @@ SPEECH_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
 @dataclasses.dataclass
 class PretrainConfig(RunOptions):
     # What a checkpoint fixes: a resume refuses a change to one of these (training.Checkpoints).
-    FIXED = ("backend", "loss", "temperature", "loss_options", "data", "batch_size", "conformer", "seed")
+    FIXED = ("backend", "loss", "temperature", "loss_options", "data", "batch_size", "gumbel", "conformer", "seed")
 
     backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
     loss: str = arg("dcl", "the objective", choices=SPEECH_LOSSES)

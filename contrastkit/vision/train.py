@@ -39,7 +39,7 @@ class VisionConfig(RunOptions):
     # What a checkpoint fixes: --resume refuses a change to one of these (training.Checkpoints).
     FIXED = ("method", "loss", "loss_options", "data", "image_size", "train_images", "backbone", "width",
              "small_images", "proj_hidden", "proj_dim", "views", "batch_size", "optimizer", "queue_size",
-             "temperature", "alpha", "sigma", "lam", "rho", "seed")
+             "weight_decay", "temperature", "alpha", "sigma", "lam", "rho", "seed")
 
     method: str = arg("simclr", "training method", choices=METHODS)
     loss: str = arg("infonce", "the objective", choices=available_losses())
