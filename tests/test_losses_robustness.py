@@ -238,7 +238,8 @@ def test_types_are_checked_before_anything_else(name):
         with pytest.raises(TypeError, match="target1 must be a torch.Tensor"):
             loss_fn(z, z, [1.0], [2.0])
         return
-    for call, arg in ((lambda b: loss_fn.query_key(b, z), "query"), (lambda b: loss_fn.query_key(z, b), "key"),
-                      (lambda b: loss_fn.query_key(z, z, [b]), "queue"), (lambda b: loss_fn.cross_modal(b, z), "image")):
+    calls = [(lambda b: loss_fn.query_key(b, z), "query"), (lambda b: loss_fn.query_key(z, b), "key"),
+             (lambda b: loss_fn.query_key(z, z, [b]), "queue"), (lambda b: loss_fn.cross_modal(b, z), "image")]
+    for call, arg in calls:
         with pytest.raises(TypeError, match=f"{arg} must be a torch.Tensor"):
             call([[0.0] * 8] * 4)

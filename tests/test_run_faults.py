@@ -162,7 +162,8 @@ def test_clip_resume_applies_a_new_learning_rate(clip_data, tmp_path, capsys, mo
             "--steps", "4", "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "2",
             "--no-progress", "--lr", "1e-3"]
     for run in ("a", "b"):
-        assert run_script("recipes/clip/train.py", [*argv, "--out-dir", str(tmp_path / run)], capsys, monkeypatch)[0] == 0
+        code = run_script("recipes/clip/train.py", [*argv, "--out-dir", str(tmp_path / run)], capsys, monkeypatch)[0]
+        assert code == 0
     import shutil
 
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "checkpoint_4")

@@ -320,5 +320,6 @@ def export_upstream(model, cfg: PretrainConfig, path: Path) -> None:
         config = dataclasses.asdict(models.fairseq2_config(codebook_sampling_temperature=(*cfg.gumbel,
                                                                                           gumbel_decay(cfg))))
         (path / "fairseq2_wav2vec2.json").write_text(json.dumps(config, default=lambda enum: enum.name, indent=2))
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "fairseq2_wav2vec2.safetensors"))
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, str(path / "fairseq2_wav2vec2.safetensors"))
     (path / "contrastkit.json").write_text(json.dumps({"backend": cfg.backend, "loss": cfg.loss}) + "\n")
