@@ -12,11 +12,17 @@ every default in ``--help``. On top of it:
 - Every user mistake (an unknown flag, a value outside the choices, a dataclass's ``check()`` failing:
   a missing path, a batch of 0, a negative learning rate) ends in one ``error: ...`` line on stderr and
   exit status 2, before any work and without a traceback.
+- A failure during the work that the user can act on (a run that diverged, a checkpoint that cannot be
+  read or written, a file that is not what it claims) is a ``RunError``; ``one_line_errors`` turns it
+  into one ``error: ...`` line too (exit status 1, or 2 for bad input).
+- ``--help`` shows one spelling per option (``--batch-size``, ``--no-progress``; the ``_`` spellings
+  are accepted too) and one default.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -72,11 +78,53 @@ def existing(name: str, path, what: str = "path") -> None:
         raise FileNotFoundError(f"--{name.replace('_', '-')}: {what} {str(path)!r} does not exist")
 
 
+class RunError(Exception):
+    """A failure a user can act on, with a message that says what happened and what to do; ``status``:
+    the exit status ``one_line_errors`` gives it (1: the run failed; 2: bad input)."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+@contextlib.contextmanager
+def one_line_errors(*kinds: type[BaseException], status: int = 2):
+    """Inside a script's main: a RunError, or an exception of ``kinds`` (bad input found while working,
+    e.g. ValueError from a checkpoint loader; exit ``status``), ends as one ``error:`` line on stderr."""
+    try:
+        yield
+    except RunError as err:
+        sys.stderr.write(f"error: {' '.join(str(err).split())}\n")
+        raise SystemExit(err.status) from None
+    except kinds as err:
+        sys.stderr.write(f"error: {' '.join(str(err).split())}\n")
+        raise SystemExit(status) from None
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    def _get_help_string(self, action):  # --no-x: its "default" is the value it stores, not the option's
-        if isinstance(action, argparse._StoreFalseAction):
+    def _get_help_string(self, action):
+        if isinstance(action, argparse._StoreFalseAction):  # --no-x: its "default" is the value it stores
+            return action.help
+        if action.default is None and "(default" in (action.help or ""):  # the help says it in words
             return action.help
         return super()._get_help_string(action)
+
+    def _format_action_invocation(self, action):  # one spelling: --batch-size, not also --batch_size
+        return super()._format_action_invocation(_dashed(action))
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        return super()._format_usage(usage, [_dashed(a) for a in actions], groups, prefix)
+
+
+def _dashed(action: argparse.Action) -> argparse.Action:
+    """``action`` shown without the ``--x_y`` spellings that have a ``--x-y`` twin (both are accepted)."""
+    names = action.option_strings
+    shown = [n for n in names if "_" not in n or n.replace("_", "-") not in names]
+    if shown == names:
+        return action
+    return argparse.Action(shown, action.dest, nargs=action.nargs, const=action.const, default=action.default,
+                           type=action.type, choices=action.choices, required=action.required, help=action.help,
+                           metavar=action.metavar)
 
 
 class Parser(HfArgumentParser):

@@ -1,12 +1,14 @@
 """What the three training loops (clip, vision, speech) share, written once: the accelerator with its
-trackers and checkpoint rotation, the batches of each step, the learning-rate schedule, checkpoints that
-resume exactly, and a metrics log (JSONL, plot, summary, mirrored to the trackers).
+trackers, the batches of each step, the learning-rate schedule, checkpoints that resume exactly, the
+divergence check, and a metrics log (JSONL, plot, summary, mirrored to the trackers).
 
 Checkpoints are accelerate's own ``save_state`` folders (model, optimizer, scheduler, RNG states, and
-any object registered with ``accelerator.register_for_checkpointing``), named by accelerate's
-``ProjectConfiguration`` (``automatic_checkpoint_naming``, ``total_limit`` rotation) as
-``checkpoints/checkpoint_<step>``. A folder counts only once its ``COMPLETE`` marker is written, after
-every process has finished writing, so a run killed during a save resumes from the previous one.
+any object registered with ``accelerator.register_for_checkpointing``) in ``checkpoints/checkpoint_<step>``,
+with the run's config beside them (``run_config.json``). A folder counts only once its ``COMPLETE`` marker
+(the step and every file's size) is written, after every process has finished writing; only then are
+old folders removed, so a run killed during a save, with any ``--keep-checkpoints``, resumes from the
+previous one. A save that fails (disk full), a resume with nothing to resume from, a damaged checkpoint
+and a run that diverged end in a ``RunError`` naming the path, the cause and the newest good checkpoint.
 
 >>> log = MetricsLog("runs/clip-dcl")
 >>> log.log(step=10, loss=3.2)
@@ -16,6 +18,7 @@ every process has finished writing, so a run killed during a save resumes from t
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from contrastkit.cli import arg, positive
+from contrastkit.cli import RunError, arg, positive
 
 
 class MetricsLog:
@@ -110,16 +113,19 @@ def _plain(value):
 
 class TrainState:
     """The run's step, registered with ``accelerator.register_for_checkpointing`` so that a checkpoint
-    restores it; recipes derive the data position, learning rate and schedules from it."""
+    restores it; recipes derive the data position, learning rate and schedules from it. ``resumes``: each
+    resume's step, checkpoint and changed settings (for summary.json)."""
 
     def __init__(self):
         self.step = 0
+        self.resumes: list[dict] = []
 
     def state_dict(self):
-        return {"step": self.step}
+        return {"step": self.step, "resumes": json.dumps(self.resumes)}
 
     def load_state_dict(self, state):
         self.step = int(state["step"])
+        self.resumes = json.loads(state.get("resumes", "[]"))
 
 
 
@@ -143,43 +149,43 @@ class RunOptions:
 
     report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
                          choices=REPORT_TO)
-    keep_checkpoints: int = arg(2, "checkpoints kept (accelerate's total_limit)")
+    keep_checkpoints: int = arg(2, "checkpoints kept (old ones are removed only once a new one is complete)")
 
     def check_run(self) -> None:
         positive("keep_checkpoints", self.keep_checkpoints)
         check_report_to(self.report_to)
 
 
-def make_accelerator(out_dir: str | Path, report_to: str = "none", keep: int = 2, **kwargs):
-    """An Accelerator whose checkpoints rotate under ``out_dir/checkpoints`` (the newest ``keep``) and whose
-    trackers (``report_to``: none, tensorboard, wandb or all) log under ``out_dir/logs``."""
+def make_accelerator(out_dir: str | Path, report_to: str = "none", **kwargs):
+    """An Accelerator whose trackers (``report_to``: none, tensorboard, wandb or all) log under
+    ``out_dir/logs``. Checkpoints: ``Checkpoints`` (not accelerate's ``total_limit``, which deletes the
+    old checkpoint before the new one is written)."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs"),
-                                   automatic_checkpoint_naming=True, total_limit=keep)
+    project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs"))
     accelerator = Accelerator(project_config=project, log_with=None if report_to == "none" else report_to, **kwargs)
     check_launch(accelerator)
     return accelerator
 
 
 def check_launch(accelerator) -> None:
-    """Raise RuntimeError where accelerate set up another run than the launch asked for, which it does
-    without a word: ``accelerate launch --multi_gpu`` (torchrun) on a machine without a GPU gives each
+    """Raise RunError (one line, exit 2) where accelerate set up another run than the launch asked for,
+    which it does without a word: ``accelerate launch --multi_gpu`` (torchrun) on a machine without a GPU gives each
     process a run of its own unless ACCELERATE_USE_CPU=1, and ``--use_fsdp`` on the CPU gives DDP
     (accelerate 1.15 shards with FSDP on GPUs and other accelerators only)."""
     from accelerate.utils import DistributedType
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
-        raise RuntimeError(f"launched as {launched} processes (WORLD_SIZE) but accelerate set up "
+        raise RunError(f"launched as {launched} processes (WORLD_SIZE) but accelerate set up "
                            f"{accelerator.num_processes} ({accelerator.distributed_type.value}): on a CPU launch with "
                            "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N (accelerate's --cpu "
-                           "flag alone starts one process)")
+                           "flag alone starts one process)", status=2)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and \
             accelerator.distributed_type != DistributedType.FSDP:
-        raise RuntimeError(f"launched with FSDP (accelerate launch --use_fsdp) but accelerate set up "
-                           f"{accelerator.distributed_type.value}: accelerate shards with FSDP on GPUs only")
+        raise RunError(f"launched with FSDP (accelerate launch --use_fsdp) but accelerate set up "
+                           f"{accelerator.distributed_type.value}: accelerate shards with FSDP on GPUs only", status=2)
 
 
 def start_trackers(accelerator, name: str, config: dict) -> None:
@@ -232,6 +238,9 @@ def lr_schedule(optimizer, name: str, warmup: int, total: int):
 
 
 COMPLETE = "COMPLETE"
+RUN_CONFIG = "run_config.json"
+HINT = ("lower --lr and continue from that checkpoint with --resume (the new --lr is applied), or train in bf16 "
+        "rather than fp16 (accelerate launch --mixed_precision bf16)")
 
 
 def _checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
@@ -241,47 +250,205 @@ def _checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _complete(out_dir: str | Path) -> list[Path]:
+    return [p for _, p in _checkpoints(out_dir) if (p / COMPLETE).is_file()]
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest complete ``checkpoints/checkpoint_<step>`` under ``out_dir``, or None."""
-    done = [p for _, p in _checkpoints(out_dir) if (p / COMPLETE).is_file()]
+    done = _complete(out_dir)
     return done[-1] if done else None
 
 
-def _drop_incomplete(accelerator, out_dir: str | Path) -> None:
-    if accelerator.is_main_process:
-        for _, path in _checkpoints(out_dir):
-            if not (path / COMPLETE).is_file():
-                shutil.rmtree(path, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def save_checkpoint(accelerator, out_dir: str | Path, step: int) -> Path:
-    """accelerator.save_state into ``checkpoints/checkpoint_<step>`` (accelerate rotates the old ones), then
-    the COMPLETE marker once every process has written its part."""
-    path = Path(out_dir) / "checkpoints" / f"checkpoint_{step}"
-    if (path / COMPLETE).is_file():
-        return path
-    _drop_incomplete(accelerator, out_dir)
-    accelerator.project_configuration.iteration = step
-    accelerator.save_state()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with open(path / COMPLETE, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-    accelerator.wait_for_everyone()
-    return path
-
-
-def resume(accelerator, out_dir: str | Path, required: bool = False) -> Path | None:
-    """Load the newest complete checkpoint (a half-written one is removed, never loaded); its path or None."""
-    _drop_incomplete(accelerator, out_dir)
-    path = latest_checkpoint(out_dir)
-    if path is None:
-        if required:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {Path(out_dir) / 'checkpoints'}")
+def damage(path: Path) -> str | None:
+    """What is wrong with the complete checkpoint ``path`` by its marker's file sizes (None: intact; markers
+    without sizes, from older versions, count as intact)."""
+    try:
+        files = json.loads((path / COMPLETE).read_text()).get("files", {})
+    except (ValueError, AttributeError):
         return None
-    accelerator.load_state(str(path))
-    accelerator.print(f"resumed from {path}")
-    return path
+    for name, size in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if (path / name).stat().st_size != size:
+            return f"{name} has {(path / name).stat().st_size} bytes, {size} were written"
+    return None
+
+
+def newest_good(out_dir: str | Path, before: Path | None = None) -> Path | None:
+    """The newest complete checkpoint (older than ``before``, when given) whose files have the sizes written."""
+    done = _complete(out_dir)
+    if before is not None:
+        done = done[:done.index(before)] if before in done else done
+    good = [p for p in done if damage(p) is None]
+    return good[-1] if good else None
+
+
+def _named(path: Path | None) -> str:
+    return str(path) if path is not None else "none (no complete checkpoint was written)"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return f"{type(err).__name__}: {text.splitlines()[0]}"
+
+
+def set_peak_lr(optimizer, scheduler, lr: float) -> None:
+    """Make ``lr`` the peak of the schedule from the scheduler's current step on: a resumed scheduler would
+    otherwise keep the checkpoint's (its ``base_lrs`` are state)."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+class Checkpoints:
+    """The ``checkpoints/`` folder of a run in ``out_dir``: ``save(step)`` writes one and then rotates (the
+    newest ``keep`` complete ones stay); ``resume(...)`` loads the newest, checking that the settings it
+    fixes (``fixed``, names of ``config``'s keys) did not change and applying the others (the peak
+    learning rate: ``lr_key``), each change printed and recorded in the TrainState's ``resumes``."""
+
+    def __init__(self, accelerator, out_dir: str | Path, keep: int, config: dict, fixed: tuple[str, ...],
+                 lr_key: str = "lr"):
+        self.accelerator, self.out_dir, self.keep = accelerator, Path(out_dir), keep
+        self.config = json.loads(json.dumps(config))  # as run_config.json holds it (tuples become lists)
+        self.fixed, self.lr_key = fixed, lr_key
+
+    def _drop_incomplete(self) -> None:
+        if self.accelerator.is_main_process:
+            for _, path in _checkpoints(self.out_dir):
+                if not (path / COMPLETE).is_file():
+                    shutil.rmtree(path, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def save(self, step: int) -> Path:
+        """accelerator.save_state into ``checkpoints/checkpoint_<step>``, the run's config beside it, the
+        COMPLETE marker once every process has written its part, and only then the old ones removed."""
+        acc = self.accelerator
+        path = self.out_dir / "checkpoints" / f"checkpoint_{step}"
+        if (path / COMPLETE).is_file():
+            return path
+        self._drop_incomplete()
+        try:
+            acc.save_state(str(path))
+            if acc.is_main_process:
+                (path / RUN_CONFIG).write_text(json.dumps(self.config, indent=2) + "\n")
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+                with open(path / COMPLETE, "w") as f:
+                    f.write(json.dumps({"step": step, "files": files}) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(path, ignore_errors=True)
+            free = shutil.disk_usage(path.parent).free / 2**20 if path.parent.exists() else float("nan")
+            full = (getattr(err, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                    or "unexpected pos" in str(err))  # torch.save's zip writer on a short write
+            cause = "a file could not be written whole: the disk is full, or a quota or file-size limit was hit; "
+            raise RunError(f"could not write checkpoint {path} ({cause if full else ''}{_first_line(err)}; "
+                           f"{free:.0f} MiB free on its filesystem); the newest good checkpoint is "
+                           f"{_named(newest_good(self.out_dir))}") from err
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            for old in _complete(self.out_dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return path
+
+    def resume(self, state: TrainState, optimizer, scheduler, required: bool = True) -> Path | None:
+        """Load the newest complete checkpoint (a half-written one is removed, never loaded) into the
+        prepared objects; its path, or None where there is none and it is not ``required``."""
+        self._drop_incomplete()
+        path = latest_checkpoint(self.out_dir)
+        if path is None:
+            if required:
+                raise RunError(f"--resume: no complete checkpoint under {self.out_dir / 'checkpoints'} "
+                               "(leave out --resume to start a run there)", status=2)
+            return None
+        problem = damage(path)
+        if problem is None:
+            changed = self._changes(path)
+            try:
+                self.accelerator.load_state(str(path))
+            except Exception as err:  # any reader's error (safetensors, pickle, zip): the file is damaged
+                problem = _first_line(err)
+        if problem is not None:
+            raise RunError(f"--resume: checkpoint {path} cannot be read ({problem}); the newest good checkpoint is "
+                           f"{_named(newest_good(self.out_dir, before=path))}: remove {path.name} to resume from it")
+        if self.lr_key in changed:
+            set_peak_lr(optimizer, scheduler, self.config[self.lr_key])
+        for key, (old, new) in changed.items():
+            self.accelerator.print(f"--resume: --{key.replace('_', '-')} {new} (the checkpoint's run had {old}), "
+                                   f"applied from step {state.step}")
+        state.resumes.append({"step": state.step, "checkpoint": str(path),
+                              "changed": {k: {"was": old, "now": new} for k, (old, new) in changed.items()}})
+        self.accelerator.print(f"resumed from {path}")
+        return path
+
+    def _changes(self, path: Path) -> dict:
+        """{key: (checkpoint's value, this run's)} of the settings that differ; a RunError where one is fixed."""
+        saved_file = path / RUN_CONFIG
+        if not saved_file.is_file():  # written before run_config.json existed: nothing to compare
+            return {}
+        saved = json.loads(saved_file.read_text())
+        changed = {k: (saved[k], v) for k, v in self.config.items() if k in saved and saved[k] != v and k != "resume"}
+        for key in changed:
+            if key in self.fixed:
+                old, new = changed[key]
+                raise RunError(f"--resume: {path} was trained with --{key.replace('_', '-')} {old}, this command "
+                               f"asks for {new}; the checkpoint fixes it: resume with --{key.replace('_', '-')} "
+                               f"{old}, or train with {new} from scratch in another --out-dir", status=2)
+        return changed
+
+
+class Divergence:
+    """Stops a run whose loss, logit scale or gradient norm became non-finite, with one line: the step, what
+    became non-finite, the last good checkpoint and a hint.
+
+    ``watch(step, loss=..., grad_norm=...)`` records on the device (no host sync: on CUDA the values are
+    read by ``check``, which the recipes call where they read the host anyway: at logging steps and before
+    every checkpoint, so no checkpoint with non-finite weights is written, nor a good one rotated away).
+    On a CPU the host reads cost nothing, and ``check`` every step stops the run before the update.
+    ``check(model=...)`` also checks the parameters themselves."""
+
+    def __init__(self, accelerator, out_dir: str | Path):
+        self.accelerator, self.out_dir = accelerator, Path(out_dir)
+        self.names: list[str] = []
+        self.bad = self.first = None
+
+    def watch(self, step: int, **values: torch.Tensor) -> None:
+        bad = torch.stack([~torch.isfinite(v.detach()).all() for v in values.values()])
+        if self.bad is None:
+            self.names = list(values)
+            self.bad = torch.zeros_like(bad)
+            self.first = torch.full(bad.shape, -1, dtype=torch.long, device=bad.device)
+        self.first = torch.where(bad & ~self.bad, step, self.first)
+        self.bad |= bad
+
+    def error(self, step: int, what: str, detail: str = "inf or NaN") -> RunError:
+        return RunError(f"step {step}: the {what} became non-finite ({detail}); the run stopped. The last good "
+                        f"checkpoint is {_named(newest_good(self.out_dir))}: {HINT}")
+
+    def from_loss(self, err: Exception, step: int) -> RunError:
+        """The loss core's NonFiniteError (CPU: it names the input) as the run's one line."""
+        return self.error(step, "logit scale" if "logit_scale" in str(err) else "features", str(err))
+
+    def check(self, step: int, model=None) -> None:
+        if self.bad is not None:
+            first = self.accelerator.gather(self.first[None]).reshape(-1, len(self.names))
+            first = torch.where(first < 0, torch.iinfo(torch.long).max, first).min(0).values.tolist()
+            hits = [(s, n) for s, n in zip(first, self.names) if s != torch.iinfo(torch.long).max]
+            if hits:
+                step, name = min(hits)
+                raise self.error(step, name.replace("_", " "))
+        if model is not None:
+            finite = torch.stack([torch.isfinite(p.detach()).all() for p in model.parameters()]).all()
+            if not bool(self.accelerator.reduce(finite.float(), "sum") == self.accelerator.num_processes):
+                raise self.error(step, "model's weights")
+
+
+def grad_norm(parameters) -> torch.Tensor:
+    """The global gradient norm (on the device, no host sync), for Divergence.watch."""
+    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])

@@ -10,8 +10,8 @@ recall) to --out-dir (default: beside the checkpoint).
 import json
 from pathlib import Path
 
-from contrastkit.cli import parse
 from contrastkit.adapters.open_clip import create_clip
+from contrastkit.cli import one_line_errors, parse
 from contrastkit.evaluation.zeroshot import ZeroShotArgs, evaluate_zeroshot, load_clip_checkpoint, plot_per_class
 
 
@@ -19,7 +19,8 @@ def main(argv=None):
     args = parse(ZeroShotArgs, description=__doc__, argv=argv)
     model, preprocess, tokenizer = create_clip(args.model)
     if args.checkpoint:
-        load_clip_checkpoint(model, args.checkpoint)
+        with one_line_errors(ValueError, OSError):  # not a checkpoint of this model, or one that would run code
+            load_clip_checkpoint(model, args.checkpoint)
     model.to(args.device)
     data = args.data
     if data is None:

@@ -65,19 +65,37 @@ def per_anchor(z, kind, *, mean=True, **p):
     return torch.stack(losses).mean() if mean else torch.stack(losses)
 
 
+def _one_positive(kind, x, y, negatives, scale, weight=1.0, **p):
+    """Loss of anchor x with one positive y and negatives (rows), logits = cosines times ``scale`` (1 / tau;
+    CACR: 2 t_neg, since softmax(-t_neg |x - y|^2) = softmax(2 t_neg cos))."""
+    sp = (x * y).sum() * scale
+    s_neg = torch.stack([(x * z).sum() for z in negatives]) * scale
+    if kind in ("infonce", "eqco"):
+        num = torch.exp(sp) * (len(negatives) / p["alpha"] if kind == "eqco" else 1.0)
+        return -torch.log(num / (num + torch.exp(s_neg).sum()))
+    if kind in ("dcl", "dclw"):
+        return -weight * sp + torch.log(torch.exp(s_neg).sum())
+    c_pos = ((x - y) ** 2).sum()  # cacr: one positive, whose softmax weight is 1
+    c_neg = torch.stack([((x - z) ** 2).sum() for z in negatives])
+    w_neg = torch.exp(-scale / 2 * c_neg) / torch.exp(-scale / 2 * c_neg).sum()
+    return c_pos - (w_neg * c_neg).sum()
+
+
+def _dclw_weights(x, y, sigma):
+    """2 - N softmax_i(<x_i, y_i> / sigma) over the N (anchor, positive) pairs, detached."""
+    e = torch.exp(torch.stack([(a * b).sum() for a, b in zip(x, y)]).detach() / sigma)
+    return 2 - e / e.mean()
+
+
+def _scale(kind, p):
+    return 2 * p["t_neg"] if kind == "cacr" else 1 / p["tau"]
+
+
 def query_key(q, k, queue, kind, *, mean=True, **p):
     """MoCo setting: anchors are the queries, positive the key, negatives the queue rows."""
     q, k, queue = unit(q), unit(k), unit(queue)
-    losses = []
-    for i in range(q.shape[0]):
-        sp = (q[i] * k[i]).sum()
-        s_neg = queue @ q[i]
-        t = p["tau"]
-        if kind == "infonce":
-            num = torch.exp(sp / t)
-            losses.append(-torch.log(num / (num + torch.exp(s_neg / t).sum())))
-        elif kind == "dcl":
-            losses.append(-sp / t + torch.log(torch.exp(s_neg / t).sum()))
+    weights = _dclw_weights(q, k, p["sigma"]) if kind == "dclw" else torch.ones(q.shape[0], dtype=q.dtype)
+    losses = [_one_positive(kind, q[i], k[i], queue, _scale(kind, p), weights[i], **p) for i in range(q.shape[0])]
     return torch.stack(losses).mean() if mean else torch.stack(losses)
 
 
@@ -122,4 +140,20 @@ def ranking(queries, docs, kind, *, mean=True, **p):
                                  if (c, j) != (0, i)])
             w_neg = torch.exp(-p["t_neg"] * c_neg) / torch.exp(-p["t_neg"] * c_neg).sum()
             losses.append(c_pos - (w_neg * c_neg).sum())
+    return torch.stack(losses).mean() if mean else torch.stack(losses)
+
+
+def cross_modal(img, txt, kind, *, scale=None, mean=True, **p):
+    """Image-text (CLIP) setting: an image's positive is its caption and its negatives the other captions, a
+    caption's the other way round; logits are cosines times ``scale`` (default: the loss's own). Per-anchor
+    losses: images, then texts."""
+    a, b = unit(img), unit(txt)
+    n = a.shape[0]
+    scale = _scale(kind, p) if scale is None else scale
+    weights = _dclw_weights(a, b, p["sigma"]) if kind == "dclw" else torch.ones(n, dtype=a.dtype)
+    losses = []
+    for x, y in ((a, b), (b, a)):
+        for i in range(n):
+            others = torch.stack([y[j] for j in range(n) if j != i])
+            losses.append(_one_positive(kind, x[i], y[i], others, scale, weights[i], **p))
     return torch.stack(losses).mean() if mean else torch.stack(losses)

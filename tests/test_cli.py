@@ -51,14 +51,22 @@ def test_help_documents_every_option_with_its_default(script, capsys, monkeypatc
     entries = [e for e in entries if e not in offs]
     assert len(entries) >= 5
     for entry in entries:
-        assert "(default:" in entry, f"{script}: no default in {entry!r}"
-        assert len(entry.split("(default:")[0].split()) > 2, f"{script}: no help text in {entry!r}"
+        assert entry.count("(default") == 1, f"{script}: no default, or two, in {entry!r}"
+        assert len(entry.split("(default")[0].split()) > 2, f"{script}: no help text in {entry!r}"
+        names = [w.rstrip(",") for w in entry.split() if w.startswith("--")]
+        assert not [n for n in names if "_" in n and n.replace("_", "-") in names], f"{script}: two spellings: {entry}"
+
+
+def test_help_has_one_spelling_and_the_other_still_works():
+    """--help shows --batch-size and --no-progress only; --batch_size and --no_progress are still accepted."""
+    assert parse(VisionConfig, argv=["--batch_size", "16", "--no_progress"]).batch_size == 16
+    assert parse(VisionConfig, argv=["--batch-size", "16", "--no-progress"]).progress is False
 
 
 def test_help_lists_choices(capsys, monkeypatch):
     out = run_script("recipes/vision/train.py", ["--help"], capsys, monkeypatch)[1]
     assert "--loss {infonce,dcl,dclw,eqco,cacr,unigrad}" in out
-    assert "--method {simclr,moco,simo}" in out and "--report_to {none,tensorboard,wandb,all}" in out
+    assert "--method {simclr,moco,simo}" in out and "--report-to {none,tensorboard,wandb,all}" in out
     out = run_script("recipes/wav2vec2/train.py", ["--help"], capsys, monkeypatch)[1]
     assert "--backend {hf,fairseq2}" in out
 

@@ -24,6 +24,7 @@ from contrastkit.adapters.open_clip import build_clip_loss  # noqa: E402
 from contrastkit.adapters.open_clip import DEFAULT_MODEL, create_clip  # noqa: E402
 from contrastkit.data.image_text import load_image_text, make_shapes_clip  # noqa: E402
 from contrastkit.evaluation.zeroshot import evaluate_zeroshot  # noqa: E402
+from contrastkit.cli import RunError  # noqa: E402
 from contrastkit.training import check_launch  # noqa: E402
 from launch import accelerate_launch  # noqa: E402
 
@@ -48,11 +49,11 @@ def shapes(data_dir):
 def test_check_launch_refuses_a_run_other_than_launched(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    with pytest.raises(RuntimeError, match=r"launched as 2 processes .* set up 1 .*ACCELERATE_USE_CPU=1"):
+    with pytest.raises(RunError, match=r"launched as 2 processes .* set up 1 .*ACCELERATE_USE_CPU=1"):
         check_launch(SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO))
     check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(RuntimeError, match="launched with FSDP .* set up MULTI_CPU: .* GPUs only"):
+    with pytest.raises(RunError, match="launched with FSDP .* set up MULTI_CPU: .* GPUs only"):
         check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
     check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP))
 

@@ -189,3 +189,57 @@ def test_masked_negatives_equal_dropped_negatives():
     for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):
         f = getattr(functional, name)
         torch.testing.assert_close(f(pos, neg, neg_mask=mask), f(pos, neg[:, :6]))
+
+
+# ----------------------------------------------------------------------------- issue 29: scale and types
+
+
+SCALED = ["infonce", "dcl", "dclw", "eqco"]  # CACR's cross_modal uses the scale too; UniGrad has no such form
+
+
+@pytest.mark.parametrize("name", SCALED + ["cacr"])
+@pytest.mark.parametrize("scale,error,match", [
+    (float("nan"), ValueError, "logit_scale must be finite"),
+    (float("inf"), ValueError, "logit_scale must be finite"),
+    (torch.tensor(float("nan")), ValueError, "logit_scale has non-finite"),
+    (torch.tensor(float("-inf")), ValueError, "logit_scale has non-finite"),
+    (-3.0, ValueError, "logit_scale must be > 0"),
+    (torch.tensor(0.0), ValueError, "logit_scale must be > 0"),
+    ("10", TypeError, "logit_scale must be a tensor or a number"),
+    (torch.tensor(10), TypeError, "logit_scale must be a floating-point"),
+])
+def test_bad_logit_scale_is_named(name, scale, error, match):
+    """A diverged (NaN/inf) or negative scale is refused with an error naming it, not a NaN (or a loss that
+    rewards misalignment) and a later error blaming the features."""
+    image, text = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(error, match=match):
+        build_loss(name).cross_modal(image, text, logit_scale=scale)
+    fine = build_loss(name).cross_modal(image, text, logit_scale=torch.tensor(20.0))
+    assert torch.isfinite(fine)
+
+
+def test_open_clip_adapter_refuses_a_non_finite_scale():
+    from contrastkit.adapters.open_clip import build_clip_loss
+
+    with pytest.raises(ValueError, match="logit_scale has non-finite"):
+        build_clip_loss("dcl")(torch.randn(4, 8), torch.randn(4, 8), torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("name", available_losses())
+def test_types_are_checked_before_anything_else(name):
+    z = torch.randn(4, 8)
+    loss_fn = build_loss(name)
+    for bad in ([[0.0] * 8] * 4, 3.0, None):
+        with pytest.raises(TypeError, match="z1 must be a torch.Tensor"):
+            loss_fn(bad, z)
+        with pytest.raises(TypeError, match="z2 must be a torch.Tensor"):
+            loss_fn(z, bad)
+    if name == "unigrad":
+        with pytest.raises(TypeError, match="target1 must be a torch.Tensor"):
+            loss_fn(z, z, [1.0], [2.0])
+        return
+    calls = [(lambda b: loss_fn.query_key(b, z), "query"), (lambda b: loss_fn.query_key(z, b), "key"),
+             (lambda b: loss_fn.query_key(z, z, [b]), "queue"), (lambda b: loss_fn.cross_modal(b, z), "image")]
+    for call, arg in calls:
+        with pytest.raises(TypeError, match=f"{arg} must be a torch.Tensor"):
+            call([[0.0] * 8] * 4)

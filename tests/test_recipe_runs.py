@@ -59,7 +59,52 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_parameters(straight, tmp_
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5, 6]
-    assert len(list((tmp_path / "checkpoints").iterdir())) == 2  # accelerate's rotation (total_limit 2)
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2  # --keep-checkpoints 2 (the default)
+
+
+def test_keep_one_killed_during_the_second_save_resumes_from_the_first(straight, tmp_path):
+    """--keep-checkpoints 1: the old checkpoint is removed only once the new one is complete, so a run killed
+    while writing checkpoint_2 still has checkpoint_1 (accelerate's total_limit had deleted it first)."""
+    killed = run(tmp_path, "--keep-checkpoints", "1", kill_at="save:2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert latest_checkpoint(tmp_path).name == "checkpoint_1"
+    resumed = run(tmp_path, "--keep-checkpoints", "1", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / 'checkpoint_1'}" in resumed.stdout + resumed.stderr
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["checkpoint_6"]
+    a, b = final_weights(straight), final_weights(tmp_path)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def launch(out_dir, *extra, kill_rank=None, port=29700):
+    """The vision recipe on 2 CPU processes (gloo) under accelerate launch; with kill_rank that process is
+    SIGKILLed inside optimizer step 4."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    script = [str(ROOT / "recipes/vision/train.py")]
+    if kill_rank is not None:
+        env.update(KILL_AT="step:4", KILL_RANK=str(kill_rank))
+        script = [str(ROOT / "tests/scripts/killed_run.py"), *script]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(port + os.getpid() % 200), *script, *TINY, "--out-dir", str(out_dir), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+def test_two_processes_one_killed_end_by_themselves_and_resume_exactly(tmp_path):
+    """Rank 1 SIGKILLed mid-step: the launcher ends the run (no hang: the timeout would fail the test), and
+    --resume on 2 processes reaches the uninterrupted 2-process run's weights bit for bit."""
+    straight = launch(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = launch(tmp_path / "killed", kill_rank=1)
+    assert killed.returncode != 0
+    assert latest_checkpoint(tmp_path / "killed").name == "checkpoint_3"
+    resumed = launch(tmp_path / "killed", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
 def test_report_to_tensorboard_writes_event_files(tmp_path):

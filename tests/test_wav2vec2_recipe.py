@@ -32,11 +32,11 @@ def _cfg(tmp_path, backend, **kw):
 
 
 def _weights(run: Path):
-    up = run / "upstream"
-    if (up / "fairseq2_wav2vec2.pt").is_file():
-        return torch.load(up / "fairseq2_wav2vec2.pt", weights_only=False)["state_dict"]
     from safetensors.torch import load_file
 
+    up = run / "upstream"
+    if (up / "fairseq2_wav2vec2.safetensors").is_file():
+        return load_file(str(up / "fairseq2_wav2vec2.safetensors"))
     return load_file(str(up / "model.safetensors"))
 
 

@@ -147,10 +147,12 @@ class ContrastkitClipLoss(nn.Module):
         features, the gathered features (its own included) detached."""
         from open_clip.loss import gather_features
 
-        from contrastkit.losses.base import check_features
+        from contrastkit.losses.base import check_features, check_logit_scale
         from contrastkit.losses.functional import Terms, normalize_rows
 
         check_features(self.name, {"image": image, "text": text})
+        if scale is not None:
+            check_logit_scale(self.name, scale)
         all_image, all_text = gather_features(image, text, local_loss=True, gather_with_grad=False,
                                               rank=self.rank, world_size=self.world_size)
         if scale is None:

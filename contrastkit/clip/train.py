@@ -7,7 +7,8 @@ open_clip adapter's with local_loss and gather_with_grad, so P processes equal o
 batch; AdamW with warmup + cosine; the CLIP logit scale clamped to ln(100) as open_clip does; zero-shot
 evaluation on a held-out ImageNet-layout folder; metrics JSONL, a plot, a summary JSON and the trackers of
 ``--report-to``; accelerate checkpoints that hold the step (the data position follows from it), so a
-resumed run continues exactly.
+resumed run continues exactly. A loss, logit scale or gradient that becomes non-finite stops the run with
+one line (training.Divergence); --resume with a new --lr applies it, with a new model, loss or batch refuses.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from contrastkit.training import RunOptions
 
 @dataclass
 class ClipTrainConfig(RunOptions):
+    # What a checkpoint fixes: --resume refuses a change to one of these (training.Checkpoints).
+    FIXED = ("loss", "loss_options", "model", "data", "num_train", "img_key", "caption_key", "csv_separator",
+             "batch_size", "weight_decay", "seed")
+
     loss: str = arg("dcl", "the objective", choices=CLIP_LOSSES)
     loss_options: dict = arg(help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), chunk_size=512",
                              factory=dict, aliases=["--loss-option"])
@@ -63,7 +68,7 @@ class ClipTrainConfig(RunOptions):
     save_every: int = arg(100, "checkpoint every N steps (0: none)")
     seed: int = arg(0, "random seed (initialisation and data order)")
     workers: int = arg(0, "DataLoader worker processes")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir")
+    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir (a new --lr is applied)")
     progress: bool = arg(True, "show a progress bar")
 
     def __post_init__(self):
@@ -96,12 +101,13 @@ def train(cfg: ClipTrainConfig) -> dict:
 
     from contrastkit.data.image_text import load_image_text, make_shapes_clip
     from contrastkit.evaluation.zeroshot import evaluate_zeroshot
-    from contrastkit.training import (MetricsLog, StepBatches, TrainState, lr_schedule, make_accelerator, resume,
-                                      save_checkpoint, start_trackers)
+    from contrastkit.losses.base import NonFiniteError
+    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, StepBatches, TrainState, grad_norm,
+                                      lr_schedule, make_accelerator, start_trackers)
 
     cfg.check()  # everything that can fail on bad input fails here, before any training
     out_dir = Path(cfg.out_dir)
-    accelerator = make_accelerator(out_dir, cfg.report_to, cfg.keep_checkpoints)
+    accelerator = make_accelerator(out_dir, cfg.report_to)
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     device = accelerator.device
@@ -141,8 +147,10 @@ def train(cfg: ClipTrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: accelerate would step it once per process; it counts global steps.
     accelerator.register_for_checkpointing(scheduler, state)
-    positions = ShardPositions(accelerator, cfg.workers) if is_shards(data_path) else None
-    resumed = resume(accelerator, out_dir, required=True) if cfg.resume else None
+    positions = ShardPositions(accelerator, cfg.workers) if is_shards(data_path) else None  # saved with the state
+    checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, asdict(cfg), ClipTrainConfig.FIXED)
+    resumed = checkpoints.resume(state, optimizer, scheduler) if cfg.resume else None
+    divergence = Divergence(accelerator, out_dir)
     log = MetricsLog(out_dir, enabled=main, resume_step=state.step if resumed else None, accelerator=accelerator)
     start_trackers(accelerator, f"clip-{cfg.loss}", asdict(cfg))
     raw = accelerator.unwrap_model(model)
@@ -182,9 +190,16 @@ def train(cfg: ClipTrainConfig) -> dict:
         if positions is not None:
             positions.update(where[0])
         out = model(images.to(device, non_blocking=True), texts.to(device, non_blocking=True))
-        loss = loss_fn(**out)
+        try:
+            loss = loss_fn(**out)
+        except NonFiniteError as err:  # CPU: the loss core names the input that went non-finite
+            raise divergence.from_loss(err, state.step + 1) from err
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
+        divergence.watch(state.step + 1, loss=loss, logit_scale=out["logit_scale"],
+                         gradient_norm=grad_norm(model.parameters()))
+        if device.type == "cpu":  # host reads are free there: stop before a bad update
+            divergence.check(state.step + 1)
         optimizer.step()
         scheduler.step()
         with torch.no_grad():
@@ -192,6 +207,7 @@ def train(cfg: ClipTrainConfig) -> dict:
         state.step += 1
         bar.update(1)
         if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+            divergence.check(state.step)
             # The global loss is the mean of the processes' local losses (equal local batches).
             global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()
             scale = raw.logit_scale.full_tensor() if sharded else raw.logit_scale  # FSDP2: a DTensor
@@ -204,12 +220,14 @@ def train(cfg: ClipTrainConfig) -> dict:
                 log.log(state.step, **{f"zeroshot_{k}": v for k, v in result.items() if k in ("top1", "top5")})
                 bar.write(f"step {state.step}: zero-shot top-1 {result['top1']:.3f}")
         if cfg.save_every and state.step % cfg.save_every == 0:
-            save_checkpoint(accelerator, out_dir, state.step)
+            divergence.check(state.step, model)
+            checkpoints.save(state.step)
     bar.close()
     last = zero_shot()
     summary = {"loss_name": cfg.loss, "model": cfg.model, "steps": state.step, "batch_size": cfg.batch_size,
                "processes": world, "train_pairs": epoch_samples, "data": str(data_path), "zeroshot_data": zeroshot,
-               "train_seconds": round(time.time() - started, 1), "config": asdict(cfg)}
+               "train_seconds": round(time.time() - started, 1), "config": asdict(cfg),
+               "resumes": state.resumes}
     summary["bad_samples"] = bad_samples()
     if positions is not None:
         summary.update(shards=len(urls), steps_per_epoch=steps_per_epoch)

@@ -8,9 +8,10 @@ object, location; an utterance is right only when all three are), trained with A
 the epoch with the best dev accuracy is the one tested.
 
 Upstreams load from: a recipe run folder (``<run>/upstream``), a Hugging Face wav2vec 2.0 folder
-(``save_pretrained``; pre-training or plain models, Conformer too), or a fairseq2 export
-(``fairseq2_wav2vec2.pt``: {"config", "state_dict"} as ``contrastkit.speech.pretrain.export_upstream``
-writes it).
+(``save_pretrained``; pre-training or plain models, Conformer too), or a fairseq2 export as
+``contrastkit.speech.pretrain.export_upstream`` writes it (``fairseq2_wav2vec2.safetensors`` and its config,
+``fairseq2_wav2vec2.json``; older versions' ``fairseq2_wav2vec2.pt`` loads with ``weights_only=True``).
+Nothing is unpickled beyond tensors and plain values: a file built to run code is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contrastkit.cli import arg, check_device, default_device, existing, parse, positive
+from contrastkit.cli import arg, check_device, default_device, existing, one_line_errors, parse, positive
 from contrastkit.data import speech as data
 
 
@@ -43,9 +44,14 @@ class Upstream:
         if not path.exists():
             raise FileNotFoundError(f"upstream {path} not found")
         self.path = path
-        f2 = path if path.is_file() else path / "fairseq2_wav2vec2.pt"
-        if f2.is_file():
-            self.backend, self.model = "fairseq2", _load_fairseq2(f2)
+        f2 = path if path.is_file() else next((path / f"{FAIRSEQ2_EXPORT}{ext}" for ext in (".json", ".pt")
+                                               if (path / f"{FAIRSEQ2_EXPORT}{ext}").is_file()), None)
+        if f2 is not None:
+            try:
+                self.backend, self.model = "fairseq2", _load_fairseq2(f2)
+            except ImportError as err:
+                raise ValueError(f"{f2}: a fairseq2 export, and loading it needs fairseq2 ({err}): run it in the "
+                                 "environment with fairseq2 0.8.1") from None
         elif (path / "config.json").is_file():
             from transformers import AutoModel
 
@@ -74,21 +80,59 @@ class Upstream:
         return torch.stack(layers)[:, 0]
 
 
+FAIRSEQ2_EXPORT = "fairseq2_wav2vec2"
+
+
 def _load_fairseq2(path: Path):
+    """A fairseq2 export: ``<name>.json`` (or ``.safetensors``) and its twin, or an older version's ``.pt``."""
+    if path.suffix in (".json", ".safetensors"):
+        from safetensors.torch import load_file
+
+        config_file, weights = path.with_suffix(".json"), path.with_suffix(".safetensors")
+        try:
+            config, state = json.loads(config_file.read_text()), load_file(str(weights))
+        except Exception as err:  # missing twin, not JSON, not safetensors
+            raise ValueError(f"{path}: not a fairseq2 export ({config_file.name} and {weights.name}): "
+                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        from fairseq2.models.transformer import TransformerNormOrder
+
+        config["encoder_config"]["norm_order"] = TransformerNormOrder[config["encoder_config"]["norm_order"]]
+        saved = {"config": config, "state_dict": state}
+    else:
+        saved = _load_old_fairseq2(path)
     from fairseq2.models.wav2vec2 import Wav2Vec2Config, Wav2Vec2EncoderConfig, create_wav2vec2_model
 
     from contrastkit.adapters.fairseq2_wav2vec2 import eager_quantizer
 
-    saved = torch.load(path, map_location="cpu", weights_only=False)  # our own export: a config dataclass dict
     if not isinstance(saved, dict) or {"config", "state_dict"} - set(saved):
         raise ValueError(f"{path}: expected a dict with 'config' and 'state_dict' (contrastkit's fairseq2 export)")
-    config = dict(saved["config"])
-    config["encoder_config"] = Wav2Vec2EncoderConfig(**config["encoder_config"])
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["config"].items()}
+    encoder = dict(config["encoder_config"])
+    encoder["feature_extractor_layer_descs"] = [tuple(d) for d in encoder["feature_extractor_layer_descs"]]
+    config["encoder_config"] = Wav2Vec2EncoderConfig(**encoder)
     model = create_wav2vec2_model(Wav2Vec2Config(**config))
     model.load_state_dict(saved["state_dict"])
     if not torch.cuda.is_available():
         eager_quantizer(model)
     return model
+
+
+def _load_old_fairseq2(path: Path) -> dict:
+    """An older contrastkit's ``fairseq2_wav2vec2.pt``: tensors, plain values and fairseq2's norm-order enum;
+    ``weights_only=True`` refuses anything else (a file built to run code when unpickled)."""
+    import pickle
+
+    from contrastkit.evaluation.zeroshot import refused_pickle
+
+    try:
+        from fairseq2.models.transformer import TransformerNormOrder
+    except ImportError:  # then the file is refused for the enum, or for whatever else it holds
+        TransformerNormOrder = None
+    try:
+        with torch.serialization.safe_globals([TransformerNormOrder] if TransformerNormOrder else []):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        raise ValueError(f"{path}: {refused_pickle(err)}") from None
 
 
 # ----------------------------------------------------------------------------- downstream
@@ -187,21 +231,25 @@ def run_downstream(upstream: Upstream, splits: dict[str, list[dict]], tasks: lis
             "config": dataclasses.asdict(cfg), "history": history}
 
 
-def speaker_id(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
-               device: str | None = None) -> dict:
+def _upstream(upstream, device) -> Upstream:
+    return upstream if isinstance(upstream, Upstream) else Upstream(upstream, device)
+
+
+def speaker_id(upstream: str | Path | Upstream, data_root: str | Path | None = None,
+               cfg: DownstreamConfig | None = None, device: str | None = None) -> dict:
     """VoxCeleb1 speaker identification accuracy (iden_split.txt: 1 train, 2 dev, 3 test)."""
     root = Path(data_root) if data_root else data.default_speech_data() / "voxceleb1"
     splits = {s: data.read_voxceleb_iden(root, s) for s in ("train", "dev", "test")}
-    return run_downstream(Upstream(upstream, device), splits, ["speaker"], cfg or DownstreamConfig(), "speaker_id")
+    return run_downstream(_upstream(upstream, device), splits, ["speaker"], cfg or DownstreamConfig(), "speaker_id")
 
 
-def intent(upstream: str | Path, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
+def intent(upstream: str | Path | Upstream, data_root: str | Path | None = None, cfg: DownstreamConfig | None = None,
            device: str | None = None) -> dict:
     """Fluent Speech Commands intent accuracy (right only when action, object and location all are)."""
     root = Path(data_root) if data_root else data.default_speech_data() / "fsc"
     splits = {"train": data.read_fsc(root, "train"), "dev": data.read_fsc(root, "valid"),
               "test": data.read_fsc(root, "test")}
-    return run_downstream(Upstream(upstream, device), splits, ["action", "object", "location"],
+    return run_downstream(_upstream(upstream, device), splits, ["action", "object", "location"],
                           cfg or DownstreamConfig(), "intent")
 
 
@@ -255,8 +303,9 @@ def main(task: str, description: str, argv: list[str] | None = None) -> dict:
     """The command line of eval/speaker_id.py and eval/intent.py: one frozen upstream, one task."""
     a = parse(SuperbArgs, description=description, argv=argv)
     run = {"speaker_id": speaker_id, "intent": intent}[task]
-    result = run(a.upstream, a.data, DownstreamConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed),
-                 device=a.device)
+    with one_line_errors(ValueError, FileNotFoundError, ImportError):  # an upstream that is not one
+        upstream = Upstream(a.upstream, a.device)
+    result = run(upstream, a.data, DownstreamConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed))
     path = write_report(result, a.out or f"{a.upstream.rstrip('/')}/eval")
     print(f"{task} test accuracy {result['test_accuracy']:.4f} (dev {result['dev_accuracy']:.4f}, "
           f"epoch {result['best_epoch']}) -> {path}")

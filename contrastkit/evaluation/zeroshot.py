@@ -103,7 +103,8 @@ def evaluate_zeroshot(model, tokenizer, preprocess, root: str | Path, *, batch_s
 def load_clip_checkpoint(model, path: str | Path) -> None:
     """Load weights into an open_clip model from an accelerate checkpoint folder (model.safetensors), a
     .safetensors file, or a torch file (open_clip_train's epoch_N.pt with "state_dict", DDP's "module."
-    prefixes removed). Missing or unexpected keys are an error naming them."""
+    prefixes removed), read with ``weights_only=True`` as open_clip does: a file that would run code when
+    unpickled is refused (ValueError). Missing or unexpected keys are an error naming them."""
     path = Path(path)
     if path.is_dir():
         path = path / "model.safetensors"
@@ -112,15 +113,35 @@ def load_clip_checkpoint(model, path: str | Path) -> None:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        try:
+            state = load_file(str(path))
+        except Exception as err:  # safetensors' own error type: a damaged or truncated file
+            raise ValueError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
     else:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        import pickle
+
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise ValueError(f"{path}: {refused_pickle(err)}") from None
         state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a state dict (or open_clip_train's checkpoint), got {type(state).__name__}")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path} does not fit this model: missing {list(missing)[:5]}, unexpected "
                          f"{list(unexpected)[:5]} (is --model the config it was trained with?)")
+
+
+def refused_pickle(err: Exception) -> str:
+    """One line for torch.load(weights_only=True) refusing a file (it holds more than tensors and plain
+    values, e.g. code to run) or failing to read it."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    why = next((line for line in lines if "global" in line.lower() and "weights_only" not in line),
+               lines[0] if lines else type(err).__name__)
+    return (f"not loaded: torch.load(weights_only=True) refused it ({why}); contrastkit never unpickles more "
+            "than tensors and plain values from a file it is given")
 
 
 def plot_per_class(result: dict, path: str | Path, max_classes: int = 60) -> Path:

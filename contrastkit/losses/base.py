@@ -9,6 +9,7 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Literal, get_args
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from contrastkit.distributed import gather_with_grad
 from contrastkit.losses.chunked import host_checks_allowed, negative_stats
-from contrastkit.losses.functional import Terms, _compute_dtype, normalize_rows
+from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -88,6 +89,30 @@ def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+def check_logit_scale(name: str, scale) -> None:
+    """A ``logit_scale`` must be a finite number > 0 (a negative one turns the objective around). A tensor's
+    values are read only where host reads are free (see host_checks_allowed); on CUDA a non-finite scale
+    shows as a non-finite loss, which the recipes' divergence check names."""
+    if isinstance(scale, torch.Tensor):
+        if not scale.is_floating_point():
+            raise TypeError(f"{name}: logit_scale must be a floating-point tensor or a number, got dtype {scale.dtype}")
+        if not host_checks_allowed(scale):
+            return
+        if not bool(torch.isfinite(scale).all()):
+            raise NonFiniteError(f"{name}: logit_scale has non-finite values (inf or NaN): the learnable scale "
+                                 "diverged; lower the learning rate")
+        if not bool((scale > 0).all()):
+            raise ValueError(f"{name}: logit_scale must be > 0, got min {float(scale.min())} "
+                             "(pass exp(t), CLIP's scale, not t)")
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name}: logit_scale must be a tensor or a number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise NonFiniteError(f"{name}: logit_scale must be finite, got {scale}")
+    if scale <= 0:
+        raise ValueError(f"{name}: logit_scale must be > 0, got {scale} (pass exp(t), CLIP's scale, not t)")
+
+
 def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: bool = True,
                    values: bool = True) -> None:
     """Clear errors for the feature inputs of a loss module: type, dtype, rank, shape, device, and (with
@@ -109,7 +134,7 @@ def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: b
         if t.shape[1] != first.shape[1]:
             raise ValueError(f"{name}: {arg} has dimension {t.shape[1]} but {first_name} has {first.shape[1]}")
         if values and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name}: {arg} has non-finite values (inf or NaN)")
+            raise NonFiniteError(f"{name}: {arg} has non-finite values (inf or NaN)")
 
 
 class Objective(nn.Module):
@@ -282,6 +307,9 @@ class ContrastiveLoss(Objective):
         ``negatives`` [N, H, D] (or [N, D]), without a queue: H extra candidates per sample (retrieval's hard
         negatives), gathered with the keys; every query contrasts with every sample's keys and extras, its
         own sample's keys excepted (sentence-transformers' MultipleNegativesRankingLoss)."""
+        for arg, t in (("query", query), ("key", key), ("queue", queue), ("negatives", negatives)):
+            if not isinstance(t, torch.Tensor) and not (arg in ("queue", "negatives") and t is None):
+                raise TypeError(f"{self.name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         keys = key if key.dim() == 3 else key[:, None]
         features = {"query": query, "key": keys.reshape(-1, keys.shape[-1])}
         if queue is not None:
@@ -331,6 +359,8 @@ class ContrastiveLoss(Objective):
         loss's own scale (1 / temperature) when given."""
         features = {"image": image, "text": text}
         check_features(self.name, features, values=False)
+        if logit_scale is not None:
+            check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
         low = _low_precision(image, text)
         with _no_autocast(image.device.type):

@@ -60,6 +60,10 @@ class _NormalizeRows(torch.autograd.Function):
         return torch.addcmul(grad, y, along, value=-1.0).mul_(inv)
 
 
+class NonFiniteError(ValueError):
+    """An input of a loss (scores, features, logit scale) holds inf or NaN: what a diverging run produces."""
+
+
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     """``F.normalize(x, dim=-1)`` (x / max(||x||, 1e-12)) with its gradient written out,
     (grad - y <grad, y>) / ||x||. Autograd's composition of norm, clamp and a broadcast division makes
@@ -116,12 +120,12 @@ def check_scores(pos, neg, neg_mask, name: str) -> tuple[torch.Tensor, torch.Ten
             raise ValueError(f"{name}: {empty} of {neg.shape[0]} anchors have no valid negative in neg_mask; "
                              "drop those anchors before calling the loss")
     if not bool(torch.isfinite(pos).all()):
-        raise ValueError(f"{name}: pos has non-finite values (inf or NaN)")
+        raise NonFiniteError(f"{name}: pos has non-finite values (inf or NaN)")
     bad = ~torch.isfinite(neg)
     if neg_mask is not None:
         bad &= neg_mask
     if bool(bad.any()):
-        raise ValueError(f"{name}: neg has {int(bad.sum())} non-finite values (inf or NaN) among valid negatives")
+        raise NonFiniteError(f"{name}: neg has {int(bad.sum())} non-finite values (inf or NaN) among valid negatives")
     dtype = _compute_dtype(pos, neg)
     pos = pos.to(dtype)
     return (pos if pos.dim() == 2 else pos[:, None]), neg.to(dtype), neg_mask
@@ -288,7 +292,7 @@ def unigrad(anchor, target, correlation, *, lam: float = 100.0, normalize: bool 
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ValueError(f"unigrad: {arg} must be a floating-point tensor")
         if host_checks_allowed(t) and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"unigrad: {arg} has non-finite values (inf or NaN)")
+            raise NonFiniteError(f"unigrad: {arg} has non-finite values (inf or NaN)")
     if anchor.dim() != 2 or anchor.shape != target.shape:
         raise ValueError(f"unigrad: anchor and target must both be [M, D], got {tuple(anchor.shape)} "
                          f"and {tuple(target.shape)}")

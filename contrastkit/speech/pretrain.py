@@ -18,7 +18,8 @@ initialisation (same seed), in the summary's ``pretext`` and the last metrics re
 
 Resume is exact: every random draw of a step (data order, crops, masks, distractors, gumbel noise) is
 seeded from (seed, step, rank), and accelerate's checkpoint holds model, optimizer, scheduler and the
-registered ``TrainState`` (step).
+registered ``TrainState`` (step). A loss or gradient that becomes non-finite stops the run with one line
+(training.Divergence); a resume with a new --lr applies it, with a new model, objective or batch refuses.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ SPEECH_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
 
 @dataclasses.dataclass
 class PretrainConfig(RunOptions):
+    # What a checkpoint fixes: a resume refuses a change to one of these (training.Checkpoints).
+    FIXED = ("backend", "loss", "temperature", "loss_options", "data", "batch_size", "gumbel", "conformer", "seed")
+
     backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
     loss: str = arg("dcl", "the objective", choices=SPEECH_LOSSES)
     temperature: float | None = arg(None, "loss temperature (default: the model's, 0.1)")
@@ -197,12 +201,13 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
     """
     from tqdm import tqdm
 
-    from contrastkit.training import (MetricsLog, TrainState, lr_schedule, make_accelerator, resume as load_latest,
-                                      save_checkpoint, start_trackers)
+    from contrastkit.losses.base import NonFiniteError
+    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, TrainState, lr_schedule, make_accelerator,
+                                      start_trackers)
 
     cfg.check()
     out_dir = Path(cfg.out_dir)
-    accelerator = make_accelerator(out_dir, cfg.report_to, cfg.keep_checkpoints, cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator(out_dir, cfg.report_to, cpu=not torch.cuda.is_available())
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     waves, _ = data.load_waveforms(pretraining_records(cfg.data))
     if len(waves) < cfg.batch_size * world:
@@ -215,7 +220,10 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
 
-    checkpoint = load_latest(accelerator, out_dir) if (cfg.resume if resume is None else resume) else None
+    checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, dataclasses.asdict(cfg), PretrainConfig.FIXED)
+    checkpoint = (checkpoints.resume(state, optimizer, scheduler, required=False)
+                  if (cfg.resume if resume is None else resume) else None)
+    divergence = Divergence(accelerator, out_dir)
     log = MetricsLog(out_dir, enabled=accelerator.is_main_process,
                      resume_step=state.step if checkpoint is not None else None, accelerator=accelerator)
     if accelerator.is_main_process:
@@ -233,11 +241,17 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
         step = state.step
         torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)  # gumbel noise, fairseq2's masks
         batch = make_batch(waves, cfg, step, rank, world).to(device, non_blocking=True)
-        loss, parts, masked = forward_loss(model, batch, cfg, step, rank)
+        try:
+            loss, parts, masked = forward_loss(model, batch, cfg, step, rank)
+        except NonFiniteError as err:  # CPU: the loss core names the input that went non-finite
+            raise divergence.from_loss(err, step + 1) from err
         total_masked = accelerator.reduce(torch.tensor(float(masked), device=device), "sum")
         # DDP averages gradients over processes: scale so the result is the global sum / global count
         accelerator.backward(loss * world / total_masked.clamp(min=1.0))
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), 10.0)
+        divergence.watch(step + 1, loss=loss, gradient_norm=grad_norm)
+        if device.type == "cpu":  # host reads are free there: stop before a bad update
+            divergence.check(step + 1)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -246,6 +260,7 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
         if state.step == cfg.steps and heldout:
             pretext = evaluate_pretext(accelerator.unwrap_model(model), heldout, cfg)
         if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+            divergence.check(state.step)
             values = {k: float(v.detach()) / (masked if k != "perplexity" else 1) for k, v in parts.items()}
             values = {("contrastive_per_frame" if k == "contrastive" else "diversity_per_frame" if k == "diversity"
                        else k): v for k, v in values.items()}
@@ -256,7 +271,8 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
                     grad_norm=float(grad_norm), **values)
             bar.set_postfix(loss=f"{float(loss.detach()) / max(masked, 1):.3f}")
         if state.step % cfg.save_every == 0 or state.step == cfg.steps:
-            save_checkpoint(accelerator, out_dir, state.step)
+            divergence.check(state.step, model)
+            checkpoints.save(state.step)
         if stop_at is not None and state.step >= stop_at:
             bar.close()
             accelerator.end_training()
@@ -269,7 +285,8 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
         records = log.records()
         summary = {"backend": cfg.backend, "loss": cfg.loss, "steps": cfg.steps, "processes": world,
                    "final_loss_per_frame": records[-1]["loss"] if records else math.nan,
-                   "upstream": str(out_dir / "upstream")}
+                   "upstream": str(out_dir / "upstream"), "config": dataclasses.asdict(cfg),
+                   "resumes": state.resumes}
         if heldout:
             summary["pretext"] = pretext_comparison(accelerator.unwrap_model(model), heldout, cfg, trained=pretext)
         log.plot(["loss", "contrastive_per_frame", "perplexity", "lr"], title=f"wav2vec 2.0 {cfg.backend} {cfg.loss}")
@@ -296,12 +313,17 @@ def pretext_comparison(model, heldout: list[torch.Tensor], cfg: PretrainConfig, 
 
 
 def export_upstream(model, cfg: PretrainConfig, path: Path) -> None:
-    """HF: ``save_pretrained`` (loads with Wav2Vec2Model.from_pretrained); fairseq2: config + state dict."""
+    """HF: ``save_pretrained`` (loads with Wav2Vec2Model.from_pretrained); fairseq2: the state dict as
+    ``fairseq2_wav2vec2.safetensors`` and the config as ``fairseq2_wav2vec2.json`` (no pickle to trust)."""
+    from safetensors.torch import save_file
+
     path.mkdir(parents=True, exist_ok=True)
     if cfg.backend == "hf":
         model.save_pretrained(str(path))
     else:
-        torch.save({"config": dataclasses.asdict(models.fairseq2_config(
-            codebook_sampling_temperature=(*cfg.gumbel, gumbel_decay(cfg)))), "state_dict": model.state_dict()},
-            path / "fairseq2_wav2vec2.pt")
+        config = dataclasses.asdict(models.fairseq2_config(codebook_sampling_temperature=(*cfg.gumbel,
+                                                                                          gumbel_decay(cfg))))
+        (path / "fairseq2_wav2vec2.json").write_text(json.dumps(config, default=lambda enum: enum.name, indent=2))
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, str(path / "fairseq2_wav2vec2.safetensors"))
     (path / "contrastkit.json").write_text(json.dumps({"backend": cfg.backend, "loss": cfg.loss}) + "\n")

@@ -5,7 +5,9 @@ losses gather negatives from every process with gradient and batch norm takes gl
 processes train the same model as one (up to float summation order). The learning rate (linear
 warm-up, cosine decay) and the momentum (cosine from ``momentum`` to 1) are functions of the step, and
 the step fixes the data position, so a checkpoint (model with momentum encoder, queue and UniGrad's
-correlation; optimizer; RNG; step) resumes the run exactly.
+correlation; optimizer; RNG; step) resumes the run exactly. A loss or gradient that becomes non-finite stops
+the run with one line (training.Divergence); --resume with a new --lr applies it, with a new model, objective
+or batch refuses.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from contrastkit.data.images import load_images
 from contrastkit.cli import arg, existing, positive
 from contrastkit.evaluation.knn import extract_features, knn_accuracy
 from contrastkit.losses import available_losses, build_loss, objective_options
-from contrastkit.training import (MetricsLog, RunOptions, StepBatches, TrainState, latest_checkpoint,
-                                  lr_schedule, make_accelerator, resume, save_checkpoint, start_trackers)
+from contrastkit.losses.base import NonFiniteError
+from contrastkit.training import (Checkpoints, Divergence, MetricsLog, RunOptions, StepBatches, TrainState,
+                                  grad_norm, latest_checkpoint, lr_schedule, make_accelerator, start_trackers)
 from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
 from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum
 from contrastkit.vision.models import BACKBONES, build_backbone, projection_head, use_torch_sync_batchnorm
@@ -32,6 +35,11 @@ from contrastkit.vision.models import BACKBONES, build_backbone, projection_head
 
 @dataclass
 class VisionConfig(RunOptions):
+    # What a checkpoint fixes: --resume refuses a change to one of these (training.Checkpoints).
+    FIXED = ("method", "loss", "loss_options", "data", "image_size", "train_images", "backbone", "width",
+             "small_images", "proj_hidden", "proj_dim", "views", "batch_size", "optimizer", "queue_size",
+             "weight_decay", "temperature", "alpha", "sigma", "lam", "rho", "seed")
+
     method: str = arg("simclr", "training method", choices=METHODS)
     loss: str = arg("infonce", "the objective", choices=available_losses())
     loss_options: dict = arg(help="extra loss option, e.g. chunk_size=512 (typed: int, float, bool or str)",
@@ -74,7 +82,7 @@ class VisionConfig(RunOptions):
     knn_k: int = arg(200, "kNN neighbours")
     knn_temperature: float = arg(0.1, "kNN vote temperature")
     checkpoint_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir")
+    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir (a new --lr is applied)")
     progress: bool = arg(True, "show a progress bar")
 
     def check(self) -> None:
@@ -129,7 +137,7 @@ def train(cfg: VisionConfig) -> dict:
 
     cfg.check()
     out = Path(cfg.out_dir)
-    accelerator = make_accelerator(out, cfg.report_to, cfg.keep_checkpoints)
+    accelerator = make_accelerator(out, cfg.report_to)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -151,7 +159,9 @@ def train(cfg: VisionConfig) -> dict:
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
 
-    resumed = resume(accelerator, out) if cfg.resume else None
+    checkpoints = Checkpoints(accelerator, out, cfg.keep_checkpoints, asdict(cfg), VisionConfig.FIXED)
+    resumed = checkpoints.resume(state, optimizer, scheduler) if cfg.resume else None
+    divergence = Divergence(accelerator, out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -172,8 +182,14 @@ def train(cfg: VisionConfig) -> dict:
                disable=not (cfg.progress and accelerator.is_main_process))
     model.train()
     for x, _, _ in loader:
-        outputs = model(x.to(device, non_blocking=True))
+        try:
+            outputs = model(x.to(device, non_blocking=True))
+        except NonFiniteError as err:  # CPU: the loss core names the input that went non-finite
+            raise divergence.from_loss(err, state.step + 1) from err
         accelerator.backward(outputs["loss"])
+        divergence.watch(state.step + 1, loss=outputs["loss"], gradient_norm=grad_norm(model.parameters()))
+        if device.type == "cpu":  # host reads are free there: stop before a bad update
+            divergence.check(state.step + 1)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
@@ -184,6 +200,7 @@ def train(cfg: VisionConfig) -> dict:
         bar.update(1)
 
         if state.step % cfg.log_every == 0 or state.step == total or state.step <= 3:
+            divergence.check(state.step)
             values = {k: accelerator.reduce(v.detach().float(), "mean").item() for k, v in outputs.items()}
             log.log(state.step, **values, lr=lr, momentum=momentum if core.has_momentum else None)
             bar.set_postfix(loss=f"{values['loss']:.4f}")
@@ -193,11 +210,13 @@ def train(cfg: VisionConfig) -> dict:
                 log.log(state.step, knn_top1=knn)
             accelerator.wait_for_everyone()
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < total:
-            save_checkpoint(accelerator, out, state.step)
+            divergence.check(state.step, model)
+            checkpoints.save(state.step)
     bar.close()
     seconds = time.time() - started
 
-    save_checkpoint(accelerator, out, state.step)
+    divergence.check(state.step, model)
+    checkpoints.save(state.step)
     summary = {}
     if accelerator.is_main_process:
         knn = knn_eval(core.backbone, train_images, test_images, cfg)
@@ -208,7 +227,8 @@ def train(cfg: VisionConfig) -> dict:
         last = [r for r in log.records() if "loss" in r][-1]
         summary = {"method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size, "queue_size": cfg.queue_size,
                    "steps": state.step, "samples_seen": state.step * cfg.batch_size, "processes": world,
-                   "final_loss": last["loss"], "knn_top1": knn, "knn_k": cfg.knn_k, "train_seconds": seconds}
+                   "final_loss": last["loss"], "knn_top1": knn, "knn_k": cfg.knn_k, "train_seconds": seconds,
+                   "config": asdict(cfg), "resumes": state.resumes}
         log.summary(summary)
         accelerator.print(json.dumps(summary))
     accelerator.wait_for_everyone()

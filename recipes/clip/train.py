@@ -6,20 +6,15 @@
     python recipes/clip/train.py --config run.yaml --lr 5e-4      # values from a YAML file, the flag overrides
 """
 
-import sys
-
-from contrastkit.cli import parse
+from contrastkit.cli import one_line_errors, parse
 from contrastkit.clip.train import ClipTrainConfig, train
 from contrastkit.data.shards import DataError
 
 
 def main(argv=None):
     cfg = parse(ClipTrainConfig, description=__doc__, argv=argv)
-    try:
+    with one_line_errors(DataError):  # bad shards found while streaming: bad input, exit 2
         summary = train(cfg)
-    except DataError as err:  # bad shards found while streaming: one line, as for any other bad input
-        sys.stderr.write(f"error: {err}\n")
-        raise SystemExit(2) from None
     if "zeroshot_top1" in summary:
         print(f"zero-shot top-1 {summary['zeroshot_top1']:.3f} (top-5 {summary['zeroshot_top5']:.3f}, chance "
               f"{summary['zeroshot_chance']:.3f}) on {summary['zeroshot_num_images']} held-out images; "

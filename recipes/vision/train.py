@@ -9,12 +9,14 @@ Writes metrics.jsonl, metrics.png, summary.json, config.json, backbone.pt and ch
 --resume continues from the newest complete checkpoint there.
 """
 
-from contrastkit.cli import parse
+from contrastkit.cli import one_line_errors, parse
 from contrastkit.vision.train import VisionConfig, train
 
 
 def main(argv=None):
-    return train(parse(VisionConfig, description=__doc__, argv=argv))
+    cfg = parse(VisionConfig, description=__doc__, argv=argv)
+    with one_line_errors():
+        return train(cfg)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ Writes OUT/metrics.jsonl, OUT/metrics.png, OUT/summary.json, OUT/checkpoints/che
 automatically; --no-resume starts over) and OUT/upstream (for eval/speaker_id.py and eval/intent.py).
 """
 
-from contrastkit.cli import parse
+from contrastkit.cli import one_line_errors, parse
 from contrastkit.speech.pretrain import PretrainConfig, pretrain
 
 
 def main(argv=None):
-    summary = pretrain(parse(PretrainConfig, description=__doc__, argv=argv))
+    cfg = parse(PretrainConfig, description=__doc__, argv=argv)
+    with one_line_errors():
+        summary = pretrain(cfg)
     if summary:
         print(summary)
 

@@ -1,6 +1,7 @@
 """Run a recipe script and SIGKILL this process at a chosen point, as a crash would: ``KILL_AT=step:N``
 kills inside optimizer step N (after its backward, before the update is done); ``KILL_AT=save:N`` kills
-while checkpoint_N is being written (the model file half written, no COMPLETE marker yet).
+while checkpoint_N is being written (the model file half written, no COMPLETE marker yet). Under
+``accelerate launch``, ``KILL_RANK=R`` kills only process R.
 
     KILL_AT=save:4 python tests/scripts/killed_run.py recipes/vision/train.py --steps 6 ...
 """
@@ -16,6 +17,8 @@ from accelerate import Accelerator
 
 where, at = os.environ["KILL_AT"].split(":")
 at = int(at)
+if os.environ.get("KILL_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    at = -1  # another process of the run is the one killed
 
 if where == "step":
     original_step, calls = torch.optim.AdamW.step, [0]
@@ -30,12 +33,11 @@ if where == "step":
 else:
     original_save = Accelerator.save_state
 
-    def save_state(self, *args, **kwargs):
-        if self.project_configuration.iteration != at:
-            return original_save(self, *args, **kwargs)
-        original_save(self, *args, **kwargs)
-        folder = Path(self.project_dir) / "checkpoints" / f"checkpoint_{at}"
-        model = folder / "model.safetensors"
+    def save_state(self, output_dir=None, *args, **kwargs):
+        if Path(output_dir).name != f"checkpoint_{at}":
+            return original_save(self, output_dir, *args, **kwargs)
+        original_save(self, output_dir, *args, **kwargs)
+        model = Path(output_dir) / "model.safetensors"
         model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -1,0 +1,181 @@
+"""Faults in runs (issue 29, items 3-5): a diverging run stops with one ``error:`` line and leaves only
+finite checkpoints; --resume with nothing to resume from, a damaged checkpoint, a changed setting the
+checkpoint fixes and a save that fails (a file-size limit standing in for a full disk) each end in one line
+naming the path, the cause and the newest good checkpoint; a new --lr is applied on resume and recorded."""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrastkit.cli import RunError
+from test_cli import run_script
+
+ROOT = Path(__file__).resolve().parents[1]
+VISION = ["--train-images", "64", "--test-images", "32", "--batch-size", "8", "--width", "8", "--proj-hidden", "32",
+          "--proj-dim", "16", "--threads", "1", "--no-progress", "--log-every", "1", "--knn-k", "5",
+          "--method", "simclr", "--loss", "dcl", "--checkpoint-every", "1", "--warmup-steps", "1"]
+
+
+def vision(out_dir, *extra, capsys, monkeypatch):
+    return run_script("recipes/vision/train.py", [*VISION, "--out-dir", str(out_dir), *extra], capsys, monkeypatch)
+
+
+def one_line(err: str) -> str:
+    """The error line of stderr, which must hold nothing else but library warnings."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def finite_checkpoints(out_dir) -> list[str]:
+    names = []
+    for folder in sorted((Path(out_dir) / "checkpoints").iterdir()):
+        for name, tensor in load_file(str(folder / "model.safetensors")).items():
+            assert torch.isfinite(tensor).all(), (folder.name, name)
+        names.append(folder.name)
+    return names
+
+
+def test_a_diverging_vision_run_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    code, _, err = vision(tmp_path, "--steps", "6", "--lr", "1e30", capsys=capsys, monkeypatch=monkeypatch)
+    line = one_line(err)
+    assert code == 1 and line.startswith("error: step 3: the features became non-finite"), line  # step 1: lr 0
+    assert f"last good checkpoint is {tmp_path / 'checkpoints' / 'checkpoint_2'}" in line and "lower --lr" in line
+    assert finite_checkpoints(tmp_path) == ["checkpoint_1", "checkpoint_2"]
+
+
+@pytest.fixture(scope="module")
+def clip_data(tmp_path_factory):
+    from contrastkit.data.image_text import make_shapes_clip
+
+    d = tmp_path_factory.mktemp("clipdata")
+    make_shapes_clip(d, num_train=64, num_zeroshot_per_class=4, progress=False)
+    return d
+
+
+def test_a_diverging_clip_run_stops_with_one_line(clip_data, tmp_path, capsys, monkeypatch):
+    """The issue's own case, recipes/clip/train.py --lr 100: no traceback, no non-finite checkpoint."""
+    argv = ["--data-dir", str(clip_data), "--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8",
+            "--steps", "8", "--warmup", "1", "--log-every", "4", "--eval-every", "0", "--save-every", "2",
+            "--no-progress", "--out-dir", str(tmp_path), "--lr", "100", "--keep-checkpoints", "5"]
+    code, _, err = run_script("recipes/clip/train.py", argv, capsys, monkeypatch)
+    line = one_line(err)
+    assert code == 1 and "became non-finite" in line and "last good checkpoint is" in line, line
+    step = int(line.split("step ")[1].split(":")[0])
+    saved = finite_checkpoints(tmp_path)
+    assert saved == [f"checkpoint_{s}" for s in range(2, step, 2)] and saved[-1] in line
+
+
+def test_a_diverging_speech_run_stops(tmp_path, one_thread):
+    from contrastkit.speech.pretrain import PretrainConfig, pretrain
+
+    cfg = PretrainConfig(backend="hf", loss="dcl", out_dir=str(tmp_path), steps=4, batch_size=4, max_seconds=1.0,
+                         save_every=1, log_every=1, lr=1e30, warmup=0.0, pretext_eval=False)
+    with pytest.raises(RunError, match="step [23]: the .* became non-finite") as caught:
+        pretrain(cfg)
+    saved = finite_checkpoints(tmp_path)
+    assert saved and saved[-1] in str(caught.value)
+
+
+def test_resume_faults_are_one_line(tmp_path, capsys, monkeypatch):
+    code, _, err = vision(tmp_path / "empty", "--steps", "3", "--resume", capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 2 and "--resume: no complete checkpoint under" in one_line(err)
+
+    run = tmp_path / "run"
+    code, _, err = vision(run, "--steps", "3", capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 0, err
+    code, _, err = vision(run, "--steps", "3", "--resume", "--loss", "infonce", capsys=capsys, monkeypatch=monkeypatch)
+    line = one_line(err)
+    assert code == 2 and "was trained with --loss dcl, this command asks for infonce" in line, line
+
+    newest, older = run / "checkpoints" / "checkpoint_3", run / "checkpoints" / "checkpoint_2"
+    model = newest / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:1000])  # truncated (a disk that filled, a copy cut short)
+    code, _, err = vision(run, "--steps", "3", "--resume", capsys=capsys, monkeypatch=monkeypatch)
+    line = one_line(err)
+    assert code == 1 and f"checkpoint {newest} cannot be read (model.safetensors has 1000 bytes" in line, line
+    assert f"newest good checkpoint is {older}" in line
+
+    (newest / "COMPLETE").write_text("3\n")  # a marker without sizes (older versions): the reader's own error
+    code, _, err = vision(run, "--steps", "3", "--resume", capsys=capsys, monkeypatch=monkeypatch)
+    line = one_line(err)
+    assert code == 1 and f"checkpoint {newest} cannot be read (" in line and str(older) in line, line
+
+
+def test_a_failed_save_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+    """Files may not grow past 150 kB (RLIMIT_FSIZE): the optimizer state (233 kB) cannot be written, as on
+    a full disk."""
+    from contrastkit.data.images import load_images
+
+    load_images(None, "train", 32, 64)  # the embedded data is generated (and cached) here, not under the limit
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "recipes/vision/train.py"), *VISION, "--steps", "2",
+                           "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit, cwd=ROOT)
+    line = one_line(done.stderr)
+    assert done.returncode == 1 and f"could not write checkpoint {tmp_path / 'checkpoints' / 'checkpoint_1'} (" in line
+    assert "the disk is full, or a quota or file-size limit was hit" in line and "MiB free" in line, line
+    assert "the newest good checkpoint is none" in line
+    assert not (tmp_path / "checkpoints" / "checkpoint_1").exists()
+
+
+def test_resume_applies_a_new_learning_rate_and_records_it(tmp_path):
+    from contrastkit.vision.train import VisionConfig, train
+
+    tiny = dict(train_images=64, test_images=32, batch_size=8, width=8, proj_hidden=32, proj_dim=16, threads=1,
+                progress=False, log_every=1, knn_k=5, loss="dcl", steps=4, warmup_steps=1, checkpoint_every=2,
+                lr=1e-3)
+    train(VisionConfig(out_dir=str(tmp_path / "a"), **tiny))
+    train(VisionConfig(out_dir=str(tmp_path / "b"), **tiny))
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "checkpoint_4")  # as if stopped after step 2
+    summary = train(VisionConfig(out_dir=str(tmp_path / "b"), resume=True, **{**tiny, "lr": 5e-2}))
+
+    def lrs(run):
+        return {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+                if "lr" in r}
+
+    a, b = lrs("a"), lrs("b")
+    assert b[1] == a[1] and b[2] == a[2]  # the steps before the resume ran at the old peak
+    for step in (3, 4):
+        assert b[step] == pytest.approx(50 * a[step], rel=1e-9)  # the same schedule, at the new peak
+    assert summary["config"]["lr"] == 5e-2
+    assert summary["resumes"] == [{"step": 2, "checkpoint": str(tmp_path / "b" / "checkpoints" / "checkpoint_2"),
+                                   "changed": {"lr": {"was": 1e-3, "now": 5e-2}}}]
+
+
+def test_clip_resume_applies_a_new_learning_rate(clip_data, tmp_path, capsys, monkeypatch):
+    """The same in the CLIP recipe, from its command line: the change is said and recorded."""
+    argv = ["--data-dir", str(clip_data), "--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8",
+            "--steps", "4", "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "2",
+            "--no-progress", "--lr", "1e-3"]
+    for run in ("a", "b"):
+        code = run_script("recipes/clip/train.py", [*argv, "--out-dir", str(tmp_path / run)], capsys, monkeypatch)[0]
+        assert code == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "checkpoint_4")
+    code, out, err = run_script("recipes/clip/train.py", [*argv, "--out-dir", str(tmp_path / "b"), "--resume",
+                                                         "--lr", "5e-2"], capsys, monkeypatch)
+    assert code == 0 and "--resume: --lr 0.05 (the checkpoint's run had 0.001), applied from step 2" in out + err
+
+    def lrs(run):
+        return {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+                if "lr" in r}
+
+    a, b = lrs("a"), lrs("b")
+    assert b[2] == a[2] and b[3] == pytest.approx(50 * a[3], rel=1e-9) and b[4] == pytest.approx(50 * a[4], rel=1e-9)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["config"]["lr"] == 5e-2 and summary["resumes"][0]["changed"] == {"lr": {"was": 1e-3, "now": 5e-2}}
