@@ -9,6 +9,7 @@ import torch
 
 from contrastkit.adapters.open_clip import create_clip
 from contrastkit.evaluation.zeroshot import load_clip_checkpoint
+from environments import skip_without_fairseq2
 from test_cli import run_script
 
 
@@ -72,10 +73,11 @@ def test_damaged_safetensors_is_a_value_error_naming_it(tmp_path):
         load_clip_checkpoint(model, tmp_path)
 
 
+@pytest.mark.legacy
+@skip_without_fairseq2
 def test_an_older_fairseq2_export_still_loads(tmp_path):
     """Exports of earlier versions (fairseq2_wav2vec2.pt: config dict with fairseq2's norm-order enum, state
     dict) load with weights_only=True, the enum allowed by name."""
-    pytest.importorskip("fairseq2")
     import dataclasses
 
     from contrastkit.evaluation.superb import Upstream
