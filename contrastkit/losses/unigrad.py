@@ -82,7 +82,8 @@ class UniGradLoss(Objective):
             raise ValueError(f"unigrad: features have dimension {batch.shape[0]} but the correlation matrix "
                              f"was built for {self.correlation.shape[0]}")
         else:
-            self.correlation.mul_(self.rho).add_(batch.to(self.correlation.dtype), alpha=1.0 - self.rho)
+            # scaled, then added: inductor fuses add(c, a @ b, alpha=s) into an addmm that drops s (torch 2.9-2.14)
+            self.correlation.mul_(self.rho).add_(batch.to(self.correlation.dtype) * (1.0 - self.rho))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         saved = state_dict.get(prefix + "correlation")
