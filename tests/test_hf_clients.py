@@ -22,14 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = ROOT / "tests" / "clients"
 RUN_CLIP = CLIENTS / "run_clip.py"
 RUN_WAV2VEC2 = CLIENTS / "run_wav2vec2_pretraining_no_trainer.py"
-MARK = "contrastkit-runner:"
 
 
 def _launch(tmp_path, script, args, processes, one_import, **env):
     """`accelerate launch` of a runner that makes the one import (``contrastkit.adapters.<one_import>``,
-    none if None) and then runs the unchanged script as __main__; after it, each process prints its
-    accelerate state and the objective in force. Returns (stdout + stderr, the processes' states)."""
+    none if None) and then runs the unchanged script as __main__; after it, each process writes its
+    accelerate state and the objective in force to a file of its own (printed lines of two processes can
+    interleave). Returns (stdout + stderr, the processes' states)."""
     runner = tmp_path / f"runner_{one_import}_{processes}.py"
+    state_file = f"state_{one_import}_{processes}_{{}}.json"
     lines = ["import json", "import runpy", ""]
     if one_import:
         lines.append(f"import contrastkit.adapters.{one_import} as one_import  # noqa: F401  (the one line)")
@@ -38,8 +39,9 @@ def _launch(tmp_path, script, args, processes, one_import, **env):
     lines += ["", f"runpy.run_path({str(script)!r}, run_name='__main__')", "",
               "from accelerate import PartialState  # noqa: E402", "",
               "state = PartialState()",
-              f"print({MARK!r}, json.dumps({{'rank': state.process_index, 'processes': state.num_processes, "
-              "'backend': state.backend, 'loss': one_import and one_import.PATCH.objective.name}))"]
+              f"with open({state_file!r}.format(state.process_index), 'w') as f:",
+              "    json.dump({'rank': state.process_index, 'processes': state.num_processes, "
+              "'backend': state.backend, 'loss': one_import and one_import.PATCH.objective.name}, f)"]
     runner.write_text("\n".join(lines) + "\n")
     command, env = accelerate_launch(processes, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                                      TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", **env)
@@ -47,8 +49,7 @@ def _launch(tmp_path, script, args, processes, one_import, **env):
                           cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    states = sorted((json.loads(line.split(MARK, 1)[1]) for line in log.splitlines() if MARK in line),
-                    key=lambda s: s["rank"])
+    states = [json.loads(path.read_text()) for path in sorted(tmp_path.glob(state_file.format("*")))]
     assert [s["rank"] for s in states] == list(range(processes)), log[-3000:]
     assert all(s["processes"] == processes for s in states), states
     if processes > 1:
