@@ -209,8 +209,9 @@ def run_parser(target: str, argv: list[str], module: bool, folder: Path, env: di
     out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
     try:
         os.chdir(folder)
+        hf = transformers.HfArgumentParser
         with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args), \
-                mock.patch.object(transformers.HfArgumentParser, "parse_args_into_dataclasses", parse_into_dataclasses), \
+                mock.patch.object(hf, "parse_args_into_dataclasses", parse_into_dataclasses), \
                 mock.patch.object(sys, "argv", [target, *argv]), mock.patch.dict(os.environ, env), \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             if module:
@@ -388,6 +389,13 @@ def legacy_report():
 def test_python_blocks_run_in_the_second_environment(page, legacy_report):
     error = legacy_report["python"][page]
     assert error is None, f"{page}: a Python block failed:\n{error}"
+
+
+def test_readme_links_resolve():
+    """The README's links into the guide (mkdocs --strict checks the guide's own links)."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    missing = [t for t in targets if not t.startswith("http") and not (ROOT / t).exists()]
+    assert targets and not missing, missing
 
 
 def test_results_folders_state_command_and_commit():
