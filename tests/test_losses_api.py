@@ -149,7 +149,7 @@ def test_default_logit_scale():
 
 
 def test_the_migration_tables_equivalences():
-    """README "coming from lightly / open_clip": the same numbers from the settings it names."""
+    """docs/objectives.md, "Coming from lightly, open_clip or Hugging Face": the same numbers from its settings."""
     lightly_loss = pytest.importorskip("lightly.loss")
     open_clip = pytest.importorskip("open_clip")
     z1, z2 = (z.detach() for z in _views(13, 16, 8))

@@ -23,11 +23,13 @@ def test_package_data_covers_every_non_python_file_the_package_reads():
     assert (package / "py.typed").is_file() and (ROOT / "LICENSE").read_text().startswith("MIT License")
 
 
-def test_api_docs_build_strict(tmp_path):
+def test_docs_build_strict(tmp_path):
+    """The user guide and the API reference (mkdocs-material, mkdocstrings) build with --strict."""
     pytest.importorskip("mkdocstrings")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    page = (tmp_path / "site" / "losses" / "index.html").read_text()
+    page = (tmp_path / "site" / "api" / "losses" / "index.html").read_text()
     for setting in ("gather_distributed", "chunk_size", "reduction", "default_logit_scale"):
         assert setting in page, setting
+    assert (tmp_path / "site" / "ecosystems" / "open_clip" / "index.html").is_file()  # the guide's pages too
