@@ -66,7 +66,7 @@ class ClapTrainConfig(RunOptions):
     width: int = arg(64, "hidden size of the audio encoder's last stage and of the text encoder")
     batch_size: int = arg(12, "global batch: clips of different intents (at most the number of intents)")
     max_seconds: float = arg(2.0, "longest audio crop, in seconds (shorter clips are repeated to it)")
-    speed: float = arg(0.15, "speed perturbation in training: each clip played at a random rate in [1 - s, 1 + s]")
+    speed: float = arg(0.0, "speed perturbation in training: each clip played at a random rate in [1 - s, 1 + s]")
     steps: int = arg(300, "optimizer steps")
     lr: float = arg(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = arg(0.1, "AdamW weight decay")
@@ -175,19 +175,32 @@ def perturb_speed(wave: torch.Tensor, factor: float) -> torch.Tensor:
                                       wave.numpy()).astype(np.float32))
 
 
-def audio_features(rows: list[dict], features, generator: np.random.Generator | None = None,
-                   speed: float = 0.0) -> torch.Tensor:
+def audio_features(rows: list[dict], features, generator: np.random.Generator | None = None, speed: float = 0.0,
+                   cache: dict | None = None) -> torch.Tensor:
     """input_features [N, 1, T, mels] of the rows' clips. With a ``generator`` (training): each clip's speed
     perturbed by a factor in [1 - speed, 1 + speed] and a random crop; without (evaluation): the centre crop.
-    Cropped here, so that the feature extractor's own unseeded random truncation never runs."""
+    Cropped here, so that the feature extractor's own unseeded random truncation never runs. ``cache``
+    (path -> features) keeps the features that no random draw changed (no perturbation, no crop needed):
+    the extractor's STFT costs more than the tiny model's step."""
     from contrastkit.data.speech import load_audio
 
     length = int(features.nb_max_samples)
-    waves = [load_audio(r["path"]) for r in rows]
-    if generator is not None and speed:
-        waves = [perturb_speed(w, float(generator.uniform(1 - speed, 1 + speed))) for w in waves]
-    waves = [crop(w, length, generator) for w in waves]
-    return features(waves, sampling_rate=SAMPLE_RATE, max_length=length, return_tensors="pt").input_features
+    perturb = generator is not None and speed > 0
+    out = []
+    for r in rows:
+        if cache is not None and r["path"] in cache:
+            out.append(cache[r["path"]])
+            continue
+        wave = load_audio(r["path"])
+        if perturb:
+            wave = perturb_speed(wave, float(generator.uniform(1 - speed, 1 + speed)))
+        fixed = not perturb and (generator is None or wave.shape[0] <= length)
+        x = features([crop(wave, length, generator)], sampling_rate=SAMPLE_RATE, max_length=length,
+                     return_tensors="pt").input_features[0]
+        if cache is not None and fixed:
+            cache[r["path"]] = x
+        out.append(x)
+    return torch.stack(out)
 
 
 # ----------------------------------------------------------------------------- data
@@ -276,7 +289,7 @@ def evaluate_saved(args: ZeroShotIntentArgs) -> dict:
 
 @torch.no_grad()
 def zeroshot_intent(model, tokenizer, features, rows: list[dict], prompts: dict[str, str], *, batch_size: int = 64,
-                    device=None) -> dict:
+                    device=None, cache: dict | None = None) -> dict:
     """Zero-shot intent classification: each clip gets the intent whose prompt (``prompts``: intent ->
     text, one per intent) embeds nearest its audio (cosine). Top-1 accuracy, top-5 and mean per-class recall
     (evaluation.zeroshot.zeroshot_metrics), the chance level, and the counts."""
@@ -292,7 +305,7 @@ def zeroshot_intent(model, tokenizer, features, rows: list[dict], prompts: dict[
         classes = torch.nn.functional.normalize(_pooled(model.get_text_features(**text)), dim=-1)
         logits = []
         for start in range(0, len(rows), batch_size):
-            audio = audio_features(rows[start:start + batch_size], features).to(device)
+            audio = audio_features(rows[start:start + batch_size], features, cache=cache).to(device)
             embeds = _pooled(model.get_audio_features(input_features=audio))
             logits.append(torch.nn.functional.normalize(embeds, dim=-1) @ classes.T)
     finally:
@@ -346,7 +359,8 @@ def train(cfg: ClapTrainConfig) -> dict:
 
     set_seed(cfg.seed)
     model = ClapModel(clap_config(len(tokenizer), cfg.width, cfg.max_seconds))
-    untrained = zeroshot_intent(model, tokenizer, features, test_rows, prompts) if main else None
+    test_cache, train_cache = {}, {}
+    untrained = zeroshot_intent(model, tokenizer, features, test_rows, prompts, cache=test_cache) if main else None
     model.to(device)
     hf_clip.patch(model, loss=cfg.loss, gather_with_grad=world > 1, directions=cfg.directions, **cfg.loss_options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -362,7 +376,8 @@ def train(cfg: ClapTrainConfig) -> dict:
     raw = accelerator.unwrap_model(model)
 
     def evaluate():
-        result = zeroshot_intent(raw, tokenizer, features, test_rows, prompts, device=device) if main else None
+        result = (zeroshot_intent(raw, tokenizer, features, test_rows, prompts, device=device, cache=test_cache)
+                  if main else None)
         accelerator.wait_for_everyone()
         return result
 
@@ -372,7 +387,7 @@ def train(cfg: ClapTrainConfig) -> dict:
     model.train()
     while state.step < cfg.steps:
         rows, captions, rng = step_batch(by_intent, cfg.batch_size, cfg.caption, cfg.seed, state.step)
-        audio = audio_features(rows, features, rng, cfg.speed)[rank * local:(rank + 1) * local]
+        audio = audio_features(rows, features, rng, cfg.speed, train_cache)[rank * local:(rank + 1) * local]
         text = tokenizer(captions, padding=True, return_token_type_ids=False, return_tensors="pt")
         mine = {k: v[rank * local:(rank + 1) * local].to(device) for k, v in text.items()}
         try:

@@ -31,6 +31,7 @@ class ClapCompareArgs:
     data: str | None = arg(None, "Fluent Speech Commands root (default: the embedded spoken commands)")
     jobs: int = arg(1, "runs in parallel (each on 2 / jobs threads)")
     out_dir: str = arg("runs/clap-compare", "output folder (finished runs in it are reused)")
+    results_dir: str | None = arg(None, "where results.json/md/png go (default: --out-dir)")
 
     def check(self) -> None:
         for name in ("steps", "jobs"):
@@ -77,7 +78,24 @@ def compare(args: ClapCompareArgs) -> dict:
         rows.append({"model": cfg.loss, "seed": cfg.seed, "accuracy": s["zeroshot_intent"]["accuracy"],
                      "final_loss": s["final_loss"], "train_seconds": s["train_seconds"]})
     chance, clips = s["zeroshot_intent"]["chance"], s["zeroshot_intent"]["num_clips"]
-    return write_comparison(rows, out_dir, args, chance, clips)
+    return write_comparison(rows, Path(args.results_dir or out_dir), args, chance, clips)
+
+
+def provenance() -> str:
+    """The command line and the commit that ran it (with a mark where the checkout had uncommitted changes)."""
+    import shlex
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit, dirty = "", ""
+    commit = (commit or "unknown") + (" (with uncommitted changes)" if dirty else "")
+    return f"`python {shlex.join(sys.argv)}` at commit {commit}"
 
 
 def write_comparison(rows: list[dict], out_dir: Path, args: ClapCompareArgs, chance: float, clips: int) -> dict:
@@ -92,7 +110,8 @@ def write_comparison(rows: list[dict], out_dir: Path, args: ClapCompareArgs, cha
     verdicts = [v for reference in ("untrained", "infonce") for v in grouped_verdicts(
         [r for r in rows if reference == "untrained" or r["model"] != "untrained"], name_key="model",
         metric="accuracy", reference=reference, scale=100, digits=1)]
-    results = {"settings": {k: v for k, v in vars(args).items()}, "chance": chance, "test_clips": clips,
+    made_by = provenance()
+    results = {"made_by": made_by, "settings": dict(vars(args)), "chance": chance, "test_clips": clips,
                "table": table, "verdicts": verdicts, "runs": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -109,6 +128,7 @@ def write_comparison(rows: list[dict], out_dir: Path, args: ClapCompareArgs, cha
         lines.append(f"| {name} | {cell(table[name])} | {values} |")
     lines += ["", "Paired verdicts (points; resolved = the 95 % interval of the per-seed difference excludes 0):", ""]
     lines += [f"- {v['text']}" for v in verdicts]
+    lines += ["", f"Made by {made_by}."]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
 
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 3.6))
