@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,10 @@ from contrastkit.speech.clap import ClapTrainConfig, intent_prompt, step_batch, 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
+# The learning check: 120 steps of a width-32 model at lr 3e-3 (about 20 s of one idle core). Measured (seeds 0-3):
+# untrained 0.083-0.139, trained 0.153-0.208 on the 72 test clips (chance 1/12); gain 0.069-0.111, mean 0.083. The
+# margin, 0.04 (3 clips), is half the mean gain and under every measured one; without training the gain is 0.
+LEARN, LEARN_OPTIONS, MARGIN = 120, dict(width=32, lr=3e-3, warmup=10), 0.04
 TINY = dict(width=16, batch_size=12, steps=4, warmup=1, log_every=1, eval_every=0, save_every=2, progress=False)
 
 
@@ -25,9 +27,10 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_recipe_learns_zero_shot_intent_and_the_eval_script_agrees(tmp_path):
+def test_recipe_learns_zero_shot_intent(tmp_path):
     """LEARN steps with the recipe's defaults otherwise: zero-shot intent accuracy on the test split (speakers
-    unseen in training) against the same model untrained."""
+    unseen in training) against the same model untrained. (That eval/zeroshot_intent.py gives the recipe's
+    number on the saved model: tests/test_suite.py, whose audio-text cell runs both.)"""
     out = tmp_path / "run"
     summary = train(ClapTrainConfig(loss="dcl", steps=LEARN, eval_every=0, save_every=0, progress=False,
                                     out_dir=str(out), **LEARN_OPTIONS))
@@ -35,12 +38,6 @@ def test_recipe_learns_zero_shot_intent_and_the_eval_script_agrees(tmp_path):
     assert trained["num_intents"] == 12 and trained["chance"] == pytest.approx(1 / 12)
     assert trained["accuracy"] >= untrained["accuracy"] + MARGIN, (untrained, trained)
     assert (out / "metrics.png").is_file() and (out / "model" / "config.json").is_file()
-    done = subprocess.run([sys.executable, "eval/zeroshot_intent.py", "--model", str(out), "--out",
-                           str(tmp_path / "zs.json"), "--device", "cpu"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((tmp_path / "zs.json").read_text())["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-9)
-    assert "zero-shot intent accuracy" in done.stdout
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -90,11 +87,16 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
-def test_bad_data_found_while_running_is_one_line(tmp_path):
+def test_bad_data_found_while_running_is_one_line(tmp_path, capsys):
+    """The recipe script itself (run in this process): data found bad once read is one line, exit 2."""
+    import runpy
+
+    main = runpy.run_path(str(ROOT / "recipes" / "clap" / "train.py"))["main"]
     (tmp_path / "fsc").mkdir()
     for argv, message in ((["--data", str(tmp_path / "fsc")], "train_data.csv not found"),
                           (["--batch-size", "13"], "a batch holds different intents, and")):
-        done = subprocess.run([sys.executable, "recipes/clap/train.py", *argv, "--out-dir", str(tmp_path / "run"),
-                               "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
-        assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr[-2000:]
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--out-dir", str(tmp_path / "run"), "--no-progress"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, err
+        assert err.count("\n") == 1 and err.startswith("error: "), err

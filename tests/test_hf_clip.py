@@ -300,7 +300,9 @@ def test_patch_survives_accelerate_bf16_in_either_order(order):
 
 # ----------------------------------------------------------------------------- 2 processes = 1 process
 
-GATHERED = [("CLIPModel", "dcl"), ("CLIPModel", "dclw"), ("AlignModel", "infonce"), ("ClapModel", "eqco")]
+# "dcl+both": DCL with directions="both" (CLAP's audio clips as anchors too: the texts are gathered)
+GATHERED = [("CLIPModel", "dcl"), ("CLIPModel", "dclw"), ("AlignModel", "infonce"), ("ClapModel", "eqco"),
+            ("ClapModel", "dcl+both")]
 
 
 def _loss_and_grads(name, kind, n, offset, gather, ddp=False):
@@ -309,9 +311,11 @@ def _loss_and_grads(name, kind, n, offset, gather, ddp=False):
     model = hf_tiny.model(name, dtype=torch.float64)
     # find_unused_parameters: ALIGN's text pooler takes no part in its embeddings (as the Trainer sets it)
     runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
-    with hf_clip.patch(runner, loss=kind, gather_with_grad=gather, **OPTIONS[kind]):
+    objective, _, directions = kind.partition("+")
+    with hf_clip.patch(runner, loss=objective, gather_with_grad=gather, directions=directions or "model",
+                       **OPTIONS[objective]):
         if ddp:
-            assert hf_clip.active_objective(runner).name == kind  # seen through the DDP wrapper
+            assert hf_clip.active_objective(runner).name == objective  # seen through the DDP wrapper
         loss = runner(**hf_tiny.batch(name, n=n, offset=offset, seed=2, dtype=torch.float64), return_loss=True).loss
     loss.backward()
     return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}

@@ -120,9 +120,10 @@ def test_report_gives_intervals_and_paired_verdicts():
 
 
 def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
-    """A tiny audio-text cell: the CLAP recipe, then eval/zeroshot_intent.py, its accuracy in the column."""
+    """A tiny audio-text cell: the CLAP recipe, then eval/zeroshot_intent.py, its accuracy in the column (and
+    equal to the recipe's own)."""
     config = _config(tmp_path)
-    config["domains"] = {"audio_text": {**config["domains"]["audio_text"],
+    config["domains"] = {"audio_text": {**load_config(None)["domains"]["audio_text"],
                                         "train": {"steps": 2, "width": 16, "warmup": 1, "log-every": 1}}}
     report = run_suite(config, progress=False)
     assert not report["failures"], report["failures"]
@@ -131,3 +132,7 @@ def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
     assert stat["values"] == [cell["metrics"]["zeroshot_intent_accuracy"]] and 0.0 <= stat["mean"] <= 1.0
     assert [c.split()[0] for c in cell["commands"]] == ["recipes/clap/train.py", "eval/zeroshot_intent.py"]
     assert "audio-text zero-shot intent" in markdown(report)
+    # the eval script on the saved model gives the recipe's own number
+    summary = json.loads((Path(config["output_dir"]) / "cells" / cell["domain"] / "dcl" / "seed0" / "train" /
+                          "summary.json").read_text())
+    assert summary["zeroshot_intent"]["accuracy"] == pytest.approx(stat["mean"], abs=1e-9)

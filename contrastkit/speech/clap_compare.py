@@ -55,6 +55,7 @@ def compare(args: ClapCompareArgs) -> dict:
 
     from contrastkit.speech.clap import fsc_splits
 
+    made_by = provenance()  # before the runs: the code that runs them
     out_dir = Path(args.out_dir)
     base = ClapTrainConfig(steps=args.steps, caption=args.caption, data=args.data, eval_every=0, save_every=0,
                            progress=False)
@@ -78,7 +79,7 @@ def compare(args: ClapCompareArgs) -> dict:
         rows.append({"model": cfg.loss, "seed": cfg.seed, "accuracy": s["zeroshot_intent"]["accuracy"],
                      "final_loss": s["final_loss"], "train_seconds": s["train_seconds"]})
     chance, clips = s["zeroshot_intent"]["chance"], s["zeroshot_intent"]["num_clips"]
-    return write_comparison(rows, Path(args.results_dir or out_dir), args, chance, clips)
+    return write_comparison(rows, Path(args.results_dir or out_dir), args, chance, clips, made_by)
 
 
 def provenance() -> str:
@@ -98,7 +99,8 @@ def provenance() -> str:
     return f"`python {shlex.join(sys.argv)}` at commit {commit}"
 
 
-def write_comparison(rows: list[dict], out_dir: Path, args: ClapCompareArgs, chance: float, clips: int) -> dict:
+def write_comparison(rows: list[dict], out_dir: Path, args: ClapCompareArgs, chance: float, clips: int,
+                     made_by: str) -> dict:
     """results.json, results.md and results.png from one row per (model, seed)."""
     import matplotlib
 
@@ -110,7 +112,6 @@ def write_comparison(rows: list[dict], out_dir: Path, args: ClapCompareArgs, cha
     verdicts = [v for reference in ("untrained", "infonce") for v in grouped_verdicts(
         [r for r in rows if reference == "untrained" or r["model"] != "untrained"], name_key="model",
         metric="accuracy", reference=reference, scale=100, digits=1)]
-    made_by = provenance()
     results = {"made_by": made_by, "settings": dict(vars(args)), "chance": chance, "test_clips": clips,
                "table": table, "verdicts": verdicts, "runs": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
