@@ -100,3 +100,17 @@ def test_bad_data_found_while_running_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err, err
         assert err.count("\n") == 1 and err.startswith("error: "), err
+
+
+def test_comparison_table_verdicts_and_plot(tmp_path):
+    from contrastkit.speech.clap_compare import ClapCompareArgs, write_comparison
+
+    accuracies = {"untrained": (0.08, 0.10, 0.09), "infonce": (0.30, 0.32, 0.31), "dcl": (0.33, 0.34, 0.36)}
+    rows = [{"model": m, "seed": s, "accuracy": a} for m, values in accuracies.items() for s, a in enumerate(values)]
+    results = write_comparison(rows, tmp_path, ClapCompareArgs(seeds=[0, 1, 2]), 1 / 12, 72, "`python x` at commit abc")
+    text = (tmp_path / "results.md").read_text()
+    assert "| infonce | 31.0 ± 2.5 | 30.0, 32.0, 31.0 |" in text  # t_{0.975, 2} = 4.303, sd 1 point
+    assert "- infonce - untrained = +22.0 ± 0.0 (95 % CI, 3 seeds): resolved" in text
+    assert "- dcl - infonce = +3.3 ± 3.8 (95 % CI, 3 seeds): not resolved" in text  # differences 3, 2, 5
+    assert "Made by `python x` at commit abc." in text and (tmp_path / "results.png").stat().st_size > 0
+    assert [v["a"] + "-" + v["b"] for v in results["verdicts"]] == ["infonce-untrained", "dcl-untrained", "dcl-infonce"]

@@ -75,7 +75,8 @@ def compare(args: ClapCompareArgs) -> dict:
     for cfg in runs:
         s = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
         if cfg.loss == args.losses[0]:  # the untrained model depends on the seed only
-            rows.append({"model": "untrained", "seed": cfg.seed, "accuracy": s["zeroshot_intent_untrained"]["accuracy"]})
+            untrained = s["zeroshot_intent_untrained"]["accuracy"]
+            rows.append({"model": "untrained", "seed": cfg.seed, "accuracy": untrained})
         rows.append({"model": cfg.loss, "seed": cfg.seed, "accuracy": s["zeroshot_intent"]["accuracy"],
                      "final_loss": s["final_loss"], "train_seconds": s["train_seconds"]})
     chance, clips = s["zeroshot_intent"]["chance"], s["zeroshot_intent"]["num_clips"]

@@ -1,7 +1,7 @@
 """Train a tiny CLAP (Hugging Face ClapModel) on spoken commands with a contrastkit objective and report
 zero-shot intent accuracy from text prompts.
 
-    accelerate launch recipes/clap/train.py --loss dcl                 # embedded spoken commands, a few minutes
+    accelerate launch recipes/clap/train.py --loss dcl                 # embedded spoken commands, 2-4 min on a shared CPU
     accelerate launch recipes/clap/train.py --loss infonce --data /data/fluent_speech_commands_dataset
     python recipes/clap/train.py --loss dcl --caption transcript --steps 600 --out-dir runs/clap-transcript
 
