@@ -5,7 +5,9 @@ objective, and zero-shot intent classification from text prompts.
 (``clap_config``: a small HTSAT audio encoder and a one-layer text encoder, random weights), with its own
 ``ClapFeatureExtractor`` (log-mel, 16 kHz) and a word-level tokenizer over the run's texts
 (``word_tokenizer``): nothing is downloaded. Its loss is replaced by ``hf_clip.patch`` (the objective on
-the model's embeddings and learnable scales; ``infonce`` is CLAP's own loss).
+the model's embeddings and learnable scales), by default with ``directions="both"``: audio clips against
+texts and texts against clips, what zero-shot classification of a clip uses (``--directions model``
+keeps Hugging Face's texts-only anchors, with which ``infonce`` is ClapModel's own loss).
 
 Data: the Fluent Speech Commands layout (the embedded spoken commands by default, or a real FSC root).
 Each clip's caption is, by ``--caption``: its ``transcript``; its ``intent`` description written from the
@@ -133,9 +135,10 @@ def word_tokenizer(root: str | Path, texts: list[str], specials: tuple[str, ...]
 # ----------------------------------------------------------------------------- model
 
 
-def clap_config(vocab_size: int, width: int = 64, max_seconds: float = 2.0):
-    """A small ClapConfig: HTSAT on a 32-bin log-mel of ``max_seconds`` (a 64 x 64 image, 4 x 4 patches, two
-    Swin stages of window 4) and a one-layer text encoder, both ``width`` wide, 32-d joint space, no dropout."""
+def clap_config(vocab_size: int, width: int = 64):
+    """A small ClapConfig: HTSAT on a 32-bin log-mel of at most 128 frames (``feature_extractor``), folded
+    into a 64 x 64 image (4 x 4 patches, two Swin stages of window 4), and a one-layer text encoder, both
+    ``width`` wide, 32-d joint space, no dropout."""
     from transformers import ClapConfig
 
     audio = dict(spec_size=64, num_mel_bins=32, window_size=4, patch_size=4, patch_stride=(4, 4), hidden_size=width,
@@ -358,7 +361,7 @@ def train(cfg: ClapTrainConfig) -> dict:
     features = feature_extractor(cfg.max_seconds)
 
     set_seed(cfg.seed)
-    model = ClapModel(clap_config(len(tokenizer), cfg.width, cfg.max_seconds))
+    model = ClapModel(clap_config(len(tokenizer), cfg.width))
     test_cache, train_cache = {}, {}
     untrained = zeroshot_intent(model, tokenizer, features, test_rows, prompts, cache=test_cache) if main else None
     model.to(device)
