@@ -114,3 +114,13 @@ def test_comparison_table_verdicts_and_plot(tmp_path):
     assert "- dcl - infonce = +3.3 ± 3.8 (95 % CI, 3 seeds): not resolved" in text  # differences 3, 2, 5
     assert "Made by `python x` at commit abc." in text and (tmp_path / "results.png").stat().st_size > 0
     assert [v["a"] + "-" + v["b"] for v in results["verdicts"]] == ["infonce-untrained", "dcl-untrained", "dcl-infonce"]
+
+
+def test_eval_script_bad_model_folder_is_one_line(tmp_path, capsys):
+    from contrastkit.speech.clap import ZeroShotIntentArgs
+
+    for model, message in ((tmp_path / "none", "does not exist"), (tmp_path, "no config.json")):
+        with pytest.raises(SystemExit) as exit_:
+            parse(ZeroShotIntentArgs, argv=["--model", str(model), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
