@@ -32,6 +32,7 @@ COLUMNS = [
     ("vision", "knn_top1", "image kNN"),
     ("speech", "speaker_id_accuracy", "speaker ID"),
     ("speech", "intent_accuracy", "intent"),
+    ("audio_text", "zeroshot_intent_accuracy", "audio-text zero-shot intent"),
 ]
 
 # The papers' numbers, with the setting they were measured in: shown only where a run matches it.
@@ -60,6 +61,7 @@ DEFAULT_CONFIG = {
         "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 40},
                    "evals": ["speaker_id", "intent"], "eval_options": {"speaker_id": {"epochs": 60},
                                                                         "intent": {"epochs": 60}}},
+        "audio_text": {"fsc": None, "checkpoints": {}, "train": {"steps": 300}, "evals": ["zeroshot_intent"]},
     },
     "sweep": {"domain": "vision", "batch_sizes": [8, 64], "objectives": ["infonce", "dcl"], "seeds": [0]},
 }
@@ -375,7 +377,8 @@ def write_report(report: dict, out_dir: Path) -> None:
 # Each builder returns the commands of one cell: (name, argv after the Python executable, JSON output or
 # None). They are the commands of the README, so a number in the report can be reproduced by hand.
 
-DATA_KEYS = {"vision": ("data",), "image_text": ("data", "zeroshot"), "speech": ("fsc", "voxceleb")}
+DATA_KEYS = {"vision": ("data",), "image_text": ("data", "zeroshot"), "speech": ("fsc", "voxceleb"),
+             "audio_text": ("fsc",)}
 
 
 def _flags(options: dict) -> list[str]:
@@ -457,7 +460,27 @@ def image_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
     return commands
 
 
-COMMANDS = {"vision": vision_commands, "image_text": image_text_commands, "speech": speech_commands}
+def audio_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
+    run = _checkpoint(settings, cell)
+    commands = []
+    if run is None:
+        run = str(cell_dir / "train")
+        steps = int({**settings.get("train", {}), **cell.overrides}.get("steps", 300))
+        options = {**settings.get("train", {}), **cell.overrides, "loss": cell.objective, "seed": cell.seed,
+                   "out-dir": run, "save-every": steps, "eval-every": 0, "data": settings.get("fsc")}
+        argv = ["recipes/clap/train.py", *_flags(options), "--no-progress"]
+        if (Path(run) / "checkpoints").exists():
+            argv.append("--resume")
+        commands.append(("train", argv, None))
+    if "zeroshot_intent" in settings.get("evals", ["zeroshot_intent"]):
+        out = cell_dir / "zeroshot_intent.json"
+        commands.append(("zeroshot_intent", ["eval/zeroshot_intent.py", "--model", run,
+                                             *_flags({"data": settings.get("fsc")}), "--out", str(out)], out))
+    return commands
+
+
+COMMANDS = {"vision": vision_commands, "image_text": image_text_commands, "speech": speech_commands,
+            "audio_text": audio_text_commands}
 
 READERS = {
     "zeroshot": lambda r: {"zeroshot_top1": r["top1"]},
@@ -465,4 +488,5 @@ READERS = {
     "linear_probe": lambda r: {"linear_probe_top1": r["sgd"]["test_top1"]},
     "speaker_id": lambda r: {"speaker_id_accuracy": r["test_accuracy"]},
     "intent": lambda r: {"intent_accuracy": r["test_accuracy"]},
+    "zeroshot_intent": lambda r: {"zeroshot_intent_accuracy": r["accuracy"]},
 }

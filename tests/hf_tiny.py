@@ -84,21 +84,11 @@ def float64():
 
 
 def word_tokenizer(root, texts: list[str], specials=("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")):
-    """A BERT word-piece tokenizer whose vocabulary is the texts' lower-cased words, written to
-    root/vocab.txt. transformers 5 names the vocabulary argument ``vocab`` (4.x: ``vocab_file``; 5.x takes
-    an unknown ``vocab_file`` silently and tokenizes every word as [UNK])."""
-    from pathlib import Path
+    """A BERT word-piece tokenizer whose vocabulary is the texts' words (the CLAP recipe's, with these
+    special tokens first), written to root/vocab.txt."""
+    from contrastkit.speech.clap import word_tokenizer as build
 
-    import transformers as T
-
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    words = sorted({w for t in texts for w in t.lower().split()})
-    (root / "vocab.txt").write_text("\n".join([*specials, *words]) + "\n")
-    name = "vocab" if int(T.__version__.split(".")[0]) >= 5 else "vocab_file"
-    tokenizer = T.BertTokenizerFast(**{name: str(root / "vocab.txt")})
-    assert len(tokenizer) == len(specials) + len(words), "the vocabulary file was not read"
-    return tokenizer
+    return build(root, texts, specials)
 
 
 def dual_encoder_dir(root, captions: list[str], image_size: int = 32):

@@ -175,11 +175,40 @@ def test_bad_arguments():
         hf_clip.patch(None, loss="nce")
     with pytest.raises(ValueError, match="sigma"):
         hf_clip.patch(None, loss="dcl", sigma=0.5)
+    with pytest.raises(ValueError, match="directions must be 'model' or 'both'"):
+        hf_clip.patch(None, loss="dcl", directions="audio")
     with pytest.raises(ValueError, match="cacr has no temperature"):
         hf_clip.patch(None, loss="cacr", temperature=0.1)
     model = hf_tiny.model("CLIPModel")
     with hf_clip.patch(model), pytest.raises(ValueError, match="batch of 1"):
         model(**hf_tiny.batch("CLIPModel", n=1), return_loss=True)
+
+
+@pytest.mark.parametrize("kind", ["dcl", "dclw", "eqco", "cacr", "infonce"])
+def test_clap_both_directions_equal_formula(kind, float64):
+    """directions="both": texts against audio clips with the text scale, audio clips against texts with the
+    audio scale (each half from the formula), values and gradients."""
+    model = hf_tiny.model("ClapModel", seed=1, dtype=torch.float64)
+    batch = hf_tiny.batch("ClapModel", seed=1, dtype=torch.float64)
+    with torch.no_grad():
+        model.logit_scale_t.fill_(math.log(5.0))  # two different scales: each half must take its own
+    params = [p for p in model.parameters() if p.requires_grad]
+    with hf_clip.patch(model, loss=kind, directions="both", **OPTIONS[kind]):
+        out = model(**batch, return_loss=True)
+    text, audio = out.text_embeds.double(), out.audio_embeds.double()
+    text_scale, audio_scale = _scales(model, "ClapModel")
+    expected = (_direction(text, audio, text_scale.double(), kind, **OPTIONS[kind])
+                + _direction(audio, text, audio_scale.double(), kind, **OPTIONS[kind])) / 2
+    torch.testing.assert_close(out.loss, expected, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
+    want = torch.autograd.grad(expected, params, retain_graph=True, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
+    if kind != "infonce":
+        return
+    own = reference("ClapModel", kind, text, audio, [text_scale, audio_scale])  # the model's own loss differs
+    assert abs(float((own - out.loss).detach())) > 1e-3
 
 
 def test_fixed_temperature_keeps_the_scale_in_the_graph():
@@ -271,7 +300,9 @@ def test_patch_survives_accelerate_bf16_in_either_order(order):
 
 # ----------------------------------------------------------------------------- 2 processes = 1 process
 
-GATHERED = [("CLIPModel", "dcl"), ("CLIPModel", "dclw"), ("AlignModel", "infonce"), ("ClapModel", "eqco")]
+# "dcl+both": DCL with directions="both" (CLAP's audio clips as anchors too: the texts are gathered)
+GATHERED = [("CLIPModel", "dcl"), ("CLIPModel", "dclw"), ("AlignModel", "infonce"), ("ClapModel", "eqco"),
+            ("ClapModel", "dcl+both")]
 
 
 def _loss_and_grads(name, kind, n, offset, gather, ddp=False):
@@ -280,9 +311,11 @@ def _loss_and_grads(name, kind, n, offset, gather, ddp=False):
     model = hf_tiny.model(name, dtype=torch.float64)
     # find_unused_parameters: ALIGN's text pooler takes no part in its embeddings (as the Trainer sets it)
     runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
-    with hf_clip.patch(runner, loss=kind, gather_with_grad=gather, **OPTIONS[kind]):
+    objective, _, directions = kind.partition("+")
+    with hf_clip.patch(runner, loss=objective, gather_with_grad=gather, directions=directions or "model",
+                       **OPTIONS[objective]):
         if ddp:
-            assert hf_clip.active_objective(runner).name == kind  # seen through the DDP wrapper
+            assert hf_clip.active_objective(runner).name == objective  # seen through the DDP wrapper
         loss = runner(**hf_tiny.batch(name, n=n, offset=offset, seed=2, dtype=torch.float64), return_loss=True).loss
     loss.backward()
     return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}

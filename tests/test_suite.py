@@ -94,9 +94,9 @@ def test_config_files_and_plan(tmp_path):
 def test_example_config_loads_and_skips_missing_paths(tmp_path):
     config = load_config(ROOT / "eval" / "suite_example.yaml")
     config["output_dir"] = str(tmp_path / "out")
-    assert set(config["domains"]) == {"vision", "image_text", "speech"}
+    assert set(config["domains"]) == {"vision", "image_text", "speech", "audio_text"}
     report = run_suite(config, progress=False)  # none of the example's /data paths exist here
-    assert set(report["skipped"]) == {"vision", "image_text", "speech"}
+    assert set(report["skipped"]) == {"vision", "image_text", "speech", "audio_text"}
     assert report["cells"] == []
 
 
@@ -113,7 +113,26 @@ def test_report_gives_intervals_and_paired_verdicts():
     report = build_report(config, results, {}, {})
     assert report["table"]["infonce"]["image kNN"]["half_width"] == pytest.approx(4.303 * 0.01 / 3**0.5)
     text = markdown(report)
-    assert "| infonce | - | - | 31.0 ± 2.5 (n=3) | - | - |" in text
+    assert "| infonce | - | - | 31.0 ± 2.5 (n=3) | - | - | - |" in text
     # dcl - infonce per seed: +10, +9, +11 points
     assert "- column image kNN: dcl - infonce = +10.0 ± 2.5 (95 % CI, 3 seeds): resolved" in text
     assert "docs/evidence.md" in text
+
+
+def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
+    """A tiny audio-text cell: the CLAP recipe, then eval/zeroshot_intent.py, its accuracy in the column (and
+    equal to the recipe's own)."""
+    config = _config(tmp_path)
+    config["domains"] = {"audio_text": {**load_config(None)["domains"]["audio_text"],
+                                        "train": {"steps": 2, "width": 16, "warmup": 1, "log-every": 1}}}
+    report = run_suite(config, progress=False)
+    assert not report["failures"], report["failures"]
+    stat = report["table"]["dcl"]["audio-text zero-shot intent"]
+    (cell,) = report["cells"]
+    assert stat["values"] == [cell["metrics"]["zeroshot_intent_accuracy"]] and 0.0 <= stat["mean"] <= 1.0
+    assert [c.split()[0] for c in cell["commands"]] == ["recipes/clap/train.py", "eval/zeroshot_intent.py"]
+    assert "audio-text zero-shot intent" in markdown(report)
+    # the eval script on the saved model gives the recipe's own number
+    summary = json.loads((Path(config["output_dir"]) / "cells" / cell["domain"] / "dcl" / "seed0" / "train" /
+                          "summary.json").read_text())
+    assert summary["zeroshot_intent"]["accuracy"] == pytest.approx(stat["mean"], abs=1e-9)

@@ -17,7 +17,10 @@ scale standing in for 1/tau (CLIP paper's t, keeps its gradient):
   every softmax objective (``label_smoothing=0`` drops it; CACR has no logits and never gets it).
 - ClapModel: its own loss takes the text rows of the similarity twice, once scaled by exp(logit_scale_t)
   and once by exp(logit_scale_a) (``contrastive_loss(logits_per_audio.t())``), so texts are the anchors
-  and audio clips the candidates in both halves; the objective is applied the same way.
+  and audio clips the candidates in both halves; the objective is applied the same way. With
+  ``directions="both"`` the second half has audio clips as anchors (``logits_per_audio`` with
+  exp(logit_scale_a)), as CLIP and LAION-CLAP train: what zero-shot classification of audio by text
+  prompts ranks (a text-anchored loss never asks an audio clip's own transcript to beat the other texts).
 
 ``infonce`` is then exactly the model's own loss (values and gradients); dcl, dclw, eqco and cacr are the
 core kernels on the same scores. CACR has no temperature: its repulsion weights use a fixed t_neg
@@ -106,8 +109,10 @@ class ClipObjective:
     """One objective with its options, applied to a dual encoder's embeddings and scale."""
 
     def __init__(self, loss: str = "dcl", *, gather_with_grad: bool = False, temperature: float | None = None,
-                 label_smoothing: float | None = None, **options):
+                 label_smoothing: float | None = None, directions: str = "model", **options):
         name = loss.lower()
+        if directions not in ("model", "both"):
+            raise ValueError(f"hf_clip: directions must be 'model' or 'both', got {directions!r}")
         if name not in CLIP_LOSSES:
             hint = (" (UniGrad has no image-text form: it needs one embedding space with a stop-gradient target)"
                     if name == "unigrad" else "")
@@ -123,7 +128,7 @@ class ClipObjective:
         except TypeError as err:
             raise ValueError(f"hf_clip: {err}") from None
         self.name, self.gather_with_grad, self.options = name, gather_with_grad, options
-        self.label_smoothing = label_smoothing
+        self.label_smoothing, self.directions = label_smoothing, directions
         self.model_scale = name != "cacr" and temperature is None
 
     def __repr__(self) -> str:
@@ -135,7 +140,9 @@ class ClipObjective:
         scales = model_scales(model, family)
         unused = sum(0.0 * s for s in scales) if not self.model_scale else 0.0  # in the graph for DDP
         if family.name == "ClapModel":
-            loss = sum(self._text_anchors(text, other, s if self.model_scale else None) for s in scales) / 2
+            text_scale, audio_scale = (s if self.model_scale else None for s in scales)
+            second = (other, text) if self.directions == "both" else (text, other)
+            loss = (self._anchored(text, other, text_scale) + self._anchored(*second, audio_scale)) / 2
         else:
             scale = scales[0] if self.model_scale else None
             loss = self.loss.cross_modal(other, text, logit_scale=scale)
@@ -152,10 +159,10 @@ class ClipObjective:
     def _all(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_with_grad else (x, 0)
 
-    def _text_anchors(self, text: torch.Tensor, other: torch.Tensor, scale) -> torch.Tensor:
-        """Texts as anchors against every (gathered) audio clip: the rows of ``text @ other.T``."""
-        with torch.autocast(text.device.type, enabled=False):
-            a, b = self._units(text, other)
+    def _anchored(self, anchors: torch.Tensor, candidates: torch.Tensor, scale) -> torch.Tensor:
+        """One direction: each anchor against every (gathered) candidate, the rows of ``anchors @ candidates.T``."""
+        with torch.autocast(anchors.device.type, enabled=False):
+            a, b = self._units(anchors, candidates)
             all_b, start = self._all(b)
             if all_b.shape[0] < 2:
                 raise ValueError(f"hf_clip {self.name}: a batch of 1 pair has no negatives; use at least 2")
@@ -210,8 +217,10 @@ def patch(target=None, loss: str = "dcl", gather_with_grad: bool = False, **opti
     """Make ``target``'s ``return_loss=True`` calls use ``loss`` (infonce, dcl, dclw, eqco, cacr).
 
     target: a model instance, a model class, or None for every supported class. options: the loss's own
-    (sigma, alpha, t_pos, t_neg, chunk_size), ``temperature`` (a fixed 1/scale instead of the model's) and
-    ``label_smoothing`` (default: the model's own, 0.1 for ALIGN, else 0). Patching again replaces the
+    (sigma, alpha, t_pos, t_neg, chunk_size), ``temperature`` (a fixed 1/scale instead of the model's),
+    ``label_smoothing`` (default: the model's own, 0.1 for ALIGN, else 0) and ``directions`` (ClapModel:
+    "model", texts as anchors in both halves as its own loss, or "both", texts then audio clips; the CLIP
+    family always has both). Patching again replaces the
     objective; ``handle.undo()`` (or ``unpatch``) restores the model.
     """
     objective = ClipObjective(loss, gather_with_grad=gather_with_grad, **options)
