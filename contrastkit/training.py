@@ -449,8 +449,8 @@ class Checkpoints:
             having = next(rank for rank, steps in enumerate(found) if steps)
             raise RunError(f"--resume: process(es) {', '.join(empty)} find no complete checkpoint under their "
                            f"{self.out_dir / 'checkpoints'}, process {having} has checkpoint_{max(found[having])}: "
-                           "copy that folder to their machine(s) (it resumes there without the other processes' "
-                           "random_states_<rank>.pkl), or start afresh in another --out-dir", status=2)
+                           "copy that folder to their machine(s) (their processes' RNG states, random_states_<rank>.pkl, "
+                           "are not in it: those start afresh), or start the run again in another --out-dir", status=2)
         return None
 
     def resume(self, state: TrainState, optimizer, scheduler, mode: bool | str = True) -> Path | None:
@@ -558,22 +558,22 @@ def grad_norm(parameters) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "timed out", "Timeout",
-             "No route to host", "Broken pipe", "Connection refused", "Network is unreachable", "NCCL")
+PEER_LOST = ("connection closed", "connection reset", "timed out", "timeout", "no route to host", "broken pipe",
+             "connection refused", "network is unreachable", "connectfullmesh", "nccl")
 
 
 def lost_peer(err: BaseException) -> str | None:
-    """What a collective's error says about a lost peer (its first line, without the C++ source location),
+    """What a collective's error says about a lost peer (its first sentence, without C++ source locations),
     or None where it is not one, or the run has one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not isinstance(err, RuntimeError):
         return None
     import torch.distributed as dist
 
     text = str(err).strip()
-    if not (isinstance(err, dist.DistError) or any(key in text for key in PEER_LOST)):
+    if not (isinstance(err, dist.DistError) or any(key in text.lower() for key in PEER_LOST)):
         return None
     first = next((line for line in text.splitlines() if line.strip()), type(err).__name__)
-    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", first.strip())
+    return re.sub(r"\[/[^\]]*:\d+\]\s*", "", first).split(". ")[0].strip()
 
 
 def stops_on_lost_peer(train):
@@ -592,7 +592,7 @@ def stops_on_lost_peer(train):
                 raise
             address = re.search(r"\[?(\d+\.\d+\.\d+\.\d+)\]?:(\d+)", cause)
             who = f"the process at {address.group(1)}" if address else "another process of the run"
-            timed_out = "imed out" in cause or "Timeout" in cause
+            timed_out = "timed out" in cause.lower() or "timeout" in cause.lower()
             raise RunError(f"lost {who} ({cause}): its host died, was stopped or cut off from this one"
                            f"{' (or it was busy for longer than --ddp-timeout: raise it)' if timed_out else ''}; "
                            f"collectives wait --ddp-timeout {cfg.ddp_timeout} s. The newest complete checkpoint "
