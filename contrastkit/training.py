@@ -449,8 +449,9 @@ class Checkpoints:
             having = next(rank for rank, steps in enumerate(found) if steps)
             raise RunError(f"--resume: process(es) {', '.join(empty)} find no complete checkpoint under their "
                            f"{self.out_dir / 'checkpoints'}, process {having} has checkpoint_{max(found[having])}: "
-                           "copy that folder to their machine(s) (their processes' RNG states, random_states_<rank>.pkl, "
-                           "are not in it: those start afresh), or start the run again in another --out-dir", status=2)
+                           "copy that folder to their machine(s) (their processes' RNG states, "
+                           "random_states_<rank>.pkl, are not in it: those start afresh), or start the run again in "
+                           "another --out-dir", status=2)
         return None
 
     def resume(self, state: TrainState, optimizer, scheduler, mode: bool | str = True) -> Path | None:

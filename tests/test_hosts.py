@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -81,21 +82,25 @@ class Hosts:
             argv = ["ip", "netns", "exec", name, *command, *script, "recipes/clip/train.py", *CLIP,
                     "--data-dir", str(data_dir), "--out-dir", str(out), *extra]
             with log.open("w") as f:
-                procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
             procs[-1].log = log
         return procs
 
 
 def finish(procs, timeout: float = 240) -> list[int]:
-    codes = []
+    """The launchers' exit codes; on a timeout every launch and its workers are killed."""
+    try:
+        return [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        stop(procs)
+
+
+def stop(procs) -> None:
     for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    return codes
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def log_of(proc) -> str:
@@ -189,17 +194,22 @@ def test_a_cut_link_ends_both_hosts_within_the_timeout_and_resume_is_exact(hosts
     procs = hosts.launch(outs, data_dir, "--ddp-timeout", "30", script="killed", env_a=stall, env_b=stall)
     deadline = time.time() + 240
     while not all((out / "checkpoints/checkpoint_4/COMPLETE").exists() for out in outs):
-        assert time.time() < deadline and all(p.poll() is None for p in procs), log_of(procs[0])[-3000:]
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            stop(procs)
+            raise AssertionError(log_of(procs[0])[-3000:] + log_of(procs[1])[-3000:])
         time.sleep(0.1)
     hosts.cut()
     cut = time.time()
     hold.touch()
     ended = []
-    for proc in procs:
-        proc.wait(timeout=120)
-        ended.append(time.time() - cut)
+    try:
+        for proc in procs:
+            finish([proc], timeout=120)
+            ended.append(time.time() - cut)
+    finally:
+        hosts.mend()
+        stop(procs)
     print(f"seconds from the cut to each host's exit: {ended[0]:.1f} {ended[1]:.1f}")
-    hosts.mend()
     assert max(ended) < 90, ended
     for out, proc in zip(outs, procs):
         line = recipe_line(proc)
