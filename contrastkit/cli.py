@@ -15,6 +15,8 @@ every default in ``--help``. On top of it:
 - A failure during the work that the user can act on (a run that diverged, a checkpoint that cannot be
   read or written, a file that is not what it claims) is a ``RunError``; ``one_line_errors`` turns it
   into one ``error: ...`` line too (exit status 1, or 2 for bad input).
+- ``bool | str`` fields are flags that take an optional word of their ``choices``: ``--resume``,
+  ``--resume auto``, ``--no-resume``.
 - ``--help`` shows one spelling per option (``--batch-size``, ``--no-progress``; the ``_`` spellings
   are accepted too) and one default.
 """
@@ -64,6 +66,19 @@ def key_value(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key.strip(), typed_value(value.strip())
+
+
+def flag_or_word(words) -> Any:
+    """The type of a ``bool | str`` option: a word of ``words``, or a boolean (``true``, ``no``, ...)."""
+
+    def convert(text: str) -> bool | str:
+        if text in words:
+            return text
+        if text.lower() in ("true", "yes", "1", "false", "no", "0"):
+            return text.lower() in ("true", "yes", "1")
+        raise argparse.ArgumentTypeError(f"takes no value or one of {', '.join(words)}, got {text!r}")
+
+    return convert
 
 
 def positive(name: str, value, *, zero: bool = False) -> None:
@@ -146,6 +161,12 @@ class Parser(HfArgumentParser):
         if origin is dict:
             parser.add_argument(*names, dest=field.name, action="append", type=key_value, default=None,
                                 metavar="KEY=VALUE", help=help_text + " (repeat the flag for several)")
+        elif set(getattr(field.type, "__args__", ())) == {bool, str}:  # --resume, --resume auto, --no-resume
+            words = field.metadata.get("choices", [])
+            parser.add_argument(*names, dest=field.name, nargs="?", const=True, default=field.default,
+                                type=flag_or_word(words), metavar="|".join(words) or None, help=help_text)
+            parser.add_argument(*[f"--no{n[1:]}" for n in names[:2]], dest=field.name, action="store_false",
+                                help=f"turn --{field.name.replace('_', '-')} off")
         elif origin is tuple:
             kind = field.type.__args__[0]
             parser.add_argument(*names, dest=field.name, nargs=len(field.type.__args__), type=kind,

@@ -10,6 +10,14 @@ old folders removed, so a run killed during a save, with any ``--keep-checkpoint
 previous one. A save that fails (disk full), a resume with nothing to resume from, a damaged checkpoint
 and a run that diverged end in a ``RunError`` naming the path, the cause and the newest good checkpoint.
 
+On several machines: collectives give up after ``--ddp-timeout`` seconds, and a lost peer (a dead or
+cut-off host, a killed process) ends each surviving process with one ``RunError`` line (``stops_on_lost_peer``).
+At start-up the main process writes a marker into ``--out-dir`` that every process looks for: where a machine
+does not see it (its own disk), ``--save-on-each-node`` has that machine write complete checkpoints of its own
+(without the flag it is an error). A resume loads the newest checkpoint complete on every machine;
+``--resume auto`` (and every torchrun restart) starts fresh where there is none yet, so a requeued command
+carries on.
+
 >>> log = MetricsLog("runs/clip-dcl")
 >>> log.log(step=10, loss=3.2)
 >>> log.plot(["loss"])               # runs/clip-dcl/metrics.png
@@ -18,11 +26,14 @@ and a run that diverged end in a ``RunError`` naming the path, the cause and the
 
 from __future__ import annotations
 
+import datetime
 import errno
+import functools
 import json
 import math
 import os
 import re
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,30 +154,77 @@ def check_report_to(report_to: str) -> None:
             raise ValueError(f"--report-to {name} needs the {package} package: pip install {package}")
 
 
+RESUME_HELP = ("continue from the newest complete checkpoint in --out-dir, which must exist (a new --lr is "
+               "applied); --resume auto: continue if there is one, else start (a requeued job's command)")
+
+
 @dataclass
 class RunOptions:
-    """What every training recipe's config has beside its own options: trackers and checkpoint rotation."""
+    """What every training recipe's config has beside its own options: trackers, checkpoints, resuming and
+    the settings of runs on several machines."""
 
     report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
                          choices=REPORT_TO)
     keep_checkpoints: int = arg(2, "checkpoints kept (old ones are removed only once a new one is complete)")
+    resume: bool | str = arg(False, RESUME_HELP, choices=("auto",))
+    ddp_timeout: int = arg(1800, "seconds a collective (all-reduce, barrier) waits for the other processes before "
+                                 "the run stops with an error naming the lost peer")
+    save_on_each_node: bool = arg(False, "several machines whose --out-dir is not one shared folder: each machine "
+                                         "writes complete checkpoints to its own (needed for --resume there)")
 
     def check_run(self) -> None:
         positive("keep_checkpoints", self.keep_checkpoints)
+        positive("ddp_timeout", self.ddp_timeout)
         check_report_to(self.report_to)
+        if self.resume not in (True, False, "auto"):  # a --config file's value (the command line checks its own)
+            raise ValueError(f"--resume takes no value or auto, got {self.resume!r}")
 
 
-def make_accelerator(out_dir: str | Path, report_to: str = "none", **kwargs):
-    """An Accelerator whose trackers (``report_to``: none, tensorboard, wandb or all) log under
-    ``out_dir/logs``. Checkpoints: ``Checkpoints`` (not accelerate's ``total_limit``, which deletes the
-    old checkpoint before the new one is written)."""
+def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
+    """An Accelerator for a run of ``run``'s options: trackers (``report_to``: none, tensorboard, wandb or all)
+    logging under ``out_dir/logs``, collectives that time out after ``ddp_timeout`` seconds, and checkpoints
+    written on each machine that does not share ``out_dir`` with the main process (``save_on_each_node``
+    allows it; without it such a machine is an error). Checkpoints: ``Checkpoints`` (not accelerate's
+    ``total_limit``, which deletes the old checkpoint before the new one is written)."""
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs"))
-    accelerator = Accelerator(project_config=project, log_with=None if report_to == "none" else report_to, **kwargs)
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=run.ddp_timeout))
+    accelerator = Accelerator(project_config=project, log_with=None if run.report_to == "none" else run.report_to,
+                              kwargs_handlers=[timeout], **kwargs)
     check_launch(accelerator)
+    project.save_on_each_node = own_out_dir(accelerator, out_dir, run.save_on_each_node)
     return accelerator
+
+
+def own_out_dir(accelerator, out_dir: str | Path, allowed: bool) -> bool:
+    """Whether this process's ``out_dir`` is not the main process's (another machine's disk). The main process
+    writes a marker with a random name, and every process looks for it after a barrier. A RunError (exit 2,
+    on every process) where some process does not see it and ``allowed`` (--save-on-each-node) is False."""
+    if accelerator.num_processes == 1:
+        return False
+    import torch.distributed as dist
+
+    name = [f".shared-{secrets.token_hex(8)}"]
+    dist.broadcast_object_list(name, src=0)
+    marker = Path(out_dir) / name[0]
+    if accelerator.is_main_process:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("written by process 0 to find out which processes share this folder\n")
+    accelerator.wait_for_everyone()
+    own = not marker.is_file()
+    everyone = [None] * accelerator.num_processes
+    dist.all_gather_object(everyone, own)
+    if accelerator.is_main_process:
+        marker.unlink()
+    apart = [rank for rank, flag in enumerate(everyone) if flag]
+    if apart and not allowed:
+        raise RunError(f"--out-dir {out_dir} is not one folder shared by the machines: process(es) "
+                       f"{', '.join(map(str, apart))} do not see what process 0 writes there. Add --save-on-each-node "
+                       "(each machine then writes complete checkpoints to its own --out-dir), or give an --out-dir "
+                       "on a filesystem every machine mounts", status=2)
+    return own
 
 
 def check_launch(accelerator) -> None:
@@ -179,9 +237,9 @@ def check_launch(accelerator) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise RunError(f"launched as {launched} processes (WORLD_SIZE) but accelerate set up "
-                           f"{accelerator.num_processes} ({accelerator.distributed_type.value}): on a CPU launch with "
-                           "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N (accelerate's --cpu "
-                           "flag alone starts one process)", status=2)
+                       f"{accelerator.num_processes} ({accelerator.distributed_type.value}), each a run of its own: "
+                       "on a machine without a GPU set ACCELERATE_USE_CPU=1 (for torchrun, or for accelerate launch "
+                       "--multi_gpu --num_processes N; accelerate's --cpu flag alone starts one process)", status=2)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and \
             accelerator.distributed_type != DistributedType.FSDP:
         raise RunError(f"launched with FSDP (accelerate launch --use_fsdp) but accelerate set up "
@@ -303,45 +361,64 @@ def set_peak_lr(optimizer, scheduler, lr: float) -> None:
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
+def restarted() -> int:
+    """torchrun's count of restarts of this run's workers (0: the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 class Checkpoints:
     """The ``checkpoints/`` folder of a run in ``out_dir``: ``save(step)`` writes one and then rotates (the
     newest ``keep`` complete ones stay); ``resume(...)`` loads the newest, checking that the settings it
     fixes (``fixed``, names of ``config``'s keys) did not change and applying the others (the peak
-    learning rate: ``lr_key``), each change printed and recorded in the TrainState's ``resumes``."""
+    learning rate: ``lr_key``), each change printed and recorded in the TrainState's ``resumes``.
+
+    The main process writes the folder, and on a machine with an out_dir of its own (make_accelerator's
+    ``save_on_each_node``) that machine's first process too: marker, rotation and clean-up included."""
 
     def __init__(self, accelerator, out_dir: str | Path, keep: int, config: dict, fixed: tuple[str, ...],
                  lr_key: str = "lr"):
         self.accelerator, self.out_dir, self.keep = accelerator, Path(out_dir), keep
         self.config = json.loads(json.dumps(config))  # as run_config.json holds it (tuples become lists)
         self.fixed, self.lr_key = fixed, lr_key
+        own = accelerator.project_configuration.save_on_each_node
+        self.writer = accelerator.is_main_process or (own and accelerator.is_local_main_process)
 
     def _drop_incomplete(self) -> None:
-        if self.accelerator.is_main_process:
+        if self.writer:
             for _, path in _checkpoints(self.out_dir):
                 if not (path / COMPLETE).is_file():
                     shutil.rmtree(path, ignore_errors=True)
         self.accelerator.wait_for_everyone()
+
+    def _everywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process."""
+        count = self.accelerator.reduce(torch.tensor(float(flag), device=self.accelerator.device), "sum")
+        return int(count) == self.accelerator.num_processes
 
     def save(self, step: int) -> Path:
         """accelerator.save_state into ``checkpoints/checkpoint_<step>``, the run's config beside it, the
         COMPLETE marker once every process has written its part, and only then the old ones removed."""
         acc = self.accelerator
         path = self.out_dir / "checkpoints" / f"checkpoint_{step}"
-        if (path / COMPLETE).is_file():
+        if self._everywhere((path / COMPLETE).is_file()):
             return path
+        if self.writer:  # complete here but not on every machine: written again, and incomplete till then
+            (path / COMPLETE).unlink(missing_ok=True)
         self._drop_incomplete()
         try:
             acc.save_state(str(path))
-            if acc.is_main_process:
+            if self.writer:
                 (path / RUN_CONFIG).write_text(json.dumps(self.config, indent=2) + "\n")
             acc.wait_for_everyone()
-            if acc.is_main_process:
+            if self.writer:
                 files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
                 with open(path / COMPLETE, "w") as f:
                     f.write(json.dumps({"step": step, "files": files}) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
         except (OSError, RuntimeError) as err:
+            if lost_peer(err):
+                raise
             shutil.rmtree(path, ignore_errors=True)
             free = shutil.disk_usage(path.parent).free / 2**20 if path.parent.exists() else float("nan")
             full = (getattr(err, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -351,21 +428,48 @@ class Checkpoints:
                            f"{free:.0f} MiB free on its filesystem); the newest good checkpoint is "
                            f"{_named(newest_good(self.out_dir))}") from err
         acc.wait_for_everyone()
-        if acc.is_main_process:
+        if self.writer:
             for old in _complete(self.out_dir)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         return path
 
-    def resume(self, state: TrainState, optimizer, scheduler, required: bool = True) -> Path | None:
+    def _newest_everywhere(self) -> Path | None:
+        """The newest checkpoint complete in every process's out_dir; a RunError where some have one and
+        others none (a machine whose disk was replaced)."""
+        from accelerate.utils import gather_object
+
+        mine = [step for step, path in _checkpoints(self.out_dir) if (path / COMPLETE).is_file()]
+        found = gather_object([mine])
+        common = set.intersection(*map(set, found))
+        if common:
+            return self.out_dir / "checkpoints" / f"checkpoint_{max(common)}"
+        if any(found):
+            empty = [str(rank) for rank, steps in enumerate(found) if not steps]
+            having = next(rank for rank, steps in enumerate(found) if steps)
+            raise RunError(f"--resume: process(es) {', '.join(empty)} find no complete checkpoint under their "
+                           f"{self.out_dir / 'checkpoints'}, process {having} has checkpoint_{max(found[having])}: "
+                           "copy that folder to their machine(s) (their processes' RNG states, "
+                           "random_states_<rank>.pkl, are not in it: those start afresh), or start the run again in "
+                           "another --out-dir", status=2)
+        return None
+
+    def resume(self, state: TrainState, optimizer, scheduler, mode: bool | str = True) -> Path | None:
         """Load the newest complete checkpoint (a half-written one is removed, never loaded) into the
-        prepared objects; its path, or None where there is none and it is not ``required``."""
+        prepared objects; its path, or None. ``mode``: True (--resume: there must be one), "auto" (start
+        fresh where there is none) or False (start fresh; under a torchrun restart: "auto")."""
+        if restarted() and not mode:
+            mode = "auto"
+        if not mode:
+            return None
         self._drop_incomplete()
-        path = latest_checkpoint(self.out_dir)
+        path = self._newest_everywhere()
         if path is None:
-            if required:
+            if mode is True:
                 raise RunError(f"--resume: no complete checkpoint under {self.out_dir / 'checkpoints'} "
-                               "(leave out --resume to start a run there)", status=2)
+                               "(leave out --resume, or give --resume auto, to start a run there)", status=2)
+            self.accelerator.print(f"--resume auto: no complete checkpoint under {self.out_dir / 'checkpoints'} "
+                                   "yet, starting from step 0")
             return None
         problem = damage(path)
         if problem is None:
@@ -384,7 +488,8 @@ class Checkpoints:
                                    f"applied from step {state.step}")
         state.resumes.append({"step": state.step, "checkpoint": str(path),
                               "changed": {k: {"was": old, "now": new} for k, (old, new) in changed.items()}})
-        self.accelerator.print(f"resumed from {path}")
+        restart = f" (torchrun restart {restarted()})" if restarted() else ""
+        self.accelerator.print(f"resumed from {path}{restart}")
         return path
 
     def _changes(self, path: Path) -> dict:
@@ -452,3 +557,47 @@ class Divergence:
 def grad_norm(parameters) -> torch.Tensor:
     """The global gradient norm (on the device, no host sync), for Divergence.watch."""
     return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+
+
+PEER_LOST = ("connection closed", "connection reset", "timed out", "timeout", "no route to host", "broken pipe",
+             "connection refused", "network is unreachable", "connectfullmesh", "nccl")
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """What a collective's error says about a lost peer (its first sentence, without C++ source locations),
+    or None where it is not one, or the run has one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not isinstance(err, RuntimeError):
+        return None
+    import torch.distributed as dist
+
+    text = str(err).strip()
+    if not (isinstance(err, dist.DistError) or any(key in text.lower() for key in PEER_LOST)):
+        return None
+    first = next((line for line in text.splitlines() if line.strip()), type(err).__name__)
+    return re.sub(r"\[/[^\]]*:\d+\]\s*", "", first).split(". ")[0].strip()
+
+
+def stops_on_lost_peer(train):
+    """For a recipe's ``train(cfg, ...)``: a collective that fails because another process is gone (its host
+    died, was killed or cut off: a connection reset, or no answer within ``cfg.ddp_timeout`` seconds) ends the
+    run on this process with one RunError line that names the peer, the timeout and this machine's newest
+    complete checkpoint, to resume from once every host is back."""
+
+    @functools.wraps(train)
+    def run(cfg, *args, **kwargs):
+        try:
+            return train(cfg, *args, **kwargs)
+        except RuntimeError as err:
+            cause = lost_peer(err)
+            if cause is None:
+                raise
+            address = re.search(r"\[?(\d+\.\d+\.\d+\.\d+)\]?:(\d+)", cause)
+            who = f"the process at {address.group(1)}" if address else "another process of the run"
+            timed_out = "timed out" in cause.lower() or "timeout" in cause.lower()
+            raise RunError(f"lost {who} ({cause}): its host died, was stopped or cut off from this one"
+                           f"{' (or it was busy for longer than --ddp-timeout: raise it)' if timed_out else ''}; "
+                           f"collectives wait --ddp-timeout {cfg.ddp_timeout} s. The newest complete checkpoint "
+                           f"here is {_named(newest_good(cfg.out_dir))}: once every host is back, start the job "
+                           "again with --resume auto") from None
+
+    return run

@@ -7,21 +7,26 @@ import socket
 import sys
 
 
-def accelerate_launch(processes: int, **env) -> tuple[list[str], dict]:
+def accelerate_launch(processes: int, machines: int = 1, machine_rank: int = 0, main_ip: str | None = None,
+                      port: int | None = None, **env) -> tuple[list[str], dict]:
     """The command up to the script, and the environment (this one's, one intra-op thread, ``env`` on top).
 
     1 process: ``--cpu``. More: ``--cpu`` would start one process only (accelerate 1.15 starts several CPU
     processes under mpirun alone), so the torchrun launcher of ``--multi_gpu`` with ACCELERATE_USE_CPU=1,
-    which runs them on the CPU with gloo (accelerate's MULTI_CPU), on a free port.
+    which runs them on the CPU with gloo (accelerate's MULTI_CPU), on a free port. Several machines: this
+    command is machine ``machine_rank``'s of ``machines``, ``processes`` in all, meeting at ``main_ip:port``.
     """
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+               "--num_machines", str(machines), "--mixed_precision", "no", "--dynamo_backend", "no"]
     if processes == 1:
         command.append("--cpu")
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         command += ["--multi_gpu", "--main_process_port", str(port)]
+        if machines > 1:
+            command += ["--machine_rank", str(machine_rank), "--main_process_ip", main_ip]
         env = {"ACCELERATE_USE_CPU": "1", **env}
     return command, {**os.environ, "OMP_NUM_THREADS": "1", **env}

@@ -24,7 +24,7 @@ import torch
 from contrastkit.adapters.open_clip import CLIP_LOSSES, DEFAULT_MODEL, build_clip_loss, check_model, create_clip
 from contrastkit.cli import arg, existing, positive
 from contrastkit.data.shards import IMAGE_KEYS, ShardPositions, ShardStream, is_shards, plan_epochs
-from contrastkit.training import RunOptions
+from contrastkit.training import RunOptions, stops_on_lost_peer
 
 
 @dataclass
@@ -68,7 +68,6 @@ class ClipTrainConfig(RunOptions):
     save_every: int = arg(100, "checkpoint every N steps (0: none)")
     seed: int = arg(0, "random seed (initialisation and data order)")
     workers: int = arg(0, "DataLoader worker processes")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir (a new --lr is applied)")
     progress: bool = arg(True, "show a progress bar")
 
     def __post_init__(self):
@@ -94,6 +93,7 @@ class ClipTrainConfig(RunOptions):
         build_clip_loss(self.loss, **self.loss_options)  # unknown loss or option
 
 
+@stops_on_lost_peer
 def train(cfg: ClipTrainConfig) -> dict:
     """Train, evaluate zero-shot, write metrics/plot/summary under cfg.out_dir; returns the summary."""
     from accelerate.utils import set_seed
@@ -107,7 +107,7 @@ def train(cfg: ClipTrainConfig) -> dict:
 
     cfg.check()  # everything that can fail on bad input fails here, before any training
     out_dir = Path(cfg.out_dir)
-    accelerator = make_accelerator(out_dir, cfg.report_to)
+    accelerator = make_accelerator(out_dir, cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     device = accelerator.device
@@ -149,7 +149,7 @@ def train(cfg: ClipTrainConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler, state)
     positions = ShardPositions(accelerator, cfg.workers) if is_shards(data_path) else None  # saved with the state
     checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, asdict(cfg), ClipTrainConfig.FIXED)
-    resumed = checkpoints.resume(state, optimizer, scheduler) if cfg.resume else None
+    resumed = checkpoints.resume(state, optimizer, scheduler, cfg.resume)
     divergence = Divergence(accelerator, out_dir)
     log = MetricsLog(out_dir, enabled=main, resume_step=state.step if resumed else None, accelerator=accelerator)
     start_trackers(accelerator, f"clip-{cfg.loss}", asdict(cfg))

@@ -38,7 +38,7 @@ from contrastkit.data import speech as data
 from contrastkit.losses import build_loss
 from contrastkit.speech import models
 from contrastkit.speech.pretext import evaluate_pretext
-from contrastkit.training import RunOptions
+from contrastkit.training import RunOptions, stops_on_lost_peer
 
 
 BACKENDS = ("hf", "fairseq2")
@@ -67,7 +67,9 @@ class PretrainConfig(RunOptions):
     log_every: int = arg(10, "log every N steps")
     seed: int = arg(0, "random seed")
     conformer: bool = arg(False, "HF only: Wav2Vec2ConformerForPreTraining")
-    resume: bool = arg(True, "continue from the newest complete checkpoint in --out-dir (--no-resume starts over)")
+    resume: bool | str = arg("auto", "continue from the newest complete checkpoint in --out-dir: auto (by default) "
+                                     "where there is one, --resume: there must be one; --no-resume starts over",
+                             choices=("auto",))
     pretext_eval: bool = arg(True, "at the end, held-out pretext accuracy of the trained and the untrained model "
                                    "(--no-pretext-eval skips it)")
 
@@ -193,7 +195,8 @@ def forward_loss(model, batch: torch.Tensor, cfg: PretrainConfig, step: int, ran
     return loss.aggregate, parts, int(out.num_targets)
 
 
-def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | None = None) -> dict:
+@stops_on_lost_peer
+def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int | None = None) -> dict:
     """Train, checkpoint, export the upstream to ``out_dir/upstream``; returns the summary.
 
     resume: default cfg.resume. stop_at: leave after that step, as an interrupted run would (the tests
@@ -207,7 +210,7 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
 
     cfg.check()
     out_dir = Path(cfg.out_dir)
-    accelerator = make_accelerator(out_dir, cfg.report_to, cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator(out_dir, cfg, cpu=not torch.cuda.is_available())
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     waves, _ = data.load_waveforms(pretraining_records(cfg.data))
     if len(waves) < cfg.batch_size * world:
@@ -221,8 +224,7 @@ def pretrain(cfg: PretrainConfig, resume: bool | None = None, stop_at: int | Non
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
 
     checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, dataclasses.asdict(cfg), PretrainConfig.FIXED)
-    checkpoint = (checkpoints.resume(state, optimizer, scheduler, required=False)
-                  if (cfg.resume if resume is None else resume) else None)
+    checkpoint = checkpoints.resume(state, optimizer, scheduler, cfg.resume if resume is None else resume)
     divergence = Divergence(accelerator, out_dir)
     log = MetricsLog(out_dir, enabled=accelerator.is_main_process,
                      resume_step=state.step if checkpoint is not None else None, accelerator=accelerator)

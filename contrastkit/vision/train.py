@@ -27,7 +27,8 @@ from contrastkit.evaluation.knn import extract_features, knn_accuracy
 from contrastkit.losses import available_losses, build_loss, objective_options
 from contrastkit.losses.base import NonFiniteError
 from contrastkit.training import (Checkpoints, Divergence, MetricsLog, RunOptions, StepBatches, TrainState,
-                                  grad_norm, latest_checkpoint, lr_schedule, make_accelerator, start_trackers)
+                                  grad_norm, latest_checkpoint, lr_schedule, make_accelerator, start_trackers,
+                                  stops_on_lost_peer)
 from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
 from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum
 from contrastkit.vision.models import BACKBONES, build_backbone, projection_head, use_torch_sync_batchnorm
@@ -82,7 +83,6 @@ class VisionConfig(RunOptions):
     knn_k: int = arg(200, "kNN neighbours")
     knn_temperature: float = arg(0.1, "kNN vote temperature")
     checkpoint_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir (a new --lr is applied)")
     progress: bool = arg(True, "show a progress bar")
 
     def check(self) -> None:
@@ -131,13 +131,14 @@ def knn_eval(backbone, train_images, test_images, cfg: VisionConfig) -> float:
                         num_classes=len(train_images.classes))
 
 
+@stops_on_lost_peer
 def train(cfg: VisionConfig) -> dict:
     """Train, log, checkpoint and kNN-evaluate; returns the summary (also written to summary.json)."""
     from accelerate.utils import set_seed
 
     cfg.check()
     out = Path(cfg.out_dir)
-    accelerator = make_accelerator(out, cfg.report_to)
+    accelerator = make_accelerator(out, cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -160,7 +161,7 @@ def train(cfg: VisionConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
 
     checkpoints = Checkpoints(accelerator, out, cfg.keep_checkpoints, asdict(cfg), VisionConfig.FIXED)
-    resumed = checkpoints.resume(state, optimizer, scheduler) if cfg.resume else None
+    resumed = checkpoints.resume(state, optimizer, scheduler, cfg.resume)
     divergence = Divergence(accelerator, out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
