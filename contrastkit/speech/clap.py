@@ -39,7 +39,7 @@ import torch
 
 from contrastkit.adapters.hf_clip import CLIP_LOSSES, ClipObjective
 from contrastkit.cli import arg, check_device, default_device, existing, positive
-from contrastkit.training import RunOptions
+from contrastkit.training import RunOptions, stops_on_lost_peer
 
 CAPTIONS = ("mix", "transcript", "intent")
 SPECIALS = ("[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]")  # [PAD] = 1: the CLAP text model's pad_token_id
@@ -77,7 +77,6 @@ class ClapTrainConfig(RunOptions):
     eval_every: int = arg(100, "zero-shot intent evaluation every N steps (0: only at the end)")
     save_every: int = arg(100, "checkpoint every N steps (0: none)")
     seed: int = arg(0, "random seed (initialisation and data)")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --out-dir (a new --lr is applied)")
     progress: bool = arg(True, "show a progress bar")
 
     def __post_init__(self):
@@ -327,6 +326,7 @@ def _pooled(output):
 # ----------------------------------------------------------------------------- training
 
 
+@stops_on_lost_peer
 def train(cfg: ClapTrainConfig) -> dict:
     """Train, evaluate zero-shot intent (trained and at initialisation), write metrics/plot/summary and the
     final model (``out_dir/model``: ClapModel.from_pretrained, with its tokenizer and feature extractor)."""
@@ -341,7 +341,7 @@ def train(cfg: ClapTrainConfig) -> dict:
 
     cfg.check()
     out_dir = Path(cfg.out_dir)
-    accelerator = make_accelerator(out_dir, cfg.report_to)
+    accelerator = make_accelerator(out_dir, cfg)
     rank, world, main, device = (accelerator.process_index, accelerator.num_processes, accelerator.is_main_process,
                                  accelerator.device)
     with accelerator.main_process_first():
@@ -372,7 +372,7 @@ def train(cfg: ClapTrainConfig) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
     checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, asdict(cfg), ClapTrainConfig.FIXED)
-    resumed = checkpoints.resume(state, optimizer, scheduler) if cfg.resume else None
+    resumed = checkpoints.resume(state, optimizer, scheduler, cfg.resume)
     divergence = Divergence(accelerator, out_dir)
     log = MetricsLog(out_dir, enabled=main, resume_step=state.step if resumed else None, accelerator=accelerator)
     start_trackers(accelerator, f"clap-{cfg.loss}", asdict(cfg))
