@@ -228,16 +228,16 @@ def test_dot_precision_follows_the_tf32_setting(monkeypatch, float32_precision, 
     flag or torch >= 2.9's fp32_precision (after which reading the legacy flag raises: issue 23's crash);
     float16: float16 products, never TF32. One tensor as both operands: two launches (forward, one backward
     kernel). The kernels still run."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import launch
     from contrastkit.losses.precision import tf32_matmul_allowed
 
-    seen, launch = [], triton_stats._launch
+    seen, run = [], launch.run
 
     def spy(*args, **kwargs):
         seen.append(kwargs["PRECISION"])
-        launch(*args, **kwargs)
+        run(*args, **kwargs)
 
-    monkeypatch.setattr(triton_stats, "_launch", spy)
+    monkeypatch.setattr(launch, "run", spy)
     exec(setting, {"torch": torch})
     assert tf32_matmul_allowed() is allowed
     a = torch.randn(16, 16, device=DEVICE)
@@ -290,25 +290,74 @@ def test_compiles_into_one_graph():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-# The production configuration under the interpreter: the default tiles (first of triton_stats._configs:
-# forward 128 x 64 (D in chunks of 64, float32 32), backward 64 x 32 (the gradient in chunks of 256)), D = 512,
-# several tiles on every axis and partial last tiles (150 = 2 * 64 + 22), and the split over the other axis
-# (150 > 64 columns: 3 splits) that small batches take; 60 columns: one split, gradients written directly.
+@pytest.fixture
+def small_buffers(monkeypatch):
+    """Bands of 16 rows and forward launches of one row tile's column partials (the buffers' bounds, 256 and
+    128 MiB in production, made tiny): the band loop, dB's float32 sum over bands and the columns' lse
+    combined across launches run on small shapes."""
+    from contrastkit.losses.kernels import dlogits, stats_fwd
+
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
+    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_image_text_in_bands(small_buffers, dtype):
+    """Image-text with 3 bands (16 + 16 + 5 rows) and 3 forward launches: the columns' lse from the rows'
+    pass, dA per band, dB summed over the bands (float32 where the inputs are bfloat16). The scale's
+    gradient, a float32 sum of M K terms that cancel, within 1e-5 (8e-6 measured, 5e-6 in one band)."""
+    g = torch.Generator().manual_seed(14)
+    a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 37, 24, dtype).to(DEVICE)
+    grad_tol = 2e-6 if dtype == torch.float32 else 1e-2
+    _compare(a, b, 10.0, 2e-6, grad_tol, scale_tol=1e-5, exclude=torch.arange(37, device=DEVICE)[:, None],
+             columns=True)
+
+
+def test_query_queue_in_bands(small_buffers):
+    """Rows only (query/queue) with CACR's mean, exclusions, 3 bands."""
+    g = torch.Generator().manual_seed(15)
+    a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
+    exclude = torch.stack([torch.randperm(53, generator=g)[:2] for _ in range(37)]).to(DEVICE)
+    _compare(a, b, 10.0, 2e-6, 2e-6, scale_tol=1e-5, exclude=exclude, with_mean=True)
+
+
+def test_one_tensor_as_image_and_text(small_buffers):
+    """columns=True with the very tensor as both operands: its gradient is the sum of both roles' (dA + dB)."""
+    g = torch.Generator().manual_seed(16)
+    z = _features(g, 37, 24).to(DEVICE)
+    _compare(z, z, 10.0, 2e-6, 2e-6, scale_tol=1e-5, same=True, exclude=torch.arange(37, device=DEVICE)[:, None],
+             columns=True)
+
+
+# The production configuration under the interpreter: the default tiles (the first entry of each kernel's
+# space: forward and d logits 128 x 64 (D in chunks of 64, float32 32), products 128 x 128, two-view backward
+# 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on every axis and partial last tiles
+# (150 = 128 + 22 = 2 * 64 + 22), and the split over the other axis (150 > 64 columns: 3 splits) that small
+# batches take; 60 columns: one split. Bands of 128 rows and forward launches of 128 rows (the buffers'
+# bounds made small): two of each.
 PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, False, torch.float32),
               ("two views", 150, 150, 2, True, torch.float32), ("two views", 150, 150, 2, False, torch.bfloat16),
-              ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32)]
+              ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32),
+              ("image-text", 150, 150, 1, False, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
                          ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
-def test_production_configuration_equals_float64_reference(setting, m, k, excluded, with_mean, dtype):
+def test_production_configuration_equals_float64_reference(monkeypatch, setting, m, k, excluded, with_mean,
+                                                           dtype):
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
-    from contrastkit.losses.triton_stats import _configs, _split
+    from contrastkit.losses.kernels import band_matmul, dlogits, launch, stats_fwd, two_view_grad
 
-    assert _configs(True, 512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
-    assert _split(3, 150, torch.device("cpu"))[0] == 3
+    assert two_view_grad.space(512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
+    assert stats_fwd.space(512, 2)[0].kwargs == dlogits.space(512, 2)[0].kwargs == dict(
+        BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
+    assert band_matmul.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    assert launch.split(3, 150, torch.device("cpu"))[0] == 3
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
     g = torch.Generator().manual_seed(20 + m + k + excluded)
     a = _features(g, m, 512, dtype).to(DEVICE)
     b = a if setting == "two views" else _features(g, k, 512, dtype).to(DEVICE)
