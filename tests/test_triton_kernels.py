@@ -46,13 +46,13 @@ def test_band_dlogits_equal_torch():
     want = (torch.exp(masked - stats[0, :, None].double()) * grad[0, :, None]
             + torch.exp(masked - stats[1, None, :].double()) * grad[1, None, :])
     splits, share = launch.split(2, 37, torch.device(DEVICE))
-    band = torch.full((40, 37), float("nan"), device=DEVICE)
+    band = torch.full((40, 37), float("nan"), device=DEVICE)  # the block: rows 5:30, columns 3:35
     ds = torch.zeros(splits, 37, device=DEVICE)
     exclude = torch.arange(37, device=DEVICE)[:, None]
     to = [t.to(DEVICE) for t in (a, b, scale, stats, grad)]
-    dlogits.write_dlogits(*to[:3], exclude, *to[3:], band, ds, 5, 30, splits, share, False, True, False,
+    dlogits.write_dlogits(*to[:3], exclude, *to[3:], band, ds, 5, 30, 3, 35, splits, share, False, True, False,
                           dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16))
-    torch.testing.assert_close(band[:25].double().cpu(), want[5:30], rtol=1e-5, atol=1e-6)
-    assert torch.isnan(band[25:]).all()  # nothing written past the band's rows (its last tile: 9 of 16)
-    want_ds = (want[5:30] * logits[5:30] / 3.0).sum(1)
+    torch.testing.assert_close(band[:25, :32].double().cpu(), want[5:30, 3:35], rtol=1e-5, atol=1e-6)
+    assert torch.isnan(band[25:]).all() and torch.isnan(band[:, 32:]).all()  # nothing past the block
+    want_ds = (want[5:30, 3:35] * logits[5:30, 3:35] / 3.0).sum(1)
     torch.testing.assert_close(ds.sum(0)[5:30].double().cpu(), want_ds, rtol=1e-5, atol=1e-5)

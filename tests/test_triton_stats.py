@@ -155,6 +155,18 @@ def test_columns_far_below_zero():
     _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(21, device=DEVICE)[:, None], columns=True)
 
 
+def test_columns_far_apart():
+    """Scale 100, every image near u, half the captions near u and half near -u: tiles whose columns' maxima
+    lie ~200 apart, past the one-exp-per-logit window (kernels/common.tile_exp): those take their own exps,
+    exact still (one exp per logit there would overflow)."""
+    g = torch.Generator().manual_seed(17)
+    u = _features(g, 1, 24)
+    a = torch.nn.functional.normalize(u + 0.05 * torch.randn(37, 24, generator=g), dim=1).to(DEVICE)
+    sign = torch.where(torch.arange(37) < 18, 1.0, -1.0)[:, None]
+    b = torch.nn.functional.normalize(sign * u + 0.05 * torch.randn(37, 24, generator=g), dim=1).to(DEVICE)
+    _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(37, device=DEVICE)[:, None], columns=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_mean", [False, True])
 def test_half_precision_inputs(dtype, with_mean):
@@ -290,22 +302,24 @@ def test_compiles_into_one_graph():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.fixture
-def small_buffers(monkeypatch):
-    """Bands of 16 rows and forward launches of one row tile's column partials (the buffers' bounds, 256 and
-    128 MiB in production, made tiny): the band loop, dB's float32 sum over bands and the columns' lse
-    combined across launches run on small shapes."""
+@pytest.fixture(params=["bands", "blocks"])
+def small_buffers(request, monkeypatch):
+    """The buffers' bounds (256 MiB of d logits, 128 MiB of column partials in production) made tiny, so
+    that small shapes take the paths of large ones: d logits in bands of 16 rows and every column, or in
+    blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile's partials."""
     from contrastkit.losses.kernels import dlogits, stats_fwd
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
+    monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if request.param == "bands" else 10**9)
     monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_image_text_in_bands(small_buffers, dtype):
-    """Image-text with 3 bands (16 + 16 + 5 rows) and 3 forward launches: the columns' lse from the rows'
-    pass, dA per band, dB summed over the bands (float32 where the inputs are bfloat16). The scale's
+    """Image-text in 3 bands (16 + 16 + 5 rows) or 3 x 3 blocks, 3 forward launches: the columns' lse from
+    the rows' pass, dA and dB summed over the blocks (in float32 where the inputs are bfloat16). The scale's
     gradient, a float32 sum of M K terms that cancel, within 1e-5 (8e-6 measured, 5e-6 in one band)."""
     g = torch.Generator().manual_seed(14)
     a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 37, 24, dtype).to(DEVICE)
@@ -315,7 +329,7 @@ def test_image_text_in_bands(small_buffers, dtype):
 
 
 def test_query_queue_in_bands(small_buffers):
-    """Rows only (query/queue) with CACR's mean, exclusions, 3 bands."""
+    """Rows only (query/queue) with CACR's mean, exclusions, in bands or blocks."""
     g = torch.Generator().manual_seed(15)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
     exclude = torch.stack([torch.randperm(53, generator=g)[:2] for _ in range(37)]).to(DEVICE)
@@ -334,8 +348,8 @@ def test_one_tensor_as_image_and_text(small_buffers):
 # space: forward and d logits 128 x 64 (D in chunks of 64, float32 32), products 128 x 128, two-view backward
 # 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on every axis and partial last tiles
 # (150 = 128 + 22 = 2 * 64 + 22), and the split over the other axis (150 > 64 columns: 3 splits) that small
-# batches take; 60 columns: one split. Bands of 128 rows and forward launches of 128 rows (the buffers'
-# bounds made small): two of each.
+# batches take; 60 columns: one split. Blocks of d logits of 128 x 128 and forward launches of 128 rows
+# (the buffers' bounds made small): two of each on each axis.
 PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, False, torch.float32),
               ("two views", 150, 150, 2, True, torch.float32), ("two views", 150, 150, 2, False, torch.bfloat16),
               ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32),
@@ -358,6 +372,7 @@ def test_production_configuration_equals_float64_reference(monkeypatch, setting,
     assert launch.split(3, 150, torch.device("cpu"))[0] == 3
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    assert dlogits.block_shape(150, 150, 4) == (128, 128)
     g = torch.Generator().manual_seed(20 + m + k + excluded)
     a = _features(g, m, 512, dtype).to(DEVICE)
     b = a if setting == "two views" else _features(g, k, 512, dtype).to(DEVICE)

@@ -8,9 +8,10 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
 - forward (stats_fwd.py): one pass, an online maximum per row (exact whatever the logits' range, no shift
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
 - backward, two views (two_view_grad.py): dz = scale (dL + dL^T) z in one kernel, the gradient in registers;
-- backward, two operands (image-text, query/queue): per band of rows, d loss / d logits recomputed once
-  and written in the inputs' dtype (dlogits.py), then dA[band] = scale dL b and dB += scale dL^T a[band]
-  (band_matmul.py), dB summed over the bands in float32.
+- backward, two operands (image-text, query/queue): per block of rows and columns (a band of rows and
+  every column up to large sizes), d loss / d logits recomputed once and written in the inputs' dtype
+  (dlogits.py), then dA[rows] += scale dL b[cols] and dB[cols] += scale dL^T a[rows] (band_matmul.py),
+  summed over the blocks in float32.
 
 Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
 
@@ -27,9 +28,10 @@ Products accumulate in float32; float32 inputs use TF32 where the user allows it
 dL meets b (or a) in the inputs' dtype: bfloat16, float16 (dL divided by max |grad| first, so that its
 small entries stay in float16's range; the factor is put back on the float32 sum), or float32.
 Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
-values. Memory beyond the inputs, their gradients and the statistics: the columns' partials (at most
-COLUMN_PARTIAL_BYTES, 128 MiB), one band's d logits (at most BAND_BYTES, 256 MiB) and, for half-precision
-inputs with several bands, dB in float32 (K D 4 bytes).
+values. Memory beyond the inputs, their gradients and the statistics: in forward the columns' partials
+(at most COLUMN_PARTIAL_BYTES, 128 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB)
+and, for half-precision inputs, the gradients' float32 sums where there are several blocks (dB: K D 4
+bytes; dA: a band's rows D 4 bytes).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from contrastkit.losses.chunked import host_checks_allowed
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.band_matmul import product
-from contrastkit.losses.kernels.dlogits import band_rows, write_dlogits
+from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
 from contrastkit.losses.kernels.two_view_grad import two_view_gradient
 from contrastkit.losses.precision import tf32_matmul_allowed
@@ -61,28 +63,36 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
 
 
 def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles):
-    """(dA, dB, the rows' d scale terms / factor) of two operands: per band of rows, d logits once
-    (dlogits.py), then its two products (band_matmul.py)."""
-    m, k = a.shape[0], b.shape[0]
-    rows = band_rows(m, k, a.element_size())
+    """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
+    every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
+    products (band_matmul.py), each gradient summed over the blocks in float32."""
+    m, k, d = a.shape[0], b.shape[0], a.shape[1]
+    rows, cols = block_shape(m, k, a.element_size())
     matmul = None if tiles is None else dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_D"],
                                              BLOCK_K=tiles["BLOCK_N"])
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = torch.empty_like(b, memory_format=torch.contiguous_format)
-    db_sum = db if rows >= m or db.dtype == torch.float32 else torch.empty_like(db, dtype=torch.float32)
-    splits, share = launch.split(-(-rows // 64), k, a.device)
-    ds = a.new_empty((splits, m), dtype=torch.float32)
-    dl = a.new_empty((rows, k))
+    half = a.dtype != torch.float32
+    da_sum = a.new_empty((rows, d), dtype=torch.float32) if half and cols < k else None
+    db_sum = torch.empty_like(db, dtype=torch.float32) if half and rows < m else db
+    splits, share = launch.split(-(-rows // 64), cols, a.device)
+    ds = a.new_empty((-(-k // cols), splits, m), dtype=torch.float32)
+    dl = a.new_empty((rows, cols))
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
-        band = dl[: r1 - r0]
-        write_dlogits(a, b, scale, exclude, stats, grad, band, ds, r0, r1, splits, share, with_mean, columns, tf32,
-                      tiles)
-        product(band, b, da[r0:r1], scale, factor, False, tf32, matmul)
-        product(band.T, a[r0:r1], db_sum, scale, factor, r0 > 0, tf32, matmul)
+        da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
+        for j, c0 in enumerate(range(0, k, cols)):
+            c1 = min(c0 + cols, k)
+            block = dl[: r1 - r0, : c1 - c0]
+            write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j], r0, r1, c0, c1, splits, share,
+                          with_mean, columns, tf32, tiles)
+            product(block, b[c0:c1], da_band, scale, factor, c0 > 0, tf32, matmul)
+            product(block.T, a[r0:r1], db_sum[c0:c1], scale, factor, r0 > 0, tf32, matmul)
+        if da_sum is not None:
+            da[r0:r1].copy_(da_band)
     if db_sum is not db:
         db.copy_(db_sum)
-    return da, db, ds.sum(0)
+    return da, db, ds.sum((0, 1))
 
 
 @launch.operator("contrastkit::negative_stats_backward")

@@ -15,6 +15,10 @@ import triton
 import triton.language as tl
 
 EXCLUDED = tl.constexpr(-0.25 * 3.4028234663852886e38)
+# A tile whose every column's maximum is within WINDOW of the tile's maximum takes one exp per logit for
+# the rows' and the columns' terms alike (tile_exp); a term it then drops is below e^(WINDOW - 87) = e^-47
+# of its row's or column's largest.
+WINDOW = tl.constexpr(40.0)
 
 
 @triton.jit
@@ -76,6 +80,20 @@ def valid(ex_ptr, anchors, cands, M, K, E: tl.constexpr, ANCHORS_ON_ROWS: tl.con
         else:
             ok = ok & (cands[:, None] != index[None, :])
     return ok
+
+
+@triton.jit
+def tile_exp(s, cols, end):
+    """(e, t, T, ok): e = exp(s - t) with t each row's maximum on the tile, T the tile's maximum, and ok
+    whether every column (of those < end) has its maximum within WINDOW of T. Then exp(s_ik - c_k) for any
+    c_k >= the column's maximum is e_ik exp(t_i - T) exp(T - c_k), both factors in float32's range: one
+    exp per logit serves the rows' and the columns' terms (the exp unit, 16 per clock and SM, is the
+    tensor cores' bottleneck in such kernels: FlashAttention-3, Sec. 3)."""
+    t = tl.max(s, axis=1)
+    top = tl.max(s, axis=0)
+    T = tl.max(t, axis=0)
+    low = tl.min(tl.where(cols < end, top, T), axis=0)
+    return tl.exp(s - t[:, None]), t, T, T - low <= WINDOW
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 
 A program owns a tile of rows and walks a split of the columns with an online maximum (FlashAttention
 style): exact whatever the logits' range. The columns' statistics need every row, so each program also
-writes, per column, the lse of its own rows (max and sum of the tile, one more exp per logit); the row
+writes, per column, the lse of its own rows (from the rows' exps: common.tile_exp); the row
 tiles' partial lse are combined by a logsumexp (torch). Their buffer, [row tiles, K] float32, is bounded:
 the rows go in launches of at most COLUMN_PARTIAL_BYTES of partials (128 MiB: one launch at N = 32768,
 16 of 16384 rows at N = 262144).
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import EXCLUDED, dots, resident, valid
+from contrastkit.losses.kernels.common import EXCLUDED, dots, resident, tile_exp, valid
 
 COLUMN_PARTIAL_BYTES = 2**27
 BLOCK_M = 128  # every entry's row tile: the columns' partials are indexed by it, whichever entry autotune keeps
@@ -43,8 +43,8 @@ def stats_fwd(a_ptr, b_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, 
               UPCAST: tl.constexpr):
     """Rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0), rows < R1), columns [SPLIT s, SPLIT (s + 1))
     of split s = program_id(1): online maximum m, sum l of exp(L - m) and (WITH_MEAN) sum w of exp(L - m) L;
-    the split's lse and mean to row s of the [splits, M] outputs. COLUMNS: each column's lse over the tile's
-    rows to row t of cpart [tiles, K]."""
+    the split's lse and mean to row s of the [splits, M] outputs. COLUMNS (no mean): each column's lse over
+    the tile's rows to row t of cpart [tiles, K]."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, K)
@@ -59,17 +59,25 @@ def stats_fwd(a_ptr, b_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, 
                  PRECISION, UPCAST) * scale
         ok = valid(ex_ptr, rows, cols, R1, end, E, True)
         s = tl.where(ok, s, EXCLUDED)
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        rescale = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * rescale + tl.sum(p, axis=1)
-        if WITH_MEAN:
-            w = w * rescale + tl.sum(tl.where(ok, p * s, 0.0), axis=1)
-        m = m_new
-        if COLUMNS:
-            top = tl.max(s, axis=0)
-            part = top + tl.log(tl.sum(tl.exp(s - top[None, :]), axis=0))
+        if COLUMNS:  # the rows' and the columns' terms from one exp per logit (common.tile_exp)
+            e, t, T, narrow = tile_exp(s, cols, end)
+            m_new = tl.maximum(m, t)
+            l = l * tl.exp(m - m_new) + tl.exp(t - m_new) * tl.sum(e, axis=1)
+            m = m_new
+            if narrow:
+                part = T + tl.log(tl.sum(e * tl.exp(t - T)[:, None], axis=0))
+            else:  # a column far below the tile's maximum: its own exps
+                top = tl.max(s, axis=0)
+                part = top + tl.log(tl.sum(tl.exp(s - top[None, :]), axis=0))
             tl.store(cpart_ptr + tl.program_id(0) * K + cols, part, mask=cols < end)
+        else:
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            rescale = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * rescale + tl.sum(p, axis=1)
+            if WITH_MEAN:
+                w = w * rescale + tl.sum(tl.where(ok, p * s, 0.0), axis=1)
+            m = m_new
     inside = rows < R1
     out = tl.program_id(1) * M + rows
     tl.store(lse_ptr + out, m + tl.log(l), mask=inside)
