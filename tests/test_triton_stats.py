@@ -345,11 +345,11 @@ def test_one_tensor_as_image_and_text(small_buffers):
 
 
 # The production configuration under the interpreter: the default tiles (the first entry of each kernel's
-# space: forward and d logits 128 x 64 (D in chunks of 64, float32 32), products 128 x 128, two-view backward
-# 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on every axis and partial last tiles
-# (150 = 128 + 22 = 2 * 64 + 22), and the split over the other axis (150 > 64 columns: 3 splits) that small
-# batches take; 60 columns: one split. Blocks of d logits of 128 x 128 and forward launches of 128 rows
-# (the buffers' bounds made small): two of each on each axis.
+# space: forward 128 x 64 (D in chunks of 64, float32 32), d logits 128 x 64 (chunks of 32, float32 16),
+# products 128 x 128, two-view backward 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on
+# every axis and partial last tiles (150 = 128 + 22 = 2 * 64 + 22), and the split over the other axis
+# (150 > 64 columns: 3 splits) that small batches take; 60 columns: one split. Blocks of d logits of
+# 128 x 128 and forward launches of 128 rows (the buffers' bounds made small): two of each on each axis.
 PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, False, torch.float32),
               ("two views", 150, 150, 2, True, torch.float32), ("two views", 150, 150, 2, False, torch.bfloat16),
               ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32),
@@ -366,8 +366,8 @@ def test_production_configuration_equals_float64_reference(monkeypatch, setting,
     from contrastkit.losses.kernels import band_matmul, dlogits, launch, stats_fwd, two_view_grad
 
     assert two_view_grad.space(512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
-    assert stats_fwd.space(512, 2)[0].kwargs == dlogits.space(512, 2)[0].kwargs == dict(
-        BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
+    assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
+    assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=32)
     assert band_matmul.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
     assert launch.split(3, 150, torch.device("cpu"))[0] == 3
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)

@@ -29,10 +29,11 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 def band_matmul(x_ptr, y_ptr, out_ptr, scale_ptr, factor_ptr, N_OUT, N_RED, SPLIT, s_xo, s_xr, s_yr, s_yd, s_os,
                 s_oo, D: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """out[split, rows, chunk] (+ out where ACCUMULATE) = scale factor sum_r x[rows, r] y[r, chunk]: a tile of
-    rows and a chunk of D (program ids 0, 1), r over split program_id(2) of the reduced axis."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    chunk = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """out[split, rows, chunk] (+ out where ACCUMULATE) = scale factor sum_r x[rows, r] y[r, chunk]: a chunk of
+    D and a tile of rows (program ids 0, 1: the chunks of one tile run side by side and read its x once
+    from HBM, then from L2), r over split program_id(2) of the reduced axis."""
+    chunk = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = tl.program_id(2) * SPLIT
     end = tl.minimum(start + SPLIT, N_RED)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -58,7 +59,7 @@ def product(x, y, out, scale, factor, accumulate, tf32, blocks=None):
     splits, share = launch.split(triton.cdiv(n, 128) * triton.cdiv(d, 128), r, x.device)
     target = out if splits == 1 else x.new_empty((splits, n, d), dtype=torch.float32)
     adds = accumulate and splits == 1
-    launch.run(band_matmul, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(d, meta["BLOCK_N"]), splits),
+    launch.run(band_matmul, lambda meta: (triton.cdiv(d, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]), splits),
                space, ("N_OUT", "N_RED", "D", "ACCUMULATE"), x, y, target, scale, factor, N_OUT=n, N_RED=r,
                SPLIT=share, s_xo=x.stride(0), s_xr=x.stride(1), s_yr=y.stride(0), s_yd=y.stride(1),
                s_os=n * d if splits > 1 else 0, s_oo=target.stride(-2), D=d, ACCUMULATE=adds,
