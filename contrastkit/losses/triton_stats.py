@@ -37,6 +37,7 @@ bytes; dA: a band's rows D 4 bytes).
 from __future__ import annotations
 
 import torch
+import triton
 
 from contrastkit.losses.chunked import host_checks_allowed
 from contrastkit.losses.kernels import launch
@@ -75,8 +76,8 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
     half = a.dtype != torch.float32
     da_sum = a.new_empty((rows, d), dtype=torch.float32) if half and cols < k else None
     db_sum = torch.empty_like(db, dtype=torch.float32) if half and rows < m else db
-    splits, share = launch.split(-(-rows // 64), cols, a.device)
-    ds = a.new_empty((-(-k // cols), splits, m), dtype=torch.float32)
+    splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
+    ds = a.new_empty((triton.cdiv(k, cols), splits, m), dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)

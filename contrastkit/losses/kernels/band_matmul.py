@@ -15,14 +15,13 @@ from contrastkit.losses.kernels.common import dot
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, architectures) by itemsize (launch.py): output rows, output
 # columns (a chunk of D), reduced axis.
+NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 SPACE = {2: [(128, 128, 64, 8, 3, (90, 80)), (128, 128, 64, 8, 4, (90,)), (128, 64, 64, 4, 3, (90, 80))],
          4: [(128, 128, 32, 8, 3, (90, 80)), (128, 64, 32, 4, 3, (90, 80))]}
 
 
 def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
-    whole = max(16, triton.next_power_of_2(d))
-    shapes = [(m, min(n, whole), k, w, s) for m, n, k, w, s in launch.entries(SPACE, itemsize, arch)]
-    return launch.configs(shapes, ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    return launch.configs(launch.entries(SPACE, NAMES, "BLOCK_N", d, itemsize, arch), NAMES)
 
 
 @triton.jit

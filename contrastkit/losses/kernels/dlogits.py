@@ -23,14 +23,13 @@ BAND_ALIGN = 128
 BAND_MIN_ROWS = 2048
 
 # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py).
+NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D")
 SPACE = {2: [(128, 64, 32, 8, 3, (90, 80)), (128, 64, 64, 8, 3, (90,)), (128, 32, 64, 8, 3, (90,))],
          4: [(128, 64, 16, 8, 3, (90,)), (128, 64, 32, 8, 3, (80,)), (128, 32, 32, 8, 3, (90,))]}
 
 
 def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
-    whole = triton.next_power_of_2(d)
-    shapes = [(m, n, min(bd, whole), w, s) for m, n, bd, w, s in launch.entries(SPACE, itemsize, arch)]
-    return launch.configs(shapes, ("BLOCK_M", "BLOCK_N", "BLOCK_D"))
+    return launch.configs(launch.entries(SPACE, NAMES, "BLOCK_D", d, itemsize, arch), NAMES)
 
 
 def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:

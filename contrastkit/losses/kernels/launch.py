@@ -27,9 +27,12 @@ def _probe(x):
 INTERPRETED = not isinstance(_probe, triton.runtime.jit.JITFunction)  # TRITON_INTERPRET=1 (CPU tests)
 
 
-def entries(space: dict, itemsize: int, arch: int = 90) -> list[tuple]:
-    """The entries (sizes..., warps, stages) of an autotune space (keyed 2 or 4 by itemsize) for sm_<arch>."""
-    return [shape[:-1] for shape in space[2 if itemsize == 2 else 4] if arch in shape[-1]]
+def entries(space: dict, names: tuple[str, ...], chunk: str, d: int, itemsize: int, arch: int = 90) -> list[tuple]:
+    """The entries (sizes..., warps, stages) of an autotune space (keyed 2 or 4 by itemsize) for sm_<arch>,
+    the size named ``chunk`` (a chunk of D) at most D's next power of two."""
+    whole, at = max(16, triton.next_power_of_2(d)), names.index(chunk)
+    return [shape[:at] + (min(shape[at], whole),) + shape[at + 1:-1] for shape in space[2 if itemsize == 2 else 4]
+            if arch in shape[-1]]
 
 
 def configs(shapes: list[tuple], names: tuple[str, ...], **extra) -> list[triton.Config]:

@@ -22,18 +22,20 @@ COLUMN_PARTIAL_BYTES = 2**27
 BLOCK_M = 128  # every entry's row tile: the columns' partials are indexed by it, whichever entry autotune keeps
 
 # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py).
+NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D")
 SPACE = {2: [(128, 64, 64, 8, 3, (90, 80)), (128, 128, 32, 8, 4, (90,)), (128, 128, 64, 8, 3, (90,))],
          4: [(128, 64, 32, 8, 3, (90, 80)), (128, 128, 16, 8, 4, (90,)), (128, 64, 64, 8, 2, (90,)),
              (128, 128, 32, 8, 3, (90,))]}
+assert all(entry[0] == BLOCK_M for entries in SPACE.values() for entry in entries)
 
 
 def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
     """The autotune space; where D <= 256 also BLOCK_D = D (the row tile then loaded once: common.dots)."""
-    whole = triton.next_power_of_2(d)
-    shapes = [(m, n, min(bd, whole), w, s) for m, n, bd, w, s in launch.entries(SPACE, itemsize, arch)]
+    shapes = launch.entries(SPACE, NAMES, "BLOCK_D", d, itemsize, arch)
+    whole = max(16, triton.next_power_of_2(d))
     if whole <= 256:
         shapes.append(shapes[0][:2] + (whole,) + shapes[0][3:])
-    return launch.configs(shapes, ("BLOCK_M", "BLOCK_N", "BLOCK_D"))
+    return launch.configs(shapes, NAMES)
 
 
 @triton.jit

@@ -20,15 +20,15 @@ from contrastkit.losses.kernels.common import anchor_dlogits, dot, dots, load_ro
 D_OUT_MAX = 256  # the widest chunk of D one program accumulates in registers (64 x 256 float32)
 
 # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py); 128-row tiles spill.
+NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D")
 SPACE = {2: [(64, 32, 64, 8, 2, (90,)), (64, 16, 64, 8, 2, (80, 90)), (64, 32, 64, 8, 3, (90,)),
              (64, 64, 64, 8, 2, (90,))],
          4: [(64, 16, 32, 8, 2, (90, 80))]}
 
 
 def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
-    whole = triton.next_power_of_2(d)
-    shapes = [(m, n, min(bd, whole), w, s) for m, n, bd, w, s in launch.entries(SPACE, itemsize, arch)]
-    return launch.configs(shapes, ("BLOCK_M", "BLOCK_N", "BLOCK_D"), D_OUT=min(whole, D_OUT_MAX))
+    shapes = launch.entries(SPACE, NAMES, "BLOCK_D", d, itemsize, arch)
+    return launch.configs(shapes, NAMES, D_OUT=min(triton.next_power_of_2(d), D_OUT_MAX))
 
 
 @triton.jit
