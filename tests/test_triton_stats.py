@@ -94,6 +94,21 @@ def test_two_views_same_tensor(with_mean):
     _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=with_mean)
 
 
+def test_two_views_far_apart():
+    """Scale 100, one sample of 20 opposite the others (both views): its row's lse ~200 below the tile
+    maxima, past the two-view backward's one-exp-per-logit window (two_view_grad.py): those tiles take their
+    own exps, exact still (one exp per logit there would overflow)."""
+    g = torch.Generator().manual_seed(18)
+    u = _features(g, 1, 24)
+    sign = torch.where(torch.arange(20) < 19, 1.0, -1.0)[:, None]
+    views = [torch.nn.functional.normalize(sign * u + 0.05 * torch.randn(20, 24, generator=g), dim=1)
+             for _ in range(2)]
+    z = torch.cat(views).to(DEVICE)
+    own = torch.arange(40)
+    exclude = torch.stack([own, (own + 20) % 40], dim=1).to(DEVICE)
+    _compare(z, z, 100.0, 2e-6, 2e-5, same=True, exclude=exclude)
+
+
 def test_same_tensor_with_asymmetric_exclusions():
     """One tensor as anchors and candidates, exclusions not symmetric (i leaves out k, k keeps i): the
     one-kernel backward's dL_ki term must read row k's own exclusions."""

@@ -112,15 +112,20 @@ def anchor_dlogits(s, anchors, M, stats_ptr, grad_ptr, scale, WITH_MEAN: tl.cons
                    ANCHORS_ON_ROWS: tl.constexpr):
     """p (g + g_mean (1 + L - scale mean) / scale) on a tile, from the anchors' statistics [S, M] and their
     (normalised) gradient, the anchors on the tile's rows or on its columns."""
+    lse = across(tl.load(stats_ptr + anchors, mask=anchors < M, other=0.0), ANCHORS_ON_ROWS)
+    return tl.exp(s - lse) * anchor_grad(s, anchors, M, stats_ptr, grad_ptr, scale, WITH_MEAN, ANCHORS_ON_ROWS)
+
+
+@triton.jit
+def anchor_grad(s, anchors, M, stats_ptr, grad_ptr, scale, WITH_MEAN: tl.constexpr, ANCHORS_ON_ROWS: tl.constexpr):
+    """anchor_dlogits without its p: g + g_mean (1 + L - scale mean) / scale."""
     inside = anchors < M
-    lse = across(tl.load(stats_ptr + anchors, mask=inside, other=0.0), ANCHORS_ON_ROWS)
     g = across(tl.load(grad_ptr + anchors, mask=inside, other=0.0), ANCHORS_ON_ROWS)
-    p = tl.exp(s - lse)
     if WITH_MEAN:
         mean = across(tl.load(stats_ptr + M + anchors, mask=inside, other=0.0), ANCHORS_ON_ROWS)
         g_mean = across(tl.load(grad_ptr + M + anchors, mask=inside, other=0.0), ANCHORS_ON_ROWS) / scale
         g = g + g_mean * (1.0 + s - scale * mean)
-    return p * g
+    return g
 
 
 @triton.jit

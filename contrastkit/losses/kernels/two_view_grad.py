@@ -5,6 +5,7 @@ gradient in registers over the other axis, and writes it once in the inputs' dty
 atomics, no float32 copy of the gradient. Each chunk recomputes the logits: with c = cdiv(D, 256) chunks,
 c + 1 products (2 at D <= 256, 3 at D = 512: a 64 x 512 float32 accumulator spills on sm_90).
 
+dL_rk and dL_kr take one exp per logit where a tile allows it (common.tile_exp's argument), else one each.
 dL meets z in the inputs' dtype: bfloat16, float16 (dL divided by max |grad| first, so that its small
 entries stay in float16's range; the factor is put back on the float32 sum), or float32."""
 
@@ -15,7 +16,8 @@ import triton
 import triton.language as tl
 
 from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import anchor_dlogits, dot, dots, load_rows, resident, valid
+from contrastkit.losses.kernels.common import (EXCLUDED, WINDOW, anchor_dlogits, anchor_grad, dot, dots, load_rows,
+                                               resident, valid)
 
 D_OUT_MAX = 256  # the widest chunk of D one program accumulates in registers (64 x 256 float32)
 
@@ -53,10 +55,27 @@ def two_view_grad(z_ptr, scale_ptr, factor_ptr, ex_ptr, stats_ptr, grad_ptr, out
                         BLOCK_D, PRECISION, UPCAST)
         s = products * scale
         ok = valid(ex_ptr, rows, cols, M, end, E, True)
-        dl = tl.where(ok, anchor_dlogits(s, rows, M, stats_ptr, grad_ptr, scale, WITH_MEAN, True), 0.0)
-        ds += tl.sum(dl * products, axis=1)
         ok_t = valid(ex_ptr, cols, rows, end, M, E, False)  # dL_kr: row k's own terms and exclusions
-        dl += tl.where(ok_t, anchor_dlogits(s, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, False), 0.0)
+        # p_rk and p_kr from one exp per logit, e = exp(L - t_r) against the row's maximum on the tile (valid
+        # pairs either way), where the factors exp(t_r - lse_r) and exp(T - lse_k) stay within e^WINDOW
+        # (common.tile_exp's argument), else each from its own exp
+        t = tl.max(tl.where(ok | ok_t, s, EXCLUDED), axis=1)
+        T = tl.max(t, axis=0)
+        lse_r = tl.load(stats_ptr + rows, mask=rows < M, other=0.0)
+        lse_k = tl.load(stats_ptr + cols, mask=cols < end, other=0.0)
+        wide = tl.maximum(tl.max(tl.where(rows < M, t - lse_r, 0.0), axis=0),
+                          tl.max(tl.where(cols < end, T - lse_k, 0.0), axis=0))
+        if wide <= WINDOW:
+            e = tl.exp(tl.where(ok | ok_t, s, EXCLUDED) - t[:, None])
+            g = anchor_grad(s, rows, M, stats_ptr, grad_ptr, scale, WITH_MEAN, True)
+            dl = tl.where(ok, e * tl.exp(t - lse_r)[:, None] * g, 0.0)
+            ds += tl.sum(dl * products, axis=1)
+            g_t = anchor_grad(s, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, False)
+            dl += tl.where(ok_t, e * tl.exp(t - T)[:, None] * (tl.exp(T - lse_k)[None, :] * g_t), 0.0)
+        else:
+            dl = tl.where(ok, anchor_dlogits(s, rows, M, stats_ptr, grad_ptr, scale, WITH_MEAN, True), 0.0)
+            ds += tl.sum(dl * products, axis=1)
+            dl += tl.where(ok_t, anchor_dlogits(s, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, False), 0.0)
         y = load_rows(z_ptr, cols, end, chunk, D, s_zr, s_zd)
         if y.dtype == tl.float32:
             acc = dot(dl, y, acc, PRECISION, UPCAST)
