@@ -49,7 +49,7 @@ if [ "$DRY" = 1 ]; then
   "$PY" -m pytest -q tests/test_cuda.py  # skipped without CUDA: checks that it collects
 else
   "$PY" -m pytest -q tests/test_cuda.py
-  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py
+  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py
 fi
 
 echo "== 2/2 benchmark against the cuBLAS floor, open_clip and Inf-CL"

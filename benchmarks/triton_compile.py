@@ -5,7 +5,8 @@ spills).
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py              # the whole autotune space, D = 512
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py --quick --json   # tests/test_triton_compile.py
 
-Per compiled kernel: the tensor-core instruction in the PTX (wgmma on sm_90, mma.sync on sm_80), registers
+Tiles: BLOCK_M x BLOCK_N x BLOCK_D (the products: BLOCK_M x BLOCK_N x BLOCK_K, output rows, output columns,
+reduced axis). Per compiled kernel: the tensor-core instruction in the PTX (wgmma on sm_90, mma.sync on sm_80), registers
 per thread, spill bytes, shared memory, and the blocks per SM those allow (the occupancy: 64 K registers
 and 228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
 """
@@ -28,35 +29,50 @@ REGISTERS_PER_SM = 65536
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
+# Per kernel: its module, the pointers' element types (the inputs' dtype where "x"), and the stride arguments
+# that are 1 at the production size (Triton specialises an int argument equal to 1 into a constant).
+KERNELS = {"fwd": ("stats_fwd", {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64"}, ("s_ad", "s_bd")),
+           "dlogits": ("dlogits", {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "dl_ptr": "x"}, ("s_ad", "s_bd")),
+           "matmul dA": ("band_matmul", {"x_ptr": "x", "y_ptr": "x", "out_ptr": "x"}, ("s_xr", "s_yd")),
+           "matmul dB": ("band_matmul", {"x_ptr": "x", "y_ptr": "x", "out_ptr": "fp32"}, ("s_xo", "s_yd")),
+           "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",))}
+
+
 def compile_kernel(case: dict) -> dict:
-    """One case {kernel: "fwd" | "grad", arch, dtype, role, columns, d, config: (m, n, bd, warps, stages)} ->
-    the case with its instruction, registers, spills, shared memory and blocks per SM."""
+    """One case {kernel: a KERNELS key, arch, dtype, d, columns, config: (sizes..., warps, stages)} -> the case
+    with its instruction, registers, spills, shared memory and blocks per SM. Pointers and the other int
+    arguments are marked divisible by 16, as a launch at N = 32768, D = 512 specialises them."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from contrastkit.losses import triton_stats as ts
+    from contrastkit.losses.kernels import launch
 
-    if ts._INTERPRETED:
+    if launch.INTERPRETED:
         raise SystemExit("error: run with TRITON_INTERPRET=0 (the interpreter's kernels cannot be compiled)")
-    m, n, bd, warps, stages = case["config"]
-    d, dtype = case["d"], DTYPES[case["dtype"]]
-    consts = dict(D=d, E=1 if case.get("columns") else 2, PRECISION="tf32" if dtype == "fp32" else "ieee",
-                  UPCAST=False, BLOCK_M=m, BLOCK_N=n, BLOCK_D=min(bd, triton.next_power_of_2(d)))
-    if case["kernel"] == "fwd":
-        kernel, pointers = ts._stats_fwd, {"a_ptr": dtype, "b_ptr": dtype, "ex_ptr": "i64"}
-        consts.update(WITH_MEAN=not case.get("columns"))
+    module_name, pointers, unit = KERNELS[case["kernel"]]
+    module = importlib.import_module(f"contrastkit.losses.kernels.{module_name}")
+    kernel = getattr(module, module_name)
+    *sizes, warps, stages = case["config"]
+    d, dtype, columns = case["d"], DTYPES[case["dtype"]], bool(case.get("columns"))
+    consts = dict(D=d, PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False)
+    if module_name == "band_matmul":
+        consts.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), sizes), ACCUMULATE=case["kernel"] == "matmul dB")
     else:
-        kernel = ts._grad
-        pointers = {"x_ptr": dtype, "y_ptr": dtype, "out_ptr": "fp32" if case.get("partial") else dtype,
-                    "ex_ptr": "i64"}
-        consts.update(WITH_MEAN=not case.get("columns"), COLUMNS=bool(case.get("columns")), ROLE=case["role"],
-                      PARTIAL=bool(case.get("partial")),
-                      D_OUT=case.get("d_out", min(triton.next_power_of_2(d), ts.D_OUT_MAX)))
+        consts.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), sizes), E=1 if columns else 2, WITH_MEAN=not columns)
+        consts["BLOCK_D"] = min(consts["BLOCK_D"], triton.next_power_of_2(d))
+        if module_name == "two_view_grad":
+            consts.update(PARTIAL=False, D_OUT=min(triton.next_power_of_2(d), module.D_OUT_MAX))
+        else:
+            consts["COLUMNS"] = columns
+    consts.update({name: 1 for name in unit})
     names = list(inspect.signature(kernel.fn).parameters)
-    types = {p: "constexpr" if p in consts else "*" + pointers.get(p, "fp32") if p.endswith("_ptr") else "i32"
-             for p in names}
-    source = ASTSource(kernel, types, {(names.index(p),): v for p, v in consts.items()})
+    types = {p: "constexpr" if p in consts else "*" + {"x": dtype}.get(pointers.get(p, "fp32"), pointers.get(p, "fp32"))
+             if p.endswith("_ptr") else "i32" for p in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names) if types[p] != "constexpr"}
+    source = ASTSource(kernel, types, {(names.index(p),): v for p, v in consts.items()}, attrs)
     arch = case["arch"]
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
@@ -80,47 +96,48 @@ def compile_kernel(case: dict) -> dict:
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _shape(config):
-    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_D"], config.num_warps,
-            config.num_stages)
+def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
+    """The autotune space of a kernel as (sizes..., warps, stages)."""
+    import importlib
+
+    module = importlib.import_module(f"contrastkit.losses.kernels.{KERNELS[kernel][0]}")
+    return [tuple(c.kwargs[k] for k in c.kwargs if k != "D_OUT") + (c.num_warps, c.num_stages)
+            for c in module.space(d, ITEMSIZE[dtype], arch)]
+
+
+# Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text
+# columns (the diagonal); the products as dA (row-major operands) and dB (dL transposed, float32 accumulated).
+SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "matmul dA": (False,), "matmul dB": (False,),
+            "two-view": (False,)}
 
 
 def quick_cases(d: int = 512) -> list[dict]:
-    """The production default (first of each architecture's autotune space) of every kernel: forward and the three
-    backward roles in bf16 on sm_90, float32 (TF32) forward and two-view backward on sm_90, float16 two-view
-    backward on sm_90; forward and two-view backward in bf16 and float32 on sm_80."""
-    from contrastkit.losses.triton_stats import _configs
-
-    def case(kernel, arch, dtype, role=None):
-        config = _shape(_configs(kernel == "grad", d, ITEMSIZE[dtype], arch)[0])
-        extra = {} if role is None else dict(role=role, columns=role != 2, partial=role == 1)
-        return dict(kernel=kernel, arch=arch, dtype=dtype, d=d, config=config, **extra)
-
-    return [case("fwd", 90, "bf16"), case("grad", 90, "bf16", 2), case("grad", 90, "bf16", 0),
-            case("grad", 90, "bf16", 1), case("fwd", 90, "fp32"), case("grad", 90, "fp32", 2),
-            case("grad", 90, "fp16", 2), case("fwd", 80, "bf16"), case("grad", 80, "bf16", 2),
-            case("grad", 80, "fp32", 2)]
-
-
-def all_cases(d: int = 512, dtypes=("bf16", "fp32")) -> list[dict]:
-    """Every configuration of both autotune spaces (each architecture's), every backward role."""
-    from contrastkit.losses.triton_stats import _configs
-
+    """The production default (first of each architecture's space) of every kernel in every setting: bf16 on
+    sm_90 and sm_80, float32 (TF32) on sm_90 and sm_80, float16 for the two-view backward (its own dL
+    scaling) on sm_90."""
     cases = []
     for arch in (90, 80):
-        for dtype in dtypes:
-            cases += [dict(kernel="fwd", arch=arch, dtype=dtype, d=d, config=_shape(c))
-                      for c in _configs(False, d, ITEMSIZE[dtype], arch)]
-            cases += [dict(kernel="grad", role=role, columns=role != 2, arch=arch, dtype=dtype, d=d, config=_shape(c))
-                      for c in _configs(True, d, ITEMSIZE[dtype], arch) for role in (0, 1, 2)]
+        for dtype in ("bf16", "fp32") + (("fp16",) if arch == 90 else ()):
+            for kernel, settings in SETTINGS.items():
+                if dtype == "fp16" and kernel != "two-view":
+                    continue
+                config = _shapes(kernel, d, dtype, arch)[0]
+                cases += [dict(kernel=kernel, arch=arch, dtype=dtype, d=d, columns=c, config=config) for c in settings]
     return cases
 
 
+def all_cases(d: int = 512, dtypes=("bf16", "fp32")) -> list[dict]:
+    """Every configuration of every kernel's autotune space (each architecture's), every setting."""
+    return [dict(kernel=kernel, arch=arch, dtype=dtype, d=d, columns=c, config=config)
+            for arch in (90, 80) for dtype in dtypes for kernel, settings in SETTINGS.items()
+            for config in _shapes(kernel, d, dtype, arch) for c in settings]
+
+
 def table(results: list[dict]) -> str:
-    lines = ["| kernel | sm | dtype | BLOCK_M x N x D, warps, stages | instruction | registers | spill bytes | "
+    lines = ["| kernel | sm | dtype | tiles, warps, stages | instruction | registers | spill bytes | "
              "shared KiB | blocks/SM |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        name = r["kernel"] if r["kernel"] == "fwd" else f"grad role {r['role']}"
+        name = r["kernel"] + (" columns" if r.get("columns") else "")
         m, n, bd, w, s = r["config"]
         lines.append(f"| {name} | {r['arch']} | {r['dtype']} | {m}x{n}x{bd}, {w}, {s} | {r['instruction']} | "
                      f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] / 1024:.0f} | {r['blocks_per_sm']} |")

@@ -31,16 +31,19 @@ def compiled():
 
 
 def test_every_kernel_compiled_for_both_architectures(compiled):
-    kinds = {(r["kernel"], r.get("role"), r["arch"], r["dtype"]) for r in compiled}
-    assert {("fwd", None, 90, "bf16"), ("grad", 0, 90, "bf16"), ("grad", 1, 90, "bf16"), ("grad", 2, 90, "bf16"),
-            ("fwd", None, 90, "fp32"), ("grad", 2, 90, "fp16"), ("fwd", None, 80, "bf16"),
-            ("grad", 2, 80, "bf16")} <= kinds
+    kinds = {(r["kernel"], r["columns"], r["arch"], r["dtype"]) for r in compiled}
+    for arch in (90, 80):
+        for dtype in ("bf16", "fp32"):
+            assert {("fwd", False, arch, dtype), ("fwd", True, arch, dtype), ("dlogits", False, arch, dtype),
+                    ("dlogits", True, arch, dtype), ("matmul dA", False, arch, dtype),
+                    ("matmul dB", False, arch, dtype), ("two-view", False, arch, dtype)} <= kinds
+    assert ("two-view", False, 90, "fp16") in kinds
     assert all(r["d"] == 512 for r in compiled)
 
 
 def test_tensor_cores_no_spills_one_block_per_sm(compiled):
     for r in compiled:
-        what = f"{r['kernel']} role {r.get('role')} sm_{r['arch']} {r['dtype']} {r['config']}"
+        what = f"{r['kernel']} columns={r['columns']} sm_{r['arch']} {r['dtype']} {r['config']}"
         assert r["instruction"] == ("wgmma" if r["arch"] == 90 else "mma.sync"), what
         assert r["spill_bytes"] == 0, what
         assert r["registers"] <= 255 and r["blocks_per_sm"] >= 1, what

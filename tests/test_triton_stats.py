@@ -94,6 +94,21 @@ def test_two_views_same_tensor(with_mean):
     _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=with_mean)
 
 
+def test_two_views_far_apart():
+    """Scale 100, one sample of 20 opposite the others (both views): its row's lse ~200 below the tile
+    maxima, past the two-view backward's one-exp-per-logit window (two_view_grad.py): those tiles take their
+    own exps, exact still (one exp per logit there would overflow)."""
+    g = torch.Generator().manual_seed(18)
+    u = _features(g, 1, 24)
+    sign = torch.where(torch.arange(20) < 19, 1.0, -1.0)[:, None]
+    views = [torch.nn.functional.normalize(sign * u + 0.05 * torch.randn(20, 24, generator=g), dim=1)
+             for _ in range(2)]
+    z = torch.cat(views).to(DEVICE)
+    own = torch.arange(40)
+    exclude = torch.stack([own, (own + 20) % 40], dim=1).to(DEVICE)
+    _compare(z, z, 100.0, 2e-6, 2e-5, same=True, exclude=exclude)
+
+
 def test_same_tensor_with_asymmetric_exclusions():
     """One tensor as anchors and candidates, exclusions not symmetric (i leaves out k, k keeps i): the
     one-kernel backward's dL_ki term must read row k's own exclusions."""
@@ -153,6 +168,18 @@ def test_columns_far_below_zero():
     a = torch.nn.functional.normalize(u + 0.05 * torch.randn(21, 24, generator=g), dim=1).to(DEVICE)
     b = torch.nn.functional.normalize(-u + 0.05 * torch.randn(21, 24, generator=g), dim=1).to(DEVICE)
     _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(21, device=DEVICE)[:, None], columns=True)
+
+
+def test_columns_far_apart():
+    """Scale 100, every image near u, half the captions near u and half near -u: tiles whose columns' maxima
+    lie ~200 apart, past the one-exp-per-logit window (kernels/common.tile_exp): those take their own exps,
+    exact still (one exp per logit there would overflow)."""
+    g = torch.Generator().manual_seed(17)
+    u = _features(g, 1, 24)
+    a = torch.nn.functional.normalize(u + 0.05 * torch.randn(37, 24, generator=g), dim=1).to(DEVICE)
+    sign = torch.where(torch.arange(37) < 18, 1.0, -1.0)[:, None]
+    b = torch.nn.functional.normalize(sign * u + 0.05 * torch.randn(37, 24, generator=g), dim=1).to(DEVICE)
+    _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(37, device=DEVICE)[:, None], columns=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -228,16 +255,16 @@ def test_dot_precision_follows_the_tf32_setting(monkeypatch, float32_precision, 
     flag or torch >= 2.9's fp32_precision (after which reading the legacy flag raises: issue 23's crash);
     float16: float16 products, never TF32. One tensor as both operands: two launches (forward, one backward
     kernel). The kernels still run."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import launch
     from contrastkit.losses.precision import tf32_matmul_allowed
 
-    seen, launch = [], triton_stats._launch
+    seen, run = [], launch.run
 
     def spy(*args, **kwargs):
         seen.append(kwargs["PRECISION"])
-        launch(*args, **kwargs)
+        run(*args, **kwargs)
 
-    monkeypatch.setattr(triton_stats, "_launch", spy)
+    monkeypatch.setattr(launch, "run", spy)
     exec(setting, {"torch": torch})
     assert tf32_matmul_allowed() is allowed
     a = torch.randn(16, 16, device=DEVICE)
@@ -290,25 +317,77 @@ def test_compiles_into_one_graph():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-# The production configuration under the interpreter: the default tiles (first of triton_stats._configs:
-# forward 128 x 64 (D in chunks of 64, float32 32), backward 64 x 32 (the gradient in chunks of 256)), D = 512,
-# several tiles on every axis and partial last tiles (150 = 2 * 64 + 22), and the split over the other axis
-# (150 > 64 columns: 3 splits) that small batches take; 60 columns: one split, gradients written directly.
+@pytest.fixture(params=["bands", "blocks"])
+def small_buffers(request, monkeypatch):
+    """The buffers' bounds (256 MiB of d logits, 128 MiB of column partials in production) made tiny, so
+    that small shapes take the paths of large ones: d logits in bands of 16 rows and every column, or in
+    blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile's partials."""
+    from contrastkit.losses.kernels import dlogits, stats_fwd
+
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
+    monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if request.param == "bands" else 10**9)
+    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_image_text_in_bands(small_buffers, dtype):
+    """Image-text in 3 bands (16 + 16 + 5 rows) or 3 x 3 blocks, 3 forward launches: the columns' lse from
+    the rows' pass, dA and dB summed over the blocks (in float32 where the inputs are bfloat16). The scale's
+    gradient, a float32 sum of M K terms that cancel, within 1e-5 (8e-6 measured, 5e-6 in one band)."""
+    g = torch.Generator().manual_seed(14)
+    a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 37, 24, dtype).to(DEVICE)
+    grad_tol = 2e-6 if dtype == torch.float32 else 1e-2
+    _compare(a, b, 10.0, 2e-6, grad_tol, scale_tol=1e-5, exclude=torch.arange(37, device=DEVICE)[:, None],
+             columns=True)
+
+
+def test_query_queue_in_bands(small_buffers):
+    """Rows only (query/queue) with CACR's mean, exclusions, in bands or blocks."""
+    g = torch.Generator().manual_seed(15)
+    a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
+    exclude = torch.stack([torch.randperm(53, generator=g)[:2] for _ in range(37)]).to(DEVICE)
+    _compare(a, b, 10.0, 2e-6, 2e-6, scale_tol=1e-5, exclude=exclude, with_mean=True)
+
+
+def test_one_tensor_as_image_and_text(small_buffers):
+    """columns=True with the very tensor as both operands: its gradient is the sum of both roles' (dA + dB)."""
+    g = torch.Generator().manual_seed(16)
+    z = _features(g, 37, 24).to(DEVICE)
+    _compare(z, z, 10.0, 2e-6, 2e-6, scale_tol=1e-5, same=True, exclude=torch.arange(37, device=DEVICE)[:, None],
+             columns=True)
+
+
+# The production configuration under the interpreter: the default tiles (the first entry of each kernel's
+# space: forward 128 x 64 (D in chunks of 64, float32 32), d logits 128 x 64 (chunks of 32, float32 16),
+# products 128 x 128, two-view backward 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on
+# every axis and partial last tiles (150 = 128 + 22 = 2 * 64 + 22), and the split over the other axis
+# (150 > 64 columns: 3 splits) that small batches take; 60 columns: one split. Blocks of d logits of
+# 128 x 128 and forward launches of 128 rows (the buffers' bounds made small): two of each on each axis.
 PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, False, torch.float32),
               ("two views", 150, 150, 2, True, torch.float32), ("two views", 150, 150, 2, False, torch.bfloat16),
-              ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32)]
+              ("two views", 150, 150, 2, True, torch.float16), ("image-text", 150, 150, 1, False, torch.float32),
+              ("image-text", 150, 150, 1, False, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
                          ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
-def test_production_configuration_equals_float64_reference(setting, m, k, excluded, with_mean, dtype):
+def test_production_configuration_equals_float64_reference(monkeypatch, setting, m, k, excluded, with_mean,
+                                                           dtype):
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
-    from contrastkit.losses.triton_stats import _configs, _split
+    from contrastkit.losses.kernels import band_matmul, dlogits, launch, stats_fwd, two_view_grad
 
-    assert _configs(True, 512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
-    assert _split(3, 150, torch.device("cpu"))[0] == 3
+    assert two_view_grad.space(512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
+    assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
+    assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=32)
+    assert band_matmul.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    assert launch.split(3, 150, torch.device("cpu"))[0] == 3
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    assert dlogits.block_shape(150, 150, 4) == (128, 128)
     g = torch.Generator().manual_seed(20 + m + k + excluded)
     a = _features(g, m, 512, dtype).to(DEVICE)
     b = a if setting == "two views" else _features(g, k, 512, dtype).to(DEVICE)

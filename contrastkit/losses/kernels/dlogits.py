@@ -1,0 +1,99 @@
+"""Backward's d loss / d logits for a band of rows, recomputed from the saved statistics and written once
+(Inf-CL / FlashAttention-2 style recompute, then materialised per band): band_matmul.py's two products
+read it, so dA and dB come from one recompute (image-text and query/queue: 1 recompute + 2 products).
+
+dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
+buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the
+columns. The buffer is bounded: blocks of at most BAND_BYTES (256 MiB; block_shape): at N = 32768
+bfloat16, 8 bands of 4096 rows and every column; at N = 262144, 23 x 23 blocks of 11520 x 11520.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from contrastkit.losses.kernels import launch
+from contrastkit.losses.kernels.common import EXCLUDED, anchor_dlogits, column_dlogits, dots, resident, tile_exp, valid
+
+BAND_BYTES = 2**28
+BAND_ALIGN = 128
+BAND_MIN_ROWS = 2048
+
+# (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py).
+NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D")
+SPACE = {2: [(128, 64, 32, 8, 3, (90, 80)), (128, 64, 64, 8, 3, (90,)), (128, 32, 64, 8, 3, (90,))],
+         4: [(128, 64, 16, 8, 3, (90,)), (128, 64, 32, 8, 3, (80,)), (128, 32, 32, 8, 3, (90,))]}
+
+
+def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
+    return launch.configs(launch.entries(SPACE, NAMES, "BLOCK_D", d, itemsize, arch), NAMES)
+
+
+def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:
+    """(rows, columns) of a block of d logits within BAND_BYTES, multiples of BAND_ALIGN: a band of every
+    column while that leaves BAND_MIN_ROWS rows (or all of them), else a square. Per block, the products
+    read b's and a's rows and add into float32 gradients (2 columns D + 8 (rows + columns) D bytes) against
+    6 rows columns D FLOPs: rows and columns of a few thousand keep that above the H100's 295 FLOPs per
+    byte (docs/performance.md)."""
+    rows = BAND_BYTES // (k * itemsize) // BAND_ALIGN * BAND_ALIGN
+    if rows >= min(m, BAND_MIN_ROWS):
+        return min(m, max(BAND_ALIGN, rows)), k
+    side = max(BAND_ALIGN, math.isqrt(BAND_BYTES // itemsize) // BAND_ALIGN * BAND_ALIGN)
+    return min(m, side), min(k, side)
+
+
+@triton.jit
+def dlogits(a_ptr, b_ptr, scale_ptr, ex_ptr, stats_ptr, grad_ptr, dl_ptr, ds_ptr, M, K, R0, R1, C0, C1, SPLIT, s_am,
+            s_ad, s_bk, s_bd, s_lr, D: tl.constexpr, E: tl.constexpr, WITH_MEAN: tl.constexpr,
+            COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dl[rows - R0, cols - C0] = dL'[rows, cols] for rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0),
+    rows < R1) and the columns C0 + [SPLIT s, SPLIT (s + 1)) (s = program_id(1), columns < C1);
+    ds[s, rows] = sum over those columns of dL' a.b.
+    stats, grad: [S, M] (rows' lse, then mean (WITH_MEAN) or the columns' lse (COLUMNS, square))."""
+    rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    start = C0 + tl.program_id(1) * SPLIT
+    end = tl.minimum(start + SPLIT, C1)
+    scale = tl.load(scale_ptr)
+    a = resident(a_ptr, rows, R1, D, s_am, s_ad, BLOCK_D)
+    ds = tl.zeros([BLOCK_M], dtype=tl.float32)
+    inside = rows < R1
+    for n0 in range(start, end, BLOCK_N):
+        cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        products = dots(a_ptr, b_ptr, a, rows, cols, R1, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
+                        PRECISION, UPCAST)
+        s = products * scale
+        ok = valid(ex_ptr, rows, cols, R1, end, E, True)
+        if COLUMNS:  # p and q from one exp per logit where the tile allows it (common.tile_exp)
+            e, t, T, narrow = tile_exp(tl.where(ok, s, EXCLUDED), cols, end)
+            g = tl.load(grad_ptr + rows, mask=rows < M, other=0.0)
+            dl = e * (tl.exp(t - tl.load(stats_ptr + rows, mask=rows < M, other=0.0)) * g)[:, None]
+            if narrow:
+                clse = tl.load(stats_ptr + M + cols, mask=cols < M, other=0.0)
+                gc = tl.load(grad_ptr + M + cols, mask=cols < M, other=0.0)
+                dl += e * tl.exp(t - T)[:, None] * (tl.exp(T - clse) * gc)[None, :]
+            else:  # a column far below the tile's maximum: its own exps
+                dl += column_dlogits(s, cols, M, stats_ptr, grad_ptr, True)
+        else:
+            dl = anchor_dlogits(s, rows, M, stats_ptr, grad_ptr, scale, WITH_MEAN, True)
+        dl = tl.where(ok, dl, 0.0)
+        ds += tl.sum(dl * products, axis=1)
+        tl.store(dl_ptr + (rows - R0)[:, None] * s_lr + (cols - C0)[None, :], dl.to(dl_ptr.dtype.element_ty),
+                 mask=inside[:, None] & (cols[None, :] < end))
+    tl.store(ds_ptr + tl.program_id(1) * M + rows, ds, mask=inside)
+
+
+def write_dlogits(a, b, scale, exclude, stats, grad, dl, ds, r0, r1, c0, c1, splits, share, with_mean, columns,
+                  tf32, blocks=None):
+    """dl[:r1 - r0, :c1 - c0] = dL' of rows r0:r1 and columns c0:c1 (in a's dtype), ds[:, r0:r1] their d scale
+    terms per split of the columns (splits, share: launch.split)."""
+    m, k = a.shape[0], b.shape[0]
+    launch.run(dlogits, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
+               ("M", "K", "D", "WITH_MEAN", "COLUMNS"), a, b, scale, a if exclude is None else exclude, stats,
+               grad, dl, ds, M=m, K=k, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share, s_am=a.stride(0), s_ad=a.stride(1),
+               s_bk=b.stride(0), s_bd=b.stride(1), s_lr=dl.stride(0), D=a.shape[1],
+               E=0 if exclude is None else exclude.shape[1], WITH_MEAN=with_mean, COLUMNS=columns,
+               PRECISION=launch.precision(a.dtype, tf32), UPCAST=launch.upcast(a.dtype), blocks=blocks)

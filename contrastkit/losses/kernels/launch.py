@@ -1,0 +1,105 @@
+"""Launching the kernels: production tiles, autotune spaces, the split of small problems, the custom ops.
+
+A kernel file names its autotune space per feature itemsize: (tile sizes..., warps, stages, architectures),
+the entries that compile without register spills at D = 512 for those architectures (docs/gpu/compile.md;
+tests/test_triton_compile.py asserts the first of each, the production default). On CUDA a launch is
+autotuned over the space of its device's architecture (90: Hopper and later, else 80), keyed on the sizes;
+under TRITON_INTERPRET=1 (the CPU tests) it runs the production default (the first entry for sm_90).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import custom_op, triton_op, wrap_triton
+
+SPLIT_ALIGN = 64  # a split's share of the other axis: a multiple of 64 rows (a partial tile where a tile is 128)
+
+
+@triton.jit
+def _probe(x):
+    pass
+
+
+INTERPRETED = not isinstance(_probe, triton.runtime.jit.JITFunction)  # TRITON_INTERPRET=1 (CPU tests)
+
+
+def entries(space: dict, names: tuple[str, ...], chunk: str, d: int, itemsize: int, arch: int = 90) -> list[tuple]:
+    """The entries (sizes..., warps, stages) of an autotune space (keyed 2 or 4 by itemsize) for sm_<arch>,
+    the size named ``chunk`` (a chunk of D) at most D's next power of two."""
+    whole, at = max(16, triton.next_power_of_2(d)), names.index(chunk)
+    return [shape[:at] + (min(shape[at], whole),) + shape[at + 1:-1] for shape in space[2 if itemsize == 2 else 4]
+            if arch in shape[-1]]
+
+
+def configs(shapes: list[tuple], names: tuple[str, ...], **extra) -> list[triton.Config]:
+    """(sizes..., warps, stages) as triton.Configs of the meta-parameters ``names`` (and ``extra``),
+    duplicates dropped, in order."""
+    return [triton.Config(dict(zip(names, shape[:-2]), **extra), num_warps=shape[-2], num_stages=shape[-1])
+            for shape in dict.fromkeys(shapes)]
+
+
+@functools.cache
+def _tuned(kernel, space_of, key, restore, d, itemsize, arch):
+    """kernel under triton.autotune (CUDA only: the interpreter has nothing to time). restore: the outputs a
+    launch adds into, put back after each timing run."""
+    return triton.autotune(space_of(d, itemsize, arch), key=list(key), restore_value=list(restore) or None)(kernel)
+
+
+def run(kernel, grid, space_of, key, *args, blocks=None, restore=(), **kwargs):
+    """Runs kernel on grid(meta): with ``blocks`` (its meta-parameters) where given (4 warps on CUDA), else
+    under the interpreter the production default (space_of(D, itemsize)[0]), on CUDA autotuned."""
+    itemsize = args[0].element_size()
+    if INTERPRETED:
+        config = dict(blocks) if blocks else dict(space_of(kwargs["D"], itemsize)[0].kwargs)
+        if not is_fake(args[0]):  # runs on the host; nothing to run while tracing shapes
+            kernel[grid(config)](*args, **kwargs, **config)
+        return
+    if blocks is not None:
+        wrap_triton(kernel)[grid(blocks)](*args, **kwargs, **blocks)
+    else:
+        arch = 90 if torch.cuda.get_device_capability(args[0].device)[0] >= 9 else 80
+        tuned = _tuned(kernel, space_of, tuple(key), tuple(restore), kwargs["D"], itemsize, arch)
+        wrap_triton(tuned)[grid](*args, **kwargs)
+
+
+def operator(name):
+    """triton_op (torch.compile sees the kernels), or under TRITON_INTERPRET, whose kernels wrap_triton
+    rejects, an opaque custom op whose fake is the same body with the launches skipped."""
+
+    def register(fn):
+        if not INTERPRETED:
+            return triton_op(name, fn, mutates_args=())
+        op = custom_op(name, fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+
+    return register
+
+
+def target_programs(device: torch.device) -> int:
+    """Programs enough to fill the device: two per SM (264 on an H100; under the interpreter the same, so
+    that the CPU tests split as an H100 would)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 264
+
+
+def split(tiles: int, other: int, device: torch.device) -> tuple[int, int]:
+    """(splits, rows of the other axis per split) for a grid of ``tiles`` programs per split: one split
+    where the tiles fill the device, else enough to, each split a multiple of SPLIT_ALIGN."""
+    want = max(1, min(target_programs(device) // tiles, triton.cdiv(other, SPLIT_ALIGN)))
+    share = triton.cdiv(triton.cdiv(other, want), SPLIT_ALIGN) * SPLIT_ALIGN
+    return triton.cdiv(other, share), share
+
+
+def precision(dtype: torch.dtype, tf32: bool) -> str:
+    return "tf32" if dtype == torch.float32 and tf32 else "ieee"
+
+
+def upcast(dtype: torch.dtype) -> bool:
+    return INTERPRETED and dtype == torch.bfloat16
+

@@ -1,0 +1,58 @@
+"""Each Triton kernel file on its own against torch (the whole op against float64 references:
+test_triton_stats.py): the band products (kernels/band_matmul.py) and the band's d logits
+(kernels/dlogits.py), which the op only reaches through each other. Under the interpreter on CPU, 16-wide
+tiles, ragged sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contrastkit.losses.kernels import band_matmul, dlogits, launch
+
+pytestmark = pytest.mark.legacy  # the kernels under triton 3.5.1 / torch 2.9.1 too
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MATMUL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+
+
+@pytest.mark.parametrize("transposed, accumulate, n_red", [(False, False, 37), (True, True, 37), (False, False, 700),
+                                                             (True, True, 700)])
+def test_band_product_equals_torch(transposed, accumulate, n_red):
+    """out (+)= scale factor x @ y: x row-major (dA) or a transposed view (dB), written or added into float32,
+    and split over the reduced axis where the output has few tiles (700 rows: 11 splits of 64)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n_red, 21, generator=g).T if transposed else torch.randn(21, n_red, generator=g)
+    y = torch.randn(n_red, 24, generator=g)
+    out = torch.randn(21, 24, generator=g)
+    want = 2.5 * 0.75 * (x.double() @ y.double()) + (out.double() if accumulate else 0)
+    scale, factor = torch.tensor(2.5), torch.tensor(0.75)
+    assert launch.split(1, n_red, torch.device(DEVICE))[0] == (1 if n_red < 64 else 11)
+    band_matmul.product(x.to(DEVICE), y.to(DEVICE), out := out.to(DEVICE), scale.to(DEVICE), factor.to(DEVICE),
+                        accumulate, False, MATMUL)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_band_dlogits_equal_torch():
+    """Rows 5:30 of dL' for image-text (rows' and columns' terms, the diagonal excluded) written to a band
+    buffer, and the rows' d scale terms, against the dense formula."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(37, 24, generator=g), torch.randn(37, 24, generator=g)
+    scale = torch.tensor(3.0)
+    logits = scale * a.double() @ b.double().T
+    masked = logits - torch.diag(torch.full((37,), float("inf"), dtype=torch.float64))
+    stats = torch.stack([masked.logsumexp(1), masked.logsumexp(0)]).float()
+    grad = torch.rand(2, 37, generator=g)
+    want = (torch.exp(masked - stats[0, :, None].double()) * grad[0, :, None]
+            + torch.exp(masked - stats[1, None, :].double()) * grad[1, None, :])
+    splits, share = launch.split(2, 37, torch.device(DEVICE))
+    band = torch.full((40, 37), float("nan"), device=DEVICE)  # the block: rows 5:30, columns 3:35
+    ds = torch.zeros(splits, 37, device=DEVICE)
+    exclude = torch.arange(37, device=DEVICE)[:, None]
+    to = [t.to(DEVICE) for t in (a, b, scale, stats, grad)]
+    dlogits.write_dlogits(*to[:3], exclude, *to[3:], band, ds, 5, 30, 3, 35, splits, share, False, True, False,
+                          dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16))
+    torch.testing.assert_close(band[:25, :32].double().cpu(), want[5:30, 3:35], rtol=1e-5, atol=1e-6)
+    assert torch.isnan(band[25:]).all() and torch.isnan(band[:, 32:]).all()  # nothing past the block
+    want_ds = (want[5:30, 3:35] * logits[5:30, 3:35] / 3.0).sum(1)
+    torch.testing.assert_close(ds.sum(0)[5:30].double().cpu(), want_ds, rtol=1e-5, atol=1e-5)
