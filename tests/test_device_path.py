@@ -80,3 +80,47 @@ def test_no_host_read_on_the_device_path(name, setting):
     grads = torch.autograd.grad(loss, leaves)
     assert loss.device.type == "meta" and all(g.shape == t.shape for g, t in zip(grads, leaves))
 
+
+
+def _emulate_cuda_low_precision(monkeypatch):
+    """bf16/fp16 features enter the exact path's products as they are, as on CUDA: its mm with out_dtype=float32
+    is emulated by a float32 product of the same values (exact products, float32 sums, as cuBLAS does)."""
+    monkeypatch.setattr(chunked, "_operand", lambda x: x)
+    monkeypatch.setattr(chunked, "_mm_f32", lambda x, y: torch.mm(x.float(), y.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_product_is_float32_accurate(dtype, monkeypatch):
+    """Backward's float32 block gradient times bf16/fp16 candidates, split into hi + lo in their dtype: within
+    2^-15 of the float64 product (one cast of the gradient would be 2^-9 off), tiny fp16 rows included."""
+    _emulate_cuda_low_precision(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    dl = torch.rand(8, 300, generator=g) * torch.logspace(-30, 0, 8)[:, None]  # softmax-like, down to 1e-30
+    x = torch.randn(300, 16, generator=g).to(dtype)
+    want = dl.double() @ x.double()
+    got = chunked._mm_low(dl.clone(), x)
+    assert got.dtype == torch.float32
+    err = ((got.double() - want).abs().amax(dim=1) / (dl.double().abs() @ x.double().abs()).amax(dim=1)).max()
+    assert err < 2**-15, float(err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
+@pytest.mark.parametrize("name", ["infonce", "cacr"])
+def test_low_precision_features_on_the_device_path(name, setting, dtype, device_path, monkeypatch):
+    """bf16/fp16 features on the exact path, as CUDA runs it (see _emulate_cuda_low_precision): the loss equals
+    the float64 one of the same feature values to float32 rounding, the gradients (in the features' dtype)
+    to that dtype's rounding."""
+    _emulate_cuda_low_precision(monkeypatch)
+    x, extra = _inputs(5, 40, 16, torch.float32)
+    x = [t.to(dtype) for t in x]
+    want, want_grads = _value_and_grads(name, setting, 0, [t.double() for t in x], extra)
+    got, grads = _value_and_grads(name, setting, None, x, extra)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    eps = torch.finfo(dtype).eps
+    for g, w in zip(grads[:2], want_grads[:2]):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), w, rtol=eps, atol=eps * float(w.abs().max()))
+    if setting == "cross_modal_scale":  # the learnable scale (in the features' dtype, as its leaf)
+        torch.testing.assert_close(grads[2].double(), want_grads[2], rtol=eps, atol=0)

@@ -215,7 +215,10 @@ class ContrastiveLoss(Objective):
     - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
       "auto" is the blockwise torch kernel on every device (see choose_backend): on CPU cache-sized
       blocks with host-checked fast paths, on CUDA cuBLAS products in GPU-sized blocks
-      (DEVICE_BLOCK_ELEMENTS) on the exact path, no value read on the host; "triton" is opt-in.
+      (DEVICE_BLOCK_ELEMENTS) on the exact path, no value read on the host; "triton" is opt-in. In the
+      two-view and image-text settings the torch kernel takes the features as given and normalises them
+      per block, so that no float32 copy of them is made (about 0.5-0.8 GiB of loss memory at N = 262144,
+      D = 512 bf16 on CUDA: docs/performance.md).
     """
 
     name = "contrastive"
@@ -274,29 +277,37 @@ class ContrastiveLoss(Objective):
             dtype = _compute_dtype(*views.values())
             zs = list(views.values())
             x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
-            u = self._unit(x, dtype)  # one copy, normalised (and saved) once
+            # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
+            # their size kept for backward); the others take unit vectors, one copy normalised once.
+            raw = self._resolve_backend(x) == "torch"
+            u = x if raw else self._unit(x, dtype)
             anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
                 all_x, start = self._gather(x.transpose(0, 1).reshape(n, v * d))
                 total = all_x.shape[0]
-                all_u = self._unit(all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d), dtype)
+                all_u = all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
+                all_u = all_u if raw else self._unit(all_u, dtype)
             else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
                 all_u, start, total = anchors, 0, n
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
                                  "the views of the other samples); use a batch of at least 2")
 
-            # Positives: the other views of the same sample, from local features (no gather needed).
+            # Positives: the other views of the same sample; negatives: every view of every sample but the
+            # anchor's own sample's views. own[s, w]: the row of sample s's view w among the candidates.
             idx = torch.arange(v, device=u.device)
             others = idx[None, : v - 1] + (idx[None, : v - 1] >= idx[:, None]).long()  # [V, V-1]: w != a
+            own = idx[None] * total + (start + torch.arange(n, device=u.device))[:, None]
+            if raw:  # the kernel computes the positives too, as the candidates at partners
+                partners = own[:, others].transpose(0, 1).reshape(v * n, v - 1)
+                terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
+                                            partners=partners)
+                return self._reduce(terms, output_dict, views)
             # [n, V, V]: u_a . u_b, with u in one operand only, so that backward makes one [V, n, D] gradient
             # (not two summed): the transpose gives the other operand's half of it.
             half = torch.einsum("and,bnd->nab", u, u.detach())
             gram = half + half.transpose(1, 2) - half.detach()
             pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
-
-            # Negatives: every view of every sample but the anchor's own sample's views.
-            own = torch.arange(v, device=u.device)[None] * total + (start + torch.arange(n, device=u.device))[:, None]
             terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low)
             return self._reduce(terms, output_dict, views)
 
@@ -365,32 +376,46 @@ class ContrastiveLoss(Objective):
         low = _low_precision(image, text)
         with _no_autocast(image.device.type):
             dtype = _compute_dtype(image, text)
-            a, b = self._unit(image, dtype), self._unit(text, dtype)
             if isinstance(scale, torch.Tensor):
                 scale = scale.to(dtype)
-            n = a.shape[0]
-            pos = (a * b).sum(-1, keepdim=True)
+            n = image.shape[0]
+            backend = self._resolve_backend(image)
+            raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
+            if raw:
+                a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
+                pos = None
+            else:
+                a, b = self._unit(image, dtype), self._unit(text, dtype)
+                pos = (a * b).sum(-1, keepdim=True)
             if self.gather_distributed:
                 same = image.dtype == text.dtype
                 both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
-                all_a, all_b = (self._unit(x, dtype) for x in both.split(a.shape[1], dim=1))
+                all_a, all_b = both.split(a.shape[1], dim=1)
+                if not raw:
+                    all_a, all_b = self._unit(all_a, dtype), self._unit(all_b, dtype)
             else:
                 all_a, all_b, start = a, b, 0
             total = all_a.shape[0]
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
             own = (start + torch.arange(n, device=a.device))[:, None]
-            backend = self._resolve_backend(a)
-            if total != n or (backend != "dense" and self.needs_mean):  # each direction on its own
-                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low)
-                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low)
+            partners = own if raw else None
+            # CACR's mean of the columns: the exact path only (the CPU's fast path takes each direction on its own).
+            columns_mean = raw and not host_checks_allowed(a)
+            if total != n or (backend != "dense" and self.needs_mean and not columns_mean):  # each direction alone
+                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
+                                                  partners=partners)
+                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
+                                                 partners=partners)
             elif backend == "dense":  # one process: one product serves both directions
                 logits = (a * scale) @ b.T
                 logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
                 image_terms = self.terms(pos, logits, total - 1, scale)
                 text_terms = self.terms(pos, logits.T, total - 1, scale)
             else:  # one process: the columns' statistics come from the same blocks
-                stats = self._negative_stats(backend, a, b, scale, own, low, columns=True)
+                stats = self._negative_stats(backend, a, b, scale, own, low, columns=True, partners=partners)
+                if raw:
+                    stats, pos = stats
                 half = stats.shape[0] // 2
                 image_terms = self._stat_terms(pos, stats[:half], total - 1, scale)
                 text_terms = self._stat_terms(pos, stats[half:], total - 1, scale)
@@ -422,10 +447,12 @@ class ContrastiveLoss(Objective):
                                    "and on CPU tensors TRITON_INTERPRET=1 set before triton is imported")
         return backend
 
-    def _negative_stats(self, backend, anchors, candidates, scale, exclude, low, *, columns=False, row_grad=None):
+    def _negative_stats(self, backend, anchors, candidates, scale, exclude, low, *, columns=False, row_grad=None,
+                        partners=None):
         """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) through the
         Triton kernels (products in ``low`` precision where given, see _low_precision) or the blockwise torch
-        kernel (float32 or float64 products)."""
+        kernel (float32 or float64 products; with ``partners``, raw features and (stats, pos), see
+        negative_terms)."""
         if backend == "triton":
             from contrastkit.losses.triton_stats import negative_stats_triton
 
@@ -439,15 +466,18 @@ class ContrastiveLoss(Objective):
         # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
         # sample's views) are symmetric.
         return negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
-                              columns=columns, keep=keep, row_grad=row_grad, symmetric=candidates is anchors)
+                              columns=columns, keep=keep, row_grad=row_grad, symmetric=candidates is anchors,
+                              normalize=partners is not None and self.normalize, partners=partners)
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
-                       low=None) -> Terms:
+                       low=None, partners=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
         (default M), for the kernel's guess of the gradient (see stat_grad); low: the Triton backend's
-        product dtype (see _low_precision)."""
+        product dtype (see _low_precision). pos None (the torch backend only): anchors and candidates are
+        the raw features, normalised in the kernel where ``normalize``, and each anchor's positives are the
+        candidates at ``partners`` [M, P]."""
         scale = self.default_logit_scale() if scale is None else scale
         backend = self._resolve_backend(anchors)
         if backend == "dense":
@@ -460,11 +490,15 @@ class ContrastiveLoss(Objective):
         if backend == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
             count = anchors.shape[0] if mean_over is None else mean_over
 
-            def row_grad(stats, r0, r1):
+            def row_grad(stats, r0, r1, pos_rows=None):
                 mean = stats[1] if self.needs_mean else None
-                return self.stat_grad(pos[r0:r1], stats[0], mean, num_neg, scale) / count
+                rows = pos[r0:r1] if pos_rows is None else pos_rows
+                return self.stat_grad(rows, stats[0], mean, num_neg, scale) / count
 
-        stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low, row_grad=row_grad)
+        stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low, row_grad=row_grad,
+                                     partners=partners if pos is None else None)
+        if pos is None:
+            stats, pos = stats
         return self._stat_terms(pos, stats, num_neg, scale)
 
     def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:

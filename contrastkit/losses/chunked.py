@@ -23,6 +23,14 @@ then dA = scale dL b, dB = scale dL^T a (= dL^T (scale a)), and d scale = <dL, a
 ``columns=True`` (image-text on one process: a square matrix whose excluded pairs are its diagonal) also
 gives the statistics of every column, so both directions of CLIP's loss come from one product.
 
+``normalize=True``: a and b are the raw features, in any float dtype; the kernel L2-normalises them, and
+with ``partners`` also returns the positives' cosines, so that the loss's settings (base.py) make no unit
+vectors at all. The exact path keeps only the features as given and their inverse norms, builds each
+block's unit rows on the way, and writes each row's gradient (negatives', positives' and the
+normalisation's backward) once, in the features' dtype: nothing of the features' size in float32 lives
+between forward and backward, nor during it, but image-text's [D, K] accumulator of d b
+(docs/performance.md, memory). bf16/fp16 features enter the products as they are (see _mm_low).
+
 Two implementations. The fast one shifts each row by the largest logit of a sample of its candidates,
 folded into the product as one more column ([a, -shift] [b, 1]^T), so a block costs one exp and one
 sum; in backward the row's 1 / sum folds into the small factors and the kept block goes straight into
@@ -121,6 +129,59 @@ def _blocks(m, k, block, keep):
         yield r0, r1, kept <= keep
 
 
+# ----------------------------------------------------------------------------- features: raw rows, unit rows
+
+_NORM_EPS = 1e-12  # F.normalize's default, as functional.normalize_rows
+
+
+def _compute_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _inverse_norms(x):
+    """(1 / max(||x_i||, eps), ||x_i|| >= eps) per row, in float32 (float64 for float64) whatever x's dtype."""
+    norm = torch.linalg.vector_norm(x, dim=1, dtype=_compute_dtype(x))
+    return 1.0 / norm.clamp_min(_NORM_EPS), norm >= _NORM_EPS
+
+
+def _unit_rows(x, inv, _unclamped=None):
+    """The unit rows x_i inv_i in float32 (float64), or x's rows as they are (in that dtype) without inv."""
+    x = x.to(_compute_dtype(x))
+    return x if inv is None else x * inv[:, None]
+
+
+def _unit_backward(grad, u, inv, unclamped):
+    """The features' gradient from their unit vectors' (u = x inv): (grad - u <grad, u>) inv, rows whose norm
+    was clamped only grad inv (as functional.normalize_rows); grad itself without normalisation."""
+    if inv is None:
+        return grad
+    along = torch.linalg.vecdot(grad, u, dim=-1).unsqueeze(-1) * unclamped[:, None]
+    return torch.addcmul(grad, u, along, value=-1.0).mul_(inv[:, None])
+
+
+def _partner_rows(b, partners, inv_b=None):
+    """The unit rows of b at partners [rows, P]: [rows, P, D], normalised on the way where inv_b is given."""
+    rows = b[partners].to(_compute_dtype(b))
+    return rows if inv_b is None else rows * inv_b[partners][..., None]
+
+
+def _unit_dots(u, b, partners, inv_b=None):
+    """The positives' cosines u_i . u_b_j, j = partners[i, p]: [rows, P] (None without partners). Elementwise,
+    not a batched product: under TF32 (on CUDA) that would round the operands to 11 bits."""
+    return None if partners is None else (u[:, None] * _partner_rows(b, partners, inv_b)).sum(dim=2)
+
+
+def _partner_sum(g, b, partners, inv_b=None):
+    """sum_p g_ip u_b_j, j = partners[i, p]: the positives' share of the anchors' gradient (elementwise: see
+    _unit_dots)."""
+    return (g[:, :, None] * _partner_rows(b, partners, inv_b)).sum(dim=1)
+
+
+def _with_pos(row_grad, pos):
+    """row_grad given the positives' cosines of its rows too (the loss's terms need them)."""
+    return lambda stats, r0, r1: row_grad(stats, r0, r1, pos[r0:r1])
+
+
 # Scratch blocks on CPU are cached per thread between calls: fresh memory costs page faults there (some
 # 20 ms per 64 MiB on a 2-core VM, a quarter of a block's product at D = 128), which CUDA's caching
 # allocator already avoids. A buffer is only ever used inside one forward or backward body, never
@@ -158,92 +219,120 @@ def _workspace(slot, shape, like):
 
 
 class _BlockStats(torch.autograd.Function):
-    """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor."""
+    """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor, and the
+    positives' cosines [M, P] (empty without partners)."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric):
+    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric, normalize, partners):
         # b None: two views on one process, the anchors are the candidates. Passed once, as torch.compile
         # cannot trace a Function given one tensor twice; backward returns the summed gradient as a's.
         ctx.same_input = b is None
         b = a if ctx.same_input else b
+        ctx.dtypes = a.dtype, b.dtype
         if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
             keep, row_grad = 0, None
+        inv_a = _inverse_norms(a) if normalize else (None, None)
+        inv_b = inv_a if ctx.same_input or not normalize else _inverse_norms(b)
         # The fast path's checks (overflow, the columns' error bound) and backward's check of the guess read
-        # values on the host; elsewhere (CUDA, torch.compile) the safe path runs, exact with no check.
-        fast = host_checks_allowed(a)
-        state, a_s = None, a * scale if fast else None  # the safe path scales each block's rows (no [M, D] copy)
-        if fast and columns and not with_mean:
-            state = _fast_columns(a_s, b, exclude, block, keep)
-        elif fast and not columns:
-            state = _fast_rows(a_s, b, exclude, block, keep, scale if with_mean else None, row_grad)
+        # values on the host; elsewhere (CUDA, torch.compile) the safe path runs, exact with no check. The fast
+        # path takes unit vectors, made whole (on the CPU memory is not what binds).
+        state = pos = None
+        if host_checks_allowed(a) and not (columns and with_mean):
+            u_a = _unit_rows(a, *inv_a)
+            u_b = u_a if ctx.same_input else _unit_rows(b, *inv_b)
+            pos = _unit_dots(u_a, u_b, partners)
+            a_s = u_a * scale
+            if columns:
+                state = _fast_columns(a_s, u_b, exclude, block, keep)
+            else:
+                guess = row_grad if row_grad is None or pos is None else _with_pos(row_grad, pos)
+                state = _fast_rows(a_s, u_b, exclude, block, keep, scale if with_mean else None, guess)
         ctx.fast = state is not None
         ctx.symmetric = symmetric and ctx.same_input and not ctx.fast and not columns
         spec = ()
         if ctx.fast:
+            a, b = u_a, u_b
             stats, shifts, norms, kept, *spec = state
         else:
-            stats, kept = _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep)
+            stats, pos, kept = _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b,
+                                             partners)
             shifts = norms = None
         ctx.block, ctx.with_mean, ctx.columns, ctx.n_spec = block, with_mean, columns, len(spec)
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
-        # The kept blocks are saved tensors too, so autograd frees them once backward has run (a Python
+        # Saved: the features as given (the exact path; the fast path's unit vectors), per-row numbers, and
+        # the kept blocks, as saved tensors too, so that autograd frees them once backward has run (a Python
         # attribute would hold them until the loss tensor dies: through the next step's forward).
         ctx.save_for_backward(a, None if ctx.same_input else b, stats, exclude, scale if ctx.scale_is_tensor else None,
-                              shifts, norms, *spec, *kept)
+                              shifts, norms, partners, *inv_a, *inv_b, *spec, *kept)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
-        return stats
+        return stats, pos if pos is not None else stats.new_empty(stats.shape[1], 0)
 
     @staticmethod
-    def backward(ctx, grad):
-        a, b, stats, exclude, scale_t, shifts, norms, *rest = ctx.saved_tensors
+    def backward(ctx, grad, grad_pos):
+        a, b, stats, exclude, scale_t, shifts, norms, partners, *rest = ctx.saved_tensors
         b = a if ctx.same_input else b
+        inv_a, inv_b, rest = tuple(rest[:2]), tuple(rest[2:4]), rest[4:]
         spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
-        need_a, need_b, need_scale = ctx.needs_input_grad[:3]
-        if not (need_a or need_b or need_scale):
-            return (None,) * 10
+        none = (None,) * 9
+        if not any(ctx.needs_input_grad[:3]):
+            return None, None, None, *none
+        if not ctx.fast:
+            return (*_safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, partners, grad_pos),
+                    *none)
         ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
-            return _finish(ctx, grad, a, stats, scale, spec[1], spec[2], ratio)
-        a_s = a * scale if ctx.fast else None
-        if ctx.fast and ctx.columns:
-            d_as, db_t = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
-        elif ctx.fast:
-            d_as, db_t = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
-                                             stats if ctx.with_mean else None, scale)
+            d_a, db, d_scale = _finish(ctx, grad, a, stats, scale, spec[1], spec[2], ratio)
         else:
-            d_as, db_t = _safe_backward(a, b, exclude, ctx.block, kept, stats, grad, scale, ctx.with_mean,
-                                        ctx.columns, ctx.symmetric)
-        return _finish(ctx, grad, a, stats, scale, d_as, db_t)
+            a_s = a * scale
+            if ctx.columns:
+                d_as, db_t = _fast_columns_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad)
+            else:
+                d_as, db_t = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
+                                                 stats if ctx.with_mean else None, scale)
+            d_a, db, d_scale = _finish(ctx, grad, a, stats, scale, d_as, db_t)
+        if partners is not None:  # the positives' share: d u_i += g_ip u_j and d u_j += g_ip u_i, j = partners_ip
+            if d_a is not None:
+                d_a.add_(_partner_sum(grad_pos, b, partners))
+            if (d_a if ctx.same_input else db) is not None:
+                pairs = (grad_pos[:, :, None] * a[:, None]).reshape(-1, a.shape[1])
+                (d_a if ctx.same_input else db).index_add_(0, partners.reshape(-1), pairs)
+        d_a = None if d_a is None else _unit_backward(d_a, a, *inv_a).to(ctx.dtypes[0])
+        db = None if db is None else _unit_backward(db, b, *inv_b).to(ctx.dtypes[1])
+        return d_a, db, d_scale, *none
 
 
 def _finish(ctx, grad, a, stats, scale, d_as, db_t, ratio=None):
-    """Backward's results from d a_s (the scaled anchors' gradient) and d b^T (db_t, the layout of the
-    faster products), both times ``ratio`` when they are forward's guess (saved tensors, so never changed
-    in place; None: computed by backward, and scaled in place). When one tensor is both anchors and
-    candidates (two views on one process) its gradient is the sum, returned once (autograd would add
-    the two). The transposed copy comes first: elementwise ops reading db_t.T took up to twice as long.
-    Symmetric (see _safe_backward): d_as is (dL + dL^T) b, the whole gradient over scale, and db_t None."""
+    """The fast path's gradients of a, b (unit vectors) and the scale from d a_s (the scaled anchors'
+    gradient) and d b^T (db_t, the layout of the faster products), both times ``ratio`` when they are
+    forward's guess (saved tensors, so never changed in place; None: computed by backward, and scaled in
+    place). When one tensor is both anchors and candidates (two views on one process) its gradient is the
+    sum, returned once (autograd would add the two). The transposed copy comes first: elementwise ops
+    reading db_t.T took up to twice as long."""
     need_a, need_b, need_scale = ctx.needs_input_grad[:3]
     guessed, ratio = ratio is not None, 1.0 if ratio is None else ratio
     d_scale = None
     if need_scale:
-        d_scale = (d_as * a).sum() * (0.5 if ctx.symmetric else ratio)  # <dL, a b^T> = <dL + dL^T, a a^T> / 2
-        if ctx.with_mean:  # mean = sum p L / scale: its own 1 / scale
-            d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
-            if ctx.columns:
-                d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
-        d_scale = d_scale.reshape(scale.shape)
+        d_scale = _mean_scale_grad(ctx, grad, stats, scale, (d_as * a).sum() * ratio)  # <dL, a b^T>
     d_a = db = None
-    if need_a:
+    if need_a or (need_b and ctx.same_input):
         d_a = d_as * (scale * ratio) if guessed else d_as.mul_(scale)
         # No add(..., alpha=scale): inductor (2.9.1, 2.14.1, CPU) turns add(c, a @ b, alpha=s) into addmm, alpha lost.
-        if ctx.same_input and not ctx.symmetric:
+        if ctx.same_input:
             d_a = _times(_transposed(db_t), ratio).add_(d_a)
     if need_b and not ctx.same_input:
         db = _times(_transposed(db_t), ratio)
-    return d_a, db, d_scale, None, None, None, None, None, None, None
+    return d_a, db, d_scale
+
+
+def _mean_scale_grad(ctx, grad, stats, scale, d_scale):
+    """d scale from <dL, a b^T>, less the mean's own 1 / scale (mean = sum p L / scale), in scale's shape."""
+    if ctx.with_mean:
+        d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
+        if ctx.columns:
+            d_scale = d_scale - (grad[3] * stats[3]).sum() / scale
+    return d_scale.reshape(scale.shape)
 
 
 def _transposed(x):
@@ -421,23 +510,76 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
 # ----------------------------------------------------------------------------- safe: exact maxima, CACR's mean
 
 
-def _scaled_logits(a, scale, b, exclude, r0, r1):
-    """The block's logits, its rows of a scaled on the way (no scaled copy of the whole of a)."""
-    return _put_excluded(torch.mm(a[r0:r1] * scale, b.T), exclude, r0, r1)
+def _operand(x):
+    """x as the exact path's products take it: itself in float32 or float64, and in bfloat16 or float16 where
+    the device's product writes float32 from it (CUDA, and the meta device that counts its memory), else
+    (the CPU) a float32 copy."""
+    if x.dtype in (torch.float32, torch.float64) or x.device.type in ("cuda", "meta"):
+        return x
+    return x.float()
 
 
-def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep):
-    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not. No value
-    is read on the host: the path of CUDA and torch.compile. At most two blocks live at a time."""
+def _low(x):
+    return x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm_f32(x, y):
+    """x @ y for bfloat16 or float16 operands, written in float32: exact products, float32 sums (CUDA's
+    bf16/fp16 GEMM with out_dtype; the meta device gives its shape)."""
+    return torch.mm(x, y, out_dtype=torch.float32)
+
+
+def _mm_low(dl, x):
+    """dl @ x for dl in float32 and x in bfloat16 or float16, in float32 with no float32 copy of x: dl split
+    into hi + lo in x's dtype (16 significant bits in bf16, 22 in fp16: a relative error some 2^-17 per
+    entry, far below the rounding of the bf16/fp16 gradient this makes), two products written in float32.
+    fp16's range: each row of dl scaled by a power of two first (exact). Overwrites dl."""
+    if not _low(x):
+        return torch.mm(dl, x)
+    row = None
+    if x.dtype == torch.float16:
+        row = torch.exp2(torch.floor(torch.log2(dl.abs().amax(dim=1).clamp_min(2.0**-100))))[:, None]
+        dl.div_(row)
+    hi = dl.to(x.dtype)
+    lo = dl.sub_(hi).to(x.dtype)
+    out = _mm_f32(hi, x)
+    out += _mm_f32(lo, x)
+    return out if row is None else out.mul_(row)
+
+
+def _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a=None, inv_b=None):
+    """The block's logits scale u_a u_b^T, u = x inv made on the way (no unit or scaled copy of the whole of
+    a or b): the rows' factor folds into a's rows (float32/64) or scales the product (bf16/fp16, whose
+    product is written in float32), the columns' inverse norms scale it."""
+    row = scale if inv_a is None else inv_a[r0:r1, None] * scale
+    if _low(xa):
+        logits = _mm_f32(xa[r0:r1], xb.T).mul_(row)
+    else:
+        logits = torch.mm(xa[r0:r1] * row, xb.T)
+    if inv_b is not None:
+        logits.mul_(inv_b)
+    return _put_excluded(logits, exclude, r0, r1)
+
+
+def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b, partners):
+    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not; the
+    positives' cosines. No value is read on the host: the path of CUDA and torch.compile. At most two
+    blocks live at a time, and nothing of a's or b's size: the features are normalised per block."""
     m, k = a.shape[0], b.shape[0]
-    stats = a.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m))
+    xa = _operand(a)
+    xb = xa if b is a else _operand(b)
+    dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    stats = a.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m), dtype=dtype)
     lse, mean = stats[0], stats[1] if with_mean else None
+    pos = None if partners is None else a.new_empty(partners.shape, dtype=dtype)
     if columns:
-        col_max = a.new_full((k,), float("-inf"))
-        col_sum, col_wsum = a.new_zeros(k), a.new_zeros(k)
+        col_max = stats.new_full((k,), float("-inf"))
+        col_sum, col_wsum = stats.new_zeros(k), stats.new_zeros(k)
     kept = []
     for r0, r1, keep_block in _blocks(m, k, block, keep):
-        logits = _scaled_logits(a, scale, b, exclude, r0, r1)
+        if pos is not None:
+            pos[r0:r1] = _unit_dots(_unit_rows(a[r0:r1], _rows(inv_a[0], r0, r1)), b, partners[r0:r1], inv_b[0])
+        logits = _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a[0], inv_b[0])
         lse[r0:r1] = torch.logsumexp(logits, dim=1)
         if with_mean:
             mean[r0:r1] = torch.sub(logits, lse[r0:r1, None]).exp_().mul_(logits).sum(dim=1) / scale
@@ -460,7 +602,11 @@ def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep):
         stats[col] = col_max + torch.log(col_sum)
         if with_mean:
             stats[col + 1] = col_wsum / col_sum / scale
-    return stats, kept
+    return stats, pos, kept
+
+
+def _rows(x, r0, r1):
+    return None if x is None else x[r0:r1]
 
 
 def _safe_dlogits(logits, lse, grad, mean, grad_mean, scale, inplace=False):
@@ -475,19 +621,42 @@ def _safe_dlogits(logits, lse, grad, mean, grad_mean, scale, inplace=False):
     return (logits.mul_(beta) if inplace else logits * beta).add_(alpha).mul_(p)
 
 
-def _safe_backward(a, b, exclude, block, kept, stats, grad, scale, with_mean, columns, symmetric):
-    """d a_s and d b^T, block by block. ``symmetric`` (two views on one process: b is a, and the excluded
-    pairs are symmetric): L is symmetric, so the transposed term p_ki of each block is exp(L_ik - lse_k) and
-    d a = scale (dL + dL^T) a comes row block by row block, one product each, with no [D, K] accumulator:
-    d_as is then (dL + dL^T) b and db_t None (see _finish)."""
+def _mirror(partners):
+    """For symmetric pairs (j in partners[i] exactly when i is in partners[j]): the flat index of the pair
+    (i, partners[i, p]) seen from the other side, j * P + q with partners[j, q] = i."""
+    rows = torch.arange(partners.shape[0], device=partners.device)
+    q = (partners[partners] == rows[:, None, None]).int().argmax(dim=2)
+    return partners * partners.shape[1] + q
+
+
+def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, partners, grad_pos):
+    """The exact path's gradients of a, b and the scale, row block by row block: the block's d/dL, its
+    product with the unit candidates, the positives' share and the normalisation's backward, each row of
+    d a written once in a's dtype. d b: scale dL^T u_a accumulated over the blocks ([D, K], float32), then
+    normalised the same way. ``symmetric`` (two views on one process: b is a, and the excluded pairs are
+    symmetric): L is symmetric, so the transposed term p_ki of each block is exp(L_ik - lse_k) and
+    d u = scale (dL + dL^T) u comes row block by row block, one product each, with no [D, K] accumulator.
+    Between forward and backward and during backward nothing of a's size is held but the gradients."""
+    need_a, need_b, need_scale = ctx.needs_input_grad[:3]
+    block, with_mean, columns, symmetric = ctx.block, ctx.with_mean, ctx.columns, ctx.symmetric
     col = 2 if with_mean else 1
-    m = a.shape[0]
-    d_as = torch.empty_like(a)
-    db_t = None if symmetric else b.new_zeros(b.shape[1], b.shape[0])  # db transposed: faster products
-    for i, r0 in enumerate(range(0, m, block)):
-        r1 = min(r0 + block, m)
+    (m, d), k = a.shape, b.shape[0]
+    xa = _operand(a)
+    xb = xa if ctx.same_input else _operand(b)
+    whole = ctx.same_input and not symmetric  # both shares of one tensor's gradient: summed before normalising
+    d_a = None
+    if whole:
+        d_a = stats.new_empty(m, d)
+    elif need_a:
+        d_a = torch.empty_like(a)
+    db_t = None if symmetric or not (need_b or whole) else stats.new_zeros(d, k)  # transposed: faster products
+    d_scale = stats.new_zeros(())
+    g_pos = None
+    if partners is not None:
+        g_pos = grad_pos + grad_pos.reshape(-1)[_mirror(partners)] if symmetric else grad_pos
+    for i, (r0, r1, _) in enumerate(_blocks(m, k, block, 0)):
         recomputed = i >= len(kept)
-        logits = _scaled_logits(a, scale, b, exclude, r0, r1) if recomputed else kept[i]
+        logits = _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a[0], inv_b[0]) if recomputed else kept[i]
         other = None
         if columns or symmetric:  # the columns' term first, while the logits are intact
             c = col if columns else 0
@@ -499,16 +668,47 @@ def _safe_backward(a, b, exclude, block, kept, stats, grad, scale, with_mean, co
         if other is not None:
             dl = dl.add_(other)
             del other
-        torch.mm(dl, b, out=d_as[r0:r1])
-        if not symmetric:
-            db_t.addmm_((a[r0:r1] * scale).T, dl)
-        del logits, dl  # before the next block's product: two blocks at a time
-    return d_as, db_t
+        del logits
+        u = _unit_rows(a[r0:r1], _rows(inv_a[0], r0, r1))
+        if db_t is not None:
+            db_t.addmm_((u * scale).T, dl)
+            if partners is not None:  # the positives' share of d u_b: g_ip u_i at column partners_ip
+                pairs = grad_pos[r0:r1, :, None] * u[:, None]
+                db_t.index_add_(1, partners[r0:r1].reshape(-1), pairs.reshape(-1, d).T)
+        if inv_b[0] is not None:
+            dl.mul_(inv_b[0])  # dL u_b = (dL inv_b) x_b
+        g = _mm_low(dl, xb)  # (dL or dL + dL^T) u_b for these rows
+        del dl  # before the next block's product: two blocks at a time
+        if need_scale:
+            d_scale += (g * u).sum()  # <dL, u_a u_b^T> over these rows
+        if d_a is not None:
+            g.mul_(scale)
+            if g_pos is not None:  # the positives' share: g_ip u_j (and g_jq u_j of its mirror)
+                g += _partner_sum(g_pos[r0:r1], b, partners[r0:r1], inv_b[0])
+            d_a[r0:r1] = g if whole else _unit_backward(g, u, *(_rows(x, r0, r1) for x in inv_a))
+    d_scale = _mean_scale_grad(ctx, grad, stats, scale, d_scale * 0.5 if symmetric else d_scale) if need_scale else None
+    if whole:
+        d_a = _normalised_grad(d_a.add_(db_t.T), a, inv_a, block)
+        return d_a, None, d_scale
+    d_b = None
+    if need_b and db_t is not None:
+        d_b = _normalised_grad(db_t.T, b, inv_b, block)
+    return d_a, d_b, d_scale
+
+
+def _normalised_grad(g, x, inv, block):
+    """The features' gradient, in x's dtype, from their unit vectors' (g [K, D], any layout), block by block."""
+    out = torch.empty_like(x)
+    for r0, r1, _ in _blocks(x.shape[0], 0, block, 0):
+        u = _unit_rows(x[r0:r1], _rows(inv[0], r0, r1))
+        out[r0:r1] = _unit_backward(g[r0:r1], u, *(_rows(t, r0, r1) for t in inv))
+    return out
 
 
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
                    block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
-                   row_grad=None, symmetric: bool = False):
+                   row_grad=None, symmetric: bool = False, normalize: bool = False,
+                   partners: torch.Tensor | None = None):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
@@ -524,6 +724,12 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     symmetric (rows only): the caller vouches that candidates is anchors and that k is excluded from row i
     exactly when i is from row k (two views on one process); the exact path's backward (CUDA, compiled)
     then takes one product per block instead of two, and no [D, K] accumulator (see _safe_backward).
+
+    normalize: anchors and candidates are raw features (any float dtype), L2-normalised inside; the exact
+    path keeps only their inverse norms and normalises each block on the way, so nothing of their size is
+    held between forward and backward, and their gradients come back in their own dtype. partners [M, P]:
+    also return the positives' cosines pos[i, p] = u_i . u_{partners[i, p]} (the unit anchors with the
+    unit candidates), as ``(stats, pos)``; row_grad then takes the rows' cosines as a fourth argument.
     """
     if columns:
         m = anchors.shape[0]
@@ -533,5 +739,8 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
-    return _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude, int(block),
-                             with_mean, columns, int(keep), row_grad, symmetric)
+    if partners is not None and partners is exclude:  # image-text: torch.compile cannot trace one tensor given twice
+        partners = partners.clone()
+    stats, pos = _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude,
+                                   int(block), with_mean, columns, int(keep), row_grad, symmetric, normalize, partners)
+    return stats if partners is None else (stats, pos)
