@@ -142,7 +142,7 @@ def sampled_blocks(mode_box, skipped):
         items = list(full(m, k, block, keep))
         skipped.append(max(0, len(items) - 4))
         starts = []
-        for j, item in enumerate(items[:3] + items[3:][-1:]):
+        for item in items[:3] + items[3:][-1:]:
             starts.append(mode_box[0].total)
             yield item
         if len(starts) >= 3:
