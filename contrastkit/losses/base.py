@@ -29,8 +29,8 @@ BLOCK_ELEMENTS = 2**22
 KEEP_MAX_ELEMENTS = 2**26
 # On a GPU (any device but the CPU): blocks of about DEVICE_BLOCK_ELEMENTS logits, none kept. A block's
 # product is then 2^24 * 2 D flops (17 GFLOP at D = 512: tens of microseconds on an H100, far above a
-# launch), and the exact path holds at most two float32 blocks (128 MiB) at a time; 2^27 would hold 1 GiB
-# and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
+# launch), and the exact path holds at most two or three float32 blocks (128-192 MiB) at a time; 2^27 would
+# hold 1 GiB and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
 DEVICE_BLOCK_ELEMENTS = 2**24
 # How the negatives' statistics are computed: "auto" (blockwise torch), or one forced (see choose_backend).
 Backend = Literal["auto", "triton", "torch", "dense"]

@@ -564,7 +564,8 @@ def _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a=None, inv_b=None):
 def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b, partners):
     """Each block's exact row maximum (and the columns' running maximum); the logits kept or not; the
     positives' cosines. No value is read on the host: the path of CUDA and torch.compile. At most two
-    blocks live at a time, and nothing of a's or b's size: the features are normalised per block."""
+    blocks live at a time, and on CUDA nothing of a's or b's size (the features are normalised per block;
+    the CPU takes float32 copies of bf16/fp16 features, see _operand)."""
     m, k = a.shape[0], b.shape[0]
     xa = _operand(a)
     xb = xa if b is a else _operand(b)
@@ -636,7 +637,7 @@ def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, p
     normalised the same way. ``symmetric`` (two views on one process: b is a, and the excluded pairs are
     symmetric): L is symmetric, so the transposed term p_ki of each block is exp(L_ik - lse_k) and
     d u = scale (dL + dL^T) u comes row block by row block, one product each, with no [D, K] accumulator.
-    Between forward and backward and during backward nothing of a's size is held but the gradients."""
+    Nothing else of a's or b's size is made but their gradients (on the CPU, see _operand)."""
     need_a, need_b, need_scale = ctx.needs_input_grad[:3]
     block, with_mean, columns, symmetric = ctx.block, ctx.with_mean, ctx.columns, ctx.symmetric
     col = 2 if with_mean else 1
