@@ -340,7 +340,7 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
 
     from contrastkit.data.speech import default_speech_data, read_fsc
 
-    root = default_speech_data() / "fsc"
+    root = default_speech_data(small=True) / "fsc"
     train, test = read_fsc(root, "train"), read_fsc(root, "test")
     commands, batches = _clap_batches(train, 200)
     clips = datasets.Dataset.from_dict({"audio": [r["path"] for r in train + test]}).cast_column(

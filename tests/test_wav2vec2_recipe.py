@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(tmp_path, backend, **kw):
+    kw.setdefault("data", str(speech.default_speech_data(small=True) / "fsc"))
     return PretrainConfig(backend=backend, loss="dcl", out_dir=str(tmp_path / backend), steps=4, batch_size=4,
                           max_seconds=1.0, save_every=2, log_every=1, **kw)
 
@@ -91,7 +92,7 @@ def test_default_run_beats_untrained_on_heldout_pretext(tmp_path):
 
 def _tiny_copies(tmp_path) -> tuple[Path, Path]:
     """FSC and VoxCeleb1 copies in their own layouts: 4 speakers, a few utterances each."""
-    src = speech.default_speech_data()
+    src = speech.default_speech_data(small=True)
     fsc = tmp_path / "fsc"
     (fsc / "data").mkdir(parents=True)
     for split, n in (("train", 24), ("valid", 8), ("test", 8)):
@@ -162,7 +163,8 @@ def test_recipe_on_two_processes(tmp_path):
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(29700 + os.getpid() % 200),
            str(ROOT / "recipes" / "wav2vec2" / "train.py"), "--steps", "2", "--batch-size", "2", "--save-every", "2",
-           "--log-every", "1", "--out", str(out)]
+           "--log-every", "1", "--out", str(out),
+           "--data", str(speech.default_speech_data(small=True) / "fsc")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}  # gloo processes on the CPU
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=400)
