@@ -144,6 +144,14 @@ def test_eval_scripts_run_on_the_checkpoints(tmp_path):
     assert (run / "eval" / "speaker_id.png").is_file()
     hf_intent = superb.intent(run / "upstream", fsc, superb.DownstreamConfig(epochs=2))
     assert hf_intent["backend"] == "hf"
+    # cache=True (the comparison's two tasks on one upstream): each file's features computed once, same result
+    cached = superb.Upstream(run, cache=True)
+    forward, calls = cached.hidden_states, []
+    cached.hidden_states = lambda wave: calls.append(1) or forward(wave)
+    first = superb.intent(cached, fsc, superb.DownstreamConfig(epochs=2))
+    again = superb.intent(cached, fsc, superb.DownstreamConfig(epochs=2))
+    assert len(calls) == sum(first["utterances"].values()) == len(cached.pooled)
+    assert first["test_accuracy"] == again["test_accuracy"] == hf_intent["test_accuracy"]
     with pytest.raises(ValueError, match="neither a Hugging Face model folder"):
         superb.Upstream(tmp_path)
 
