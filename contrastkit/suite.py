@@ -58,7 +58,7 @@ DEFAULT_CONFIG = {
                    "evals": ["knn", "linear_probe"], "eval_options": {"linear_probe": {"epochs": 30}}},
         "image_text": {"data": None, "zeroshot": None, "checkpoints": {}, "train": {"batch-size": 32, "steps": 100},
                        "evals": ["zeroshot"]},
-        "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 40},
+        "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 800},
                    "evals": ["speaker_id", "intent"], "eval_options": {"speaker_id": {"epochs": 60},
                                                                         "intent": {"epochs": 60}}},
         "audio_text": {"fsc": None, "checkpoints": {}, "train": {"steps": 300}, "evals": ["zeroshot_intent"]},

@@ -74,9 +74,11 @@ def test_a_diverging_clip_run_stops_with_one_line(clip_data, tmp_path, capsys, m
 
 
 def test_a_diverging_speech_run_stops(tmp_path, one_thread):
+    from contrastkit.data.speech import default_speech_data
     from contrastkit.speech.pretrain import PretrainConfig, pretrain
 
     cfg = PretrainConfig(backend="hf", loss="dcl", out_dir=str(tmp_path), steps=4, batch_size=4, max_seconds=1.0,
+                         data=str(default_speech_data(small=True) / "fsc"),
                          save_every=1, log_every=1, lr=1e30, warmup=0.0, pretext_eval=False)
     with pytest.raises(RunError, match="step [23]: the .* became non-finite") as caught:
         pretrain(cfg)

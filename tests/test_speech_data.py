@@ -26,8 +26,34 @@ def test_synthesis_is_deterministic_and_voices_differ():
     assert len(a) != len(c) or not np.array_equal(a, c)
 
 
+# sha256 of the int16 samples of three clips (speaker, command, take) of the embedded default: espeak-ng
+# (espeakng-loader 0.2.4) and numpy's FFT; a change to the synthesis or the rooms changes them (and then
+# VERSION must change too, so that cached copies are rebuilt).
+CLIP_SHA256 = {(0, 0, 0): "a751154a693efdb0", (17, 5, 2): "ae53a20850e7a513", (39, 23, 3): "fe9c7f81a63656ff"}
+
+
+def test_embedded_clips_are_deterministic():
+    import hashlib
+
+    clips = list(CLIP_SHA256)
+    waves = speech._clips(clips[::-1])[::-1]  # order does not matter: each clip in a fresh process
+    assert {c: hashlib.sha256(w.tobytes()).hexdigest()[:16] for c, w in zip(clips, waves)} == CLIP_SHA256
+    assert all(w.dtype == np.int16 and 0.5 * 16000 < len(w) < 3 * 16000 for w in waves)
+
+
+def test_full_default_splits_hold_600_test_utterances():
+    """The full set's design (not generated here: ~2 min): binomial standard error <= 2 points on both tasks."""
+    speakers, commands, takes = range(len(speech.VOICES)), range(len(speech.COMMANDS)), speech.TAKES
+    intent_test = sum(speech.fsc_split(s) == "test" for s in speakers) * len(commands) * takes
+    speaker_test = len(speakers) * sum(speech.voxceleb_split(c) == "3" for c in commands) * takes
+    assert (intent_test, speaker_test) == (768, 640)
+    assert len({v[0] for v in speech.VOICES}) == len({v[1] for v in speech.VOICES}) == 40  # 40 distinct voices
+    train_intents = {c[1:] for c in speech.COMMANDS}
+    assert all(speech.fsc_split(s) in speech.FSC_SPLITS for s in speakers) and len(train_intents) == 20
+
+
 def test_embedded_default_layouts():
-    root = speech.default_speech_data()
+    root = speech.default_speech_data(small=True)
     fsc = {s: speech.read_fsc(root / "fsc", s) for s in speech.FSC_SPLITS}
     assert [len(fsc[s]) for s in speech.FSC_SPLITS] == [216, 72, 72]
     speakers = {s: {r["speaker"] for r in rows} for s, rows in fsc.items()}

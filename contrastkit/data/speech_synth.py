@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import shutil
 import subprocess
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,8 +69,10 @@ def synthesize(text: str, *, voice: str = "en", rate: int = 160, pitch: int = 50
     return synthesize_many([dict(text=text, voice=voice, rate=rate, pitch=pitch, pitch_range=pitch_range)])[0]
 
 
-def synthesize_many(jobs: list[dict], processes: int = 2, desc: str | None = None) -> list[tuple[np.ndarray, int]]:
-    """``synthesize(**job)`` for every job, each in a fresh forked process.
+def synthesize_many(jobs: list[dict], processes: int = 2, desc: str | None = None,
+                    then: Callable[[np.ndarray, int, dict], Any] | None = None) -> list:
+    """``synthesize(**job)`` for every job, each in a fresh forked process; with ``then``, what
+    ``then(audio, sample_rate, job)`` returns (run in the child too, so post-processing is parallel).
 
     libespeak-ng keeps internal state from one utterance to the next (the same text comes out a few
     samples different the second time, even after re-initialising), so each utterance is synthesised in
@@ -80,11 +84,16 @@ def synthesize_many(jobs: list[dict], processes: int = 2, desc: str | None = Non
     from tqdm import tqdm
 
     with multiprocessing.get_context("fork").Pool(processes, maxtasksperchild=1) as pool:
-        results = pool.imap(_synthesize_here, jobs, chunksize=1)
+        results = pool.imap(functools.partial(_synthesize_here, then=then), jobs, chunksize=1)
         return list(tqdm(results, total=len(jobs), desc=desc, leave=False, disable=desc is None))
 
 
-def _synthesize_here(job: dict) -> tuple[np.ndarray, int]:
+def _synthesize_here(job: dict, then=None):
+    audio, sample_rate = _synthesize_one(job)
+    return (audio, sample_rate) if then is None else then(audio, sample_rate, job)
+
+
+def _synthesize_one(job: dict) -> tuple[np.ndarray, int]:
     global _LIBRARY
     try:
         if _LIBRARY is None:

@@ -34,11 +34,14 @@ from contrastkit.data import speech as data
 
 class Upstream:
     """A frozen upstream on ``device`` (default: cuda when visible): ``hidden_states(wave [T]) -> [L + 1, frames,
-    dim]`` (input of layer 1 .. output of L)."""
+    dim]`` (input of layer 1 .. output of L). cache=True keeps each file's per-layer frame means, so two tasks
+    on one upstream (the embedded default's two layouts hard-link the same files) compute them once."""
 
-    def __init__(self, path: str | Path, device: str | torch.device | None = None):
+    def __init__(self, path: str | Path, device: str | torch.device | None = None, cache: bool = False):
         path = Path(path)
         self.device = torch.device(device or default_device())
+        # (st_dev, st_ino) of a file -> its [L + 1, dim] frame means; None: no cache
+        self.pooled: dict[tuple[int, int], torch.Tensor] | None = {} if cache else None
         if (path / "upstream").is_dir():
             path = path / "upstream"
         if not path.exists():
@@ -170,9 +173,21 @@ def _features(upstream: Upstream, records: list[dict], desc: str) -> tuple[torch
     """Per utterance, each layer's mean over its frames: [utterances, L + 1, D] (float32, CPU)."""
     from tqdm import tqdm
 
-    waves, kept = data.load_waveforms(records)
-    return torch.stack([upstream.hidden_states(w).float().mean(1).cpu()
-                        for w in tqdm(waves, desc=desc, leave=False)]), kept
+    def key(record):
+        try:
+            stat = Path(record["path"]).stat()
+        except OSError:
+            return None  # load_waveforms reports it
+        return stat.st_dev, stat.st_ino
+
+    cache = {} if upstream.pooled is None else upstream.pooled
+    todo = [r for r in records if key(r) not in cache]
+    if todo:
+        waves, kept = data.load_waveforms(todo)
+        for r, w in zip(kept, tqdm(waves, desc=desc, leave=False)):
+            cache[key(r)] = upstream.hidden_states(w).float().mean(1).cpu()
+    kept = [r for r in records if key(r) in cache]
+    return torch.stack([cache[key(r)] for r in kept]), kept
 
 
 def _labels(records: list[dict], tasks: list[str], vocab: dict[str, list[str]]) -> dict[str, torch.Tensor]:

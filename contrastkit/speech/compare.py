@@ -2,6 +2,8 @@
 recipe, evaluate speaker ID and intent SUPERB-style, and write a table (Markdown, JSON) and a plot.
 
 The untrained upstream (same initialisation) is evaluated too, as the floor the pre-training must beat.
+A run folder that holds a finished run (and its evaluation) is reused, so seeds can run as separate
+processes into one folder and a last call with every seed writes the table.
 Each cell is the mean ± half-width of the 95 % t-interval over seeds; every upstream gets a paired verdict
 against the untrained one and every objective against InfoNCE (contrastkit.evaluation.stats).
 """
@@ -26,7 +28,7 @@ class SpeechCompareArgs:
     backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
     losses: list[str] = arg(help="objectives to compare", choices=SPEECH_LOSSES, factory=lambda: ["infonce", "dcl"])
     seeds: list[int] = arg(help="seeds", factory=lambda: [0])
-    steps: int = arg(400, "pre-training steps per upstream")
+    steps: int = arg(PretrainConfig.steps, "pre-training steps per upstream")
     batch_size: int = arg(8, "utterances per process")
     epochs: int = arg(150, "downstream epochs")
     data: str | None = arg(None, "a folder holding fsc/ and voxceleb1/ (default: embedded)")
@@ -50,13 +52,20 @@ def compare(out_dir: str | Path, losses=("infonce", "dcl"), seeds=(0,), base: Pr
             cfg = dataclasses.replace(base, loss="infonce" if loss == "untrained" else loss, seed=seed,
                                       out_dir=str(run), data=data_root)
             if loss == "untrained":
-                export_upstream(build_model(cfg), cfg, run / "upstream")
+                if not (run / "upstream").is_dir():
+                    export_upstream(build_model(cfg), cfg, run / "upstream")
             elif not (run / "summary.json").is_file():
                 pretrain(cfg)
             row = {"upstream": loss, "seed": seed}
+            upstream = None
             for task, fn, sub in (("speaker_id", superb.speaker_id, "voxceleb1"), ("intent", superb.intent, "fsc")):
-                result = fn(run, Path(data_root) / sub if data_root else None, downstream)
-                superb.write_report(result, run / "eval")
+                report = run / "eval" / f"{task}.json"
+                if report.is_file():  # a finished run's evaluation is reused
+                    result = json.loads(report.read_text())
+                else:
+                    upstream = upstream or superb.Upstream(run, cache=True)  # both tasks: features once per file
+                    result = fn(upstream, Path(data_root) / sub if data_root else None, downstream)
+                    superb.write_report(result, run / "eval")
                 row[task] = result["test_accuracy"]
             if loss != "untrained":
                 row["final_loss_per_frame"] = json.loads((run / "summary.json").read_text())["final_loss_per_frame"]

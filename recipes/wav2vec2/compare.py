@@ -1,7 +1,7 @@
 """InfoNCE vs DCL wav2vec 2.0 upstreams on the embedded spoken commands (or --data): speaker ID and intent
 accuracy as a table (OUT/comparison.md, .json) and a plot (OUT/comparison.png).
 
-    OMP_NUM_THREADS=1 python recipes/wav2vec2/compare.py --steps 400 --seeds 0 1
+    OMP_NUM_THREADS=1 python recipes/wav2vec2/compare.py --seeds 0 1 2
 """
 
 from contrastkit.cli import parse
