@@ -243,9 +243,10 @@ def read_voxceleb_iden(root: str | Path, split: str, split_file: str | Path | No
 
 def default_speech_data(cache_dir: str | Path | None = None, *, small: bool = False) -> Path:
     """The embedded default, generated once (deterministic; 167 s on the 2 shared cores, 373 s under heavy
-    load) and cached: ``<dir>/fsc`` (FSC layout) and ``<dir>/voxceleb1`` (VoxCeleb1 identification layout), the same 3840 clips: 24
-    commands x 40 voices x 4 takes, 16 kHz (test splits: 768 utterances for intent, 640 for speaker ID).
-    small: the tests' subset, 10 voices x 12 commands x 3 takes (360 clips, ~15 s; test splits 72 and 60).
+    load) and cached: ``<dir>/fsc`` (FSC layout) and ``<dir>/voxceleb1`` (VoxCeleb1 identification layout),
+    the same 3840 clips: 24 commands x 40 voices x 4 takes, 16 kHz (test splits: 768 utterances for intent,
+    640 for speaker ID). small: the tests' subset, 10 voices x 12 commands x 3 takes (360 clips, 25 s under
+    load; test splits 72 and 60).
     Default cache: $CONTRASTKIT_DATA or ~/.cache/contrastkit."""
     base = Path(cache_dir or os.environ.get("CONTRASTKIT_DATA") or Path.home() / ".cache" / "contrastkit")
     name = VERSION + ("-small" if small else "")
