@@ -78,7 +78,8 @@ VOICES = [
     ("id10027", "en-gb-x-gbcwmd+m1", 44, 190), ("id10028", "en+linda", 66, 160), ("id10029", "en-us+Gene", 36, 175),
     ("id10030", "en-gb-scotland+f4", 80, 155), ("id10031", "en-029+klatt4", 46, 170),
     ("id10032", "en-us-nyc+Jacky", 58, 160), ("id10033", "en+steph", 72, 185), ("id10034", "en-gb-x-rp+max", 40, 155),
-    ("id10035", "en-us+belinda", 64, 170), ("id10036", "en-gb-x-gbclan+m3", 34, 175), ("id10037", "en+grandpa", 30, 145),
+    ("id10035", "en-us+belinda", 64, 170), ("id10036", "en-gb-x-gbclan+m3", 34, 175),
+    ("id10037", "en+grandpa", 30, 145),
     ("id10038", "en-us+aunty", 76, 165), ("id10039", "en-gb-x-gbcwmd+m6", 54, 160), ("id10040", "en+Lee", 50, 175),
 ]
 TAKES = 4
