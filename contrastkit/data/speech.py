@@ -9,7 +9,7 @@ The embedded default is written in both real layouts, so the same loaders read i
 - VoxCeleb1 identification: ``wav/<speaker>/<video>/<utt>.wav`` and ``iden_split.txt`` lines
   ``<1|2|3> <speaker>/<video>/<utt>.wav`` (1 train, 2 dev, 3 test); every speaker in every split.
 
->>> root = default_speech_data()                # cached, ~2 min the first time
+>>> root = default_speech_data()                # cached, ~3 min the first time
 >>> train = read_fsc(root / "fsc", "train")     # list of dicts
 >>> wave = load_audio(train[0]["path"])         # float32 [T] at 16 kHz
 """
@@ -78,7 +78,8 @@ VOICES = [
     ("id10027", "en-gb-x-gbcwmd+m1", 44, 190), ("id10028", "en+linda", 66, 160), ("id10029", "en-us+Gene", 36, 175),
     ("id10030", "en-gb-scotland+f4", 80, 155), ("id10031", "en-029+klatt4", 46, 170),
     ("id10032", "en-us-nyc+Jacky", 58, 160), ("id10033", "en+steph", 72, 185), ("id10034", "en-gb-x-rp+max", 40, 155),
-    ("id10035", "en-us+belinda", 64, 170), ("id10036", "en-gb-x-gbclan+m3", 34, 175), ("id10037", "en+grandpa", 30, 145),
+    ("id10035", "en-us+belinda", 64, 170), ("id10036", "en-gb-x-gbclan+m3", 34, 175),
+    ("id10037", "en+grandpa", 30, 145),
     ("id10038", "en-us+aunty", 76, 165), ("id10039", "en-gb-x-gbcwmd+m6", 54, 160), ("id10040", "en+Lee", 50, 175),
 ]
 TAKES = 4
@@ -242,10 +243,11 @@ def read_voxceleb_iden(root: str | Path, split: str, split_file: str | Path | No
 
 
 def default_speech_data(cache_dir: str | Path | None = None, *, small: bool = False) -> Path:
-    """The embedded default, generated once (deterministic, ~2 min on 2 cores) and cached: ``<dir>/fsc``
-    (FSC layout) and ``<dir>/voxceleb1`` (VoxCeleb1 identification layout), the same 3840 clips: 24
-    commands x 40 voices x 4 takes, 16 kHz (test splits: 768 utterances for intent, 640 for speaker ID).
-    small: the tests' subset, 10 voices x 12 commands x 3 takes (360 clips, ~15 s; test splits 72 and 60).
+    """The embedded default, generated once (deterministic; 167 s on the 2 shared cores, 373 s under heavy
+    load) and cached: ``<dir>/fsc`` (FSC layout) and ``<dir>/voxceleb1`` (VoxCeleb1 identification layout),
+    the same 3840 clips: 24 commands x 40 voices x 4 takes, 16 kHz (test splits: 768 utterances for intent,
+    640 for speaker ID). small: the tests' subset, 10 voices x 12 commands x 3 takes (360 clips, 25 s under
+    load; test splits 72 and 60).
     Default cache: $CONTRASTKIT_DATA or ~/.cache/contrastkit."""
     base = Path(cache_dir or os.environ.get("CONTRASTKIT_DATA") or Path.home() / ".cache" / "contrastkit")
     name = VERSION + ("-small" if small else "")
