@@ -123,7 +123,10 @@ def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
     """A tiny audio-text cell: the CLAP recipe, then eval/zeroshot_intent.py, its accuracy in the column (and
     equal to the recipe's own)."""
     config = _config(tmp_path)
+    from contrastkit.data.speech import default_speech_data
+
     config["domains"] = {"audio_text": {**load_config(None)["domains"]["audio_text"],
+                                        "fsc": str(default_speech_data(small=True) / "fsc"),
                                         "train": {"steps": 2, "width": 16, "warmup": 1, "log-every": 1}}}
     report = run_suite(config, progress=False)
     assert not report["failures"], report["failures"]
