@@ -119,6 +119,16 @@ def check(tokens: list[str], folder: Path) -> None:
         return check(args, folder)
     if program in EXTERNAL:
         return
+    if program == "export":  # a shell variable for the commands below (SLURM scripts)
+        if not args or not re.match(r"^[A-Z_][A-Z0-9_]*=", args[0]):
+            raise DocError(f"export {args}: only NAME=value")
+        return
+    if program == "srun":  # SLURM's launcher around one command: `srun bash -c '<command>'`
+        if args[:2] != ["bash", "-c"] or len(args) != 3:
+            raise DocError("srun: only `srun bash -c '<command>'` is used here")
+        # SLURM's variables ($SLURM_NODEID, $((SLURM_NNODES * 8)), ...) as a sample value, for the parsers
+        command = re.sub(r"\$\(\([^)]*\)\)|\$\{?[A-Z_][A-Z0-9_]*\}?", "2", args[2])
+        return check(shlex.split(command), folder)
     if program == "source":
         if args != [] and args[0] in ACTIVATE:
             return
