@@ -408,6 +408,7 @@ class ContrastiveLoss(Objective):
                 text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
                                                  partners=partners)
             elif backend == "dense":  # one process: one product serves both directions
+                assert pos is not None  # dense is never raw
                 logits = (a * scale) @ b.T
                 logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
                 image_terms = self.terms(pos, logits, total - 1, scale)
