@@ -129,13 +129,14 @@ def assert_same(a, b):
 @pytest.fixture(scope="module")
 def hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("two hosts need network namespaces: root and iproute2's ip")
+        pytest.skip("two hosts need network namespaces: runs as root with iproute2's ip (as CI does)")
     made = Hosts(str(os.getpid() % 100000))
     try:
         made.make()
     except subprocess.CalledProcessError as err:
         made.remove()
-        pytest.skip(f"network namespaces cannot be made here: {err.stderr.strip()}")
+        pytest.skip(f"network namespaces cannot be made here ({err.stderr.strip()}): runs where root may "
+                    "make them (CI's machine)")
     yield made
     made.remove()
 
