@@ -10,7 +10,10 @@
 #    D 512 and N 256 .. 262144: every objective in both settings (automatic backend, the Triton kernels forced),
 #    the cuBLAS floor of the same matrix (3 GEMMs, timed in the same process), open_clip's ClipLoss and Inf-CL.
 #    Each writes losses.md, losses.json and losses.png to docs/gpu/<device name>/<dtype>/.
-# Environment: PYTHON (default python), SIZES, DIMS, REPEATS, MEM_LIMIT_GIB override the benchmark's defaults.
+# Environment: PYTHON (default python), SIZES, DIMS, REPEATS, MEM_LIMIT_GIB override the benchmark's defaults;
+# DTYPES (default "bfloat16 float16 float32"), METHODS (a comma list; default all), MEMORY=0 (times only) and
+# TESTS=0 (skip step 1) split the run over several calls of a
+# time-limited machine. The benchmark saves its table after every size, so a run cut off keeps what it measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -36,6 +39,7 @@ else
     exit 2
   fi
   DEVICE=cuda
+  [ "${MEMORY:-1}" = 0 ] && MEMORY=--no-memory || MEMORY=
   NAME=$("$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.]+', '-', torch.cuda.get_device_name()).strip('-'))")
   OUT=docs/gpu/$NAME
   SIZES=${SIZES:-256,1024,4096,16384,32768,65536,131072,262144}; DIMS=${DIMS:-512}; REPEATS=${REPEATS:-5}
@@ -45,7 +49,9 @@ mkdir -p "$OUT"
 echo "== gpu_check: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
 
 echo "== 1/2 CUDA tests"
-if [ "$DRY" = 1 ]; then
+if [ "${TESTS:-1}" = 0 ]; then
+  echo "(skipped: TESTS=0)"
+elif [ "$DRY" = 1 ]; then
   "$PY" -m pytest -q tests/test_cuda.py  # skipped without CUDA: checks that it collects
 else
   "$PY" -m pytest -q tests/test_cuda.py
@@ -53,11 +59,11 @@ else
 fi
 
 echo "== 2/2 benchmark against the cuBLAS floor, open_clip and Inf-CL"
-for dtype in bfloat16 float16 float32; do
+for dtype in ${DTYPES:-bfloat16 float16 float32}; do
   extra=()
   [ "$dtype" = float32 ] && extra=(--tf32)
   "$PY" benchmarks/losses.py --device "$DEVICE" --dtype "$dtype" "${extra[@]}" --sizes "$SIZES" --dims "$DIMS" \
-    --repeats "$REPEATS" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "$TWO_VIEW,$IMAGE_TEXT" \
+    --repeats "$REPEATS" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "${METHODS:-$TWO_VIEW,$IMAGE_TEXT}" \
     --out "$OUT/$dtype${extra:+-tf32}"
 done
 echo "== gpu_check done: $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the table's conclusions"

@@ -307,7 +307,9 @@ def time_size(methods, n, d, args, last) -> dict:
 # ----------------------------------------------------------------------------- the driver
 
 
-def run(args) -> list[dict]:
+def run(args, save=lambda records: None) -> list[dict]:
+    """Every record; ``save`` is called with them after each memory subprocess and each timed size, so that a
+    run cut off (a time limit) leaves what it measured."""
     from tqdm import tqdm
 
     setting = lambda m: "two-view" if m in TWO_VIEW else "image-text"  # noqa: E731
@@ -323,6 +325,7 @@ def run(args) -> list[dict]:
                     records[method, r["n"], d].update(r)
                     tqdm.write(_line(records[method, r["n"], d]))
                     bar.update()
+                save(list(records.values()))
         for d in args.dims if args.time else []:
             last = {}  # method -> its record at the last size measured for memory (for the OOM estimate)
             for n in args.sizes:
@@ -336,6 +339,7 @@ def run(args) -> list[dict]:
                             last[m] = records[m, n, d]
                         tqdm.write(_line(records[m, n, d]))
                     bar.update(len(todo))
+                    save(list(records.values()))
     records = list(records.values())
     _ratios(records)
     return records
@@ -490,10 +494,16 @@ def main(argv=None):
         print("warning: MALLOC_MMAP_THRESHOLD_ is set; times will not be those of glibc's defaults", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = run(args)
-    (out / "losses.json").write_text(json.dumps({"meta": meta(args), "records": records}, indent=1))
+    def save(records, partial=True):
+        records = [dict(r) for r in records]
+        _ratios(records)
+        (out / "losses.json").write_text(json.dumps({"meta": {**meta(args), "partial": partial},
+                                                      "records": records}, indent=1))
+        (out / "losses.md").write_text(markdown(records))
+        return records
+
+    records = save(run(args, save), partial=False)
     table = markdown(records)
-    (out / "losses.md").write_text(table)
     plot(records, out / "losses.png")
     print(table)
     print(f"wrote {out / 'losses.json'}, {out / 'losses.md'}, {out / 'losses.png'}")
