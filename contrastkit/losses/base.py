@@ -8,7 +8,6 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from typing import Literal, get_args
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from contrastkit.distributed import gather_with_grad
-from contrastkit.losses.chunked import host_checks_allowed, negative_stats
+from contrastkit.losses.chunked import host_checks_allowed, negative_stats, no_autocast
 from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
@@ -32,7 +31,7 @@ KEEP_MAX_ELEMENTS = 2**26
 # launch), and the exact path holds at most two or three float32 blocks (128-192 MiB) at a time; 2^27 would
 # hold 1 GiB and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
 DEVICE_BLOCK_ELEMENTS = 2**24
-# How the negatives' statistics are computed: "auto" (blockwise torch), or one forced (see choose_backend).
+# How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
 Gather = bool | Literal["uneven"]  # gather_distributed: False, True (equal batch sizes) or "uneven"
@@ -49,13 +48,18 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def choose_backend(requested: str, chunk_size: int | None) -> str:
-    """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" only where asked, else
-    "torch", on every device. On CUDA "torch" means cuBLAS products in GPU-sized blocks on the exact path
-    with no host read (chunked.py's safe path): the Triton kernels stay opt-in until a committed
-    benchmarks/gpu_check.sh table shows them correct and faster on a device (docs/gpu/, DESIGN.md GPU)."""
+def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
+                   low: torch.dtype | None = None) -> str:
+    """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
+    for "auto" the one measured faster on the device (docs/gpu/NVIDIA-H100-80GB-HBM3): on CUDA with bf16/fp16
+    products (``low``, see _low_precision) and triton installed, the Triton kernels (2.1-3.2x the blockwise
+    torch kernel's speed for two views, 5.6-6.9x for image-text at N = 32768, D = 512 on an H100; not
+    slower at 4096); everywhere else (the CPU; float32 or float64 products on CUDA, not measured yet) the
+    blockwise torch kernel. A chunk_size asks for the torch kernel's blocks."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
+    if requested == "auto" and chunk_size is None and device_type == "cuda" and low is not None:
+        return "triton" if triton_available() else "torch"
     return "triton" if requested == "triton" else "torch"
 
 
@@ -68,12 +72,6 @@ def blocking(device_type: str, k: int, chunk_size: int | None) -> tuple[int, int
     if device_type == "cpu":
         return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
     return max(1, DEVICE_BLOCK_ELEMENTS // k), 0
-
-
-def _no_autocast(device_type: str):
-    """Autocast off on this device; the meta device (tests/test_memory.py) has no autocast. (Not through
-    torch.amp.is_autocast_available: torch 2.9's dynamo cannot trace it.)"""
-    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
 def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
@@ -213,9 +211,10 @@ class ContrastiveLoss(Objective):
       the batch; a positive number: blocks of that many anchors, none kept; 0: the dense reference (one
       product, autograd through logsumexp). All three give the same values and gradients.
     - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
-      "auto" is the blockwise torch kernel on every device (see choose_backend): on CPU cache-sized
-      blocks with host-checked fast paths, on CUDA cuBLAS products in GPU-sized blocks
-      (DEVICE_BLOCK_ELEMENTS) on the exact path, no value read on the host; "triton" is opt-in. In the
+      "auto" is the one measured faster (see choose_backend): on CUDA with bf16/fp16 products the Triton
+      kernels, elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with host-checked
+      fast paths, on CUDA cuBLAS products in GPU-sized blocks (DEVICE_BLOCK_ELEMENTS) on the exact path, no
+      value read on the host. In the
       two-view and image-text settings the torch kernel takes the features as given and normalises them
       per block, so that no float32 copy of them is made (about 0.5-0.8 GiB of loss memory at N = 262144,
       D = 512 bf16 on CUDA: docs/performance.md).
@@ -272,14 +271,14 @@ class ContrastiveLoss(Objective):
         views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
         check_features(self.name, views, values=False)  # values: see _reduce
         low = _low_precision(*views.values())
-        with _no_autocast(z1.device.type):
+        with no_autocast(z1.device.type):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
             dtype = _compute_dtype(*views.values())
             zs = list(views.values())
             x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
             # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
             # their size kept for backward); the others take unit vectors, one copy normalised once.
-            raw = self._resolve_backend(x) == "torch"
+            raw = self._resolve_backend(x, low) == "torch"
             u = x if raw else self._unit(x, dtype)
             anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
@@ -335,7 +334,7 @@ class ContrastiveLoss(Objective):
             if t is not None and t.shape[0] != query.shape[0]:
                 raise ValueError(f"{self.name}: query has {query.shape[0]} rows but {arg} has {t.shape[0]}")
         low = _low_precision(*features.values())
-        with _no_autocast(query.device.type):
+        with no_autocast(query.device.type):
             dtype = _compute_dtype(*features.values())
             q, k = self._unit(query, dtype), self._unit(keys, dtype)
             pos = torch.einsum("nd,npd->np", q, k)
@@ -374,12 +373,12 @@ class ContrastiveLoss(Objective):
             check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
         low = _low_precision(image, text)
-        with _no_autocast(image.device.type):
+        with no_autocast(image.device.type):
             dtype = _compute_dtype(image, text)
             if isinstance(scale, torch.Tensor):
                 scale = scale.to(dtype)
             n = image.shape[0]
-            backend = self._resolve_backend(image)
+            backend = self._resolve_backend(image, low)
             raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
             if raw:
                 a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
@@ -410,7 +409,7 @@ class ContrastiveLoss(Objective):
             elif backend == "dense":  # one process: one product serves both directions
                 assert pos is not None  # dense is never raw
                 logits = (a * scale) @ b.T
-                logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_tensor(float("-inf")))
+                logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_full((), float("-inf")))
                 image_terms = self.terms(pos, logits, total - 1, scale)
                 text_terms = self.terms(pos, logits.T, total - 1, scale)
             else:  # one process: the columns' statistics come from the same blocks
@@ -436,9 +435,9 @@ class ContrastiveLoss(Objective):
         """Whether processes may hold different batch sizes (gather_distributed="uneven")."""
         return self.gather_distributed == "uneven"
 
-    def _resolve_backend(self, features: torch.Tensor) -> str:
+    def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None) -> str:
         """The backend of this call (choose_backend), "triton" checked against the features and the install."""
-        backend = choose_backend(self.backend, self.chunk_size)
+        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low)
         if backend == "triton":
             if features.dtype == torch.float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
@@ -480,12 +479,12 @@ class ContrastiveLoss(Objective):
         the raw features, normalised in the kernel where ``normalize``, and each anchor's positives are the
         candidates at ``partners`` [M, P]."""
         scale = self.default_logit_scale() if scale is None else scale
-        backend = self._resolve_backend(anchors)
+        backend = self._resolve_backend(anchors, low)
         if backend == "dense":
             logits = (anchors * scale) @ candidates.T
             if exclude is not None:
                 rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
-                logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_tensor(float("-inf")))
+                logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_full((), float("-inf")))
             return self.terms(pos, logits, num_neg, scale)
         row_grad = None
         if backend == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:

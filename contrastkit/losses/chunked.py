@@ -44,20 +44,22 @@ serves the columns' mean, which the losses do not use (image-text CACR takes eac
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
 import torch
 
 # Excluded pairs get a finite, hugely negative logit: exp() of it is exactly 0, and unlike -inf it never
-# makes 0 * inf = NaN in the mean or its gradient.
-_EXCLUDED_FRACTION = 0.25
+# makes 0 * inf = NaN in the mean or its gradient. -2^100, not near float32's limit: the mean's gradient
+# multiplies it by g_mean / scale, which a loss scaler makes large (2^16 and up), and must not overflow.
+EXCLUDED = -(2.0**100)
 # Candidates per row whose largest logit sets the fast path's shift.
 SAMPLE = 64
 
 
 def _excluded(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).min * _EXCLUDED_FRACTION
+    return max(EXCLUDED, torch.finfo(dtype).min / 4)  # float16's range: a quarter of its most negative
 
 
 def _put_excluded(block, exclude, r0, r1, value=None):
@@ -66,7 +68,7 @@ def _put_excluded(block, exclude, r0, r1, value=None):
     if exclude is not None:
         rows = torch.arange(r1 - r0, device=block.device)[:, None].expand(-1, exclude.shape[1])
         value = _excluded(block.dtype) if value is None else value
-        block.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)), block.new_tensor(value))
+        block.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)), block.new_full((), value))
     return block
 
 
@@ -93,7 +95,7 @@ def _sampled_max(a_s, b, exclude):
     if exclude is not None:
         hit = exclude % stride == 0  # excluded candidates that are in the sample
         rows = torch.arange(a_s.shape[0], device=a_s.device)[:, None].expand_as(exclude)
-        logits.index_put_((rows[hit], exclude[hit] // stride), logits.new_tensor(_excluded(logits.dtype)))
+        logits.index_put_((rows[hit], exclude[hit] // stride), logits.new_full((), _excluded(logits.dtype)))
     return _operand_exact(logits.amax(dim=1))
 
 
@@ -103,6 +105,14 @@ def _operand_exact(shift):
     operands to 11 bits: rounded first, it is subtracted exactly, the very shift that lse adds back.
     Any value near the row's maximum serves as a shift."""
     return shift.to(torch.bfloat16).to(shift.dtype)
+
+
+def no_autocast(device_type: str):
+    """Autocast off on this device: the kernels choose each op's precision, in forward and in backward (which
+    runs under the caller's autocast where backward() is called inside an autocast block). The meta device
+    (tests/test_memory.py) has no autocast; not through torch.amp.is_autocast_available, which torch 2.9's
+    dynamo cannot trace."""
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
 def host_checks_allowed(x: torch.Tensor) -> bool:
@@ -270,6 +280,11 @@ class _BlockStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, grad_pos):
+        with no_autocast(grad.device.type):
+            return _BlockStats._backward(ctx, grad, grad_pos)
+
+    @staticmethod
+    def _backward(ctx, grad, grad_pos):
         a, b, stats, exclude, scale_t, shifts, norms, partners, *rest = ctx.saved_tensors
         b = a if ctx.same_input else b
         inv_a, inv_b, rest = tuple(rest[:2]), tuple(rest[2:4]), rest[4:]
@@ -469,7 +484,7 @@ def _fast_columns(a_s, b, exclude, block, keep):
     shift = _sampled_max(a_s, b, exclude)
     a_aug, b_aug = _with_shift(a_s, shift), _ones_column(b)
     norm, col_lse, kept = a_s.new_empty(m), a_s.new_full((k,), float("-inf")), []
-    error = a_s.new_tensor(float("-inf"))  # log of the bound on every column's sum
+    error = a_s.new_full((), float("-inf"))  # log of the bound on every column's sum
     tiny = torch.finfo(a_s.dtype).tiny
     scratch = _Scratch("block", min(block, m), k, a_s)
     for r0, r1, keep_block in _blocks(m, k, block, keep):

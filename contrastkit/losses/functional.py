@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from contrastkit.losses.chunked import host_checks_allowed
+from contrastkit.losses.chunked import host_checks_allowed, no_autocast
 
 __all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights", "normalize_rows"]
 
@@ -56,8 +56,9 @@ class _NormalizeRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         y, inv, unclamped = ctx.saved_tensors
-        along = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1) * unclamped
-        return torch.addcmul(grad, y, along, value=-1.0).mul_(inv)
+        with no_autocast(grad.device.type):  # in the features' dtype, also where backward() runs under autocast
+            along = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1) * unclamped
+            return torch.addcmul(grad, y, along, value=-1.0).mul_(inv)
 
 
 class NonFiniteError(ValueError):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from contrastkit.losses.chunked import host_checks_allowed
+from contrastkit.losses.chunked import host_checks_allowed, no_autocast
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.band_matmul import product
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
@@ -122,11 +122,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     a, b, scale, exclude, stats = ctx.saved_tensors
     with_mean = ctx.options[0]
-    grad = grad.to(torch.float32).contiguous()
-    da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, exclude, stats, *ctx.options)
-    d_scale = ds.sum()
-    if with_mean:  # mean = sum p L / scale: its own 1 / scale
-        d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
+    with no_autocast(grad.device.type):  # backward() may be called inside the caller's autocast block
+        grad = grad.to(torch.float32).contiguous()
+        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, exclude, stats, *ctx.options)
+        d_scale = ds.sum()
+        if with_mean:  # mean = sum p L / scale: its own 1 / scale
+            d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
     return da, None if b is None else db, d_scale, None, None, None, None, None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-EXCLUDED = tl.constexpr(-0.25 * 3.4028234663852886e38)
+EXCLUDED = tl.constexpr(-(2.0**100))  # chunked.EXCLUDED: its reason there
 # A tile whose every column's maximum is within WINDOW of the tile's maximum takes one exp per logit for
 # the rows' and the columns' terms alike (tile_exp); a term it then drops is below e^(WINDOW - 87) = e^-47
 # of its row's or column's largest.
