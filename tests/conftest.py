@@ -25,6 +25,16 @@ def fresh_accelerate_state():
         state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small embedded image-text set (64 pairs, 4 zero-shot images per class) for the CLIP launches."""
+    from contrastkit.data.image_text import make_shapes_clip
+
+    d = tmp_path_factory.mktemp("clipdata")
+    make_shapes_clip(d, num_train=64, num_zeroshot_per_class=4, progress=False)
+    return d
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test (the speech models): the CI machine has 2 cores shared with other

@@ -34,13 +34,6 @@ ARGS = ["--loss", "dclw", "--num-train", "64", "--zeroshot-per-class", "4", "--b
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("clipdata")
-    make_shapes_clip(d, num_train=64, num_zeroshot_per_class=4, progress=False)
-    return d
-
-
-@pytest.fixture(scope="module")
 def shapes(data_dir):
     """The embedded set's own folder (train.csv, zeroshot/)."""
     return make_shapes_clip(data_dir, num_train=64, num_zeroshot_per_class=4, progress=False)

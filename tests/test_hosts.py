@@ -142,15 +142,6 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from contrastkit.data.image_text import make_shapes_clip
-
-    d = tmp_path_factory.mktemp("clipdata")
-    make_shapes_clip(d, num_train=64, num_zeroshot_per_class=4, progress=False)
-    return d
-
-
-@pytest.fixture(scope="module")
 def straight(hosts, data_dir, tmp_path_factory):
     """The uninterrupted 2-host run: complete checkpoints on each host's own disk, the same weights."""
     root = tmp_path_factory.mktemp("straight")
