@@ -15,7 +15,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from contrastkit.distributed import gather_with_grad
+from contrastkit.distributed import gather_with_grad, world
 from contrastkit.losses.chunked import host_checks_allowed, negative_stats, no_autocast
 from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows
 
@@ -48,17 +48,26 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# backend="auto" takes the Triton kernels on CUDA up to this many candidates: the largest matrix measured (two
+# views at N = 32768, docs/gpu/NVIDIA-H100-80GB-HBM3). Beyond, the torch kernel, whose memory is proven
+# (<= 1 GiB at N = 262144, D = 512 bf16: tests/test_memory.py, 663 MiB on the H100); the Triton path keeps a
+# normalised float32 copy of the features (1 GiB there), not yet counted.
+TRITON_AUTO_MAX_CANDIDATES = 2**16
+
+
 def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
-                   low: torch.dtype | None = None) -> str:
+                   low: torch.dtype | None = None, candidates: int = 0) -> str:
     """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
     for "auto" the one measured faster on the device (docs/gpu/NVIDIA-H100-80GB-HBM3): on CUDA with bf16/fp16
-    products (``low``, see _low_precision) and triton installed, the Triton kernels (2.1-3.2x the blockwise
-    torch kernel's speed for two views, 5.6-6.9x for image-text at N = 32768, D = 512 on an H100; not
-    slower at 4096); everywhere else (the CPU; float32 or float64 products on CUDA, not measured yet) the
-    blockwise torch kernel. A chunk_size asks for the torch kernel's blocks."""
+    products (``low``, see _low_precision), triton installed and at most TRITON_AUTO_MAX_CANDIDATES
+    candidates, the Triton kernels (2.1-3.2x the blockwise torch kernel's speed for two views, 5.6-6.9x for
+    image-text at N = 32768, D = 512 on an H100; not slower at 4096); everywhere else (the CPU; float32 or
+    float64 products on CUDA, not measured yet; larger matrices) the blockwise torch kernel. A chunk_size
+    asks for the torch kernel's blocks."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
-    if requested == "auto" and chunk_size is None and device_type == "cuda" and low is not None:
+    if (requested == "auto" and chunk_size is None and device_type == "cuda" and low is not None
+            and candidates <= TRITON_AUTO_MAX_CANDIDATES):
         return "triton" if triton_available() else "torch"
     return "triton" if requested == "triton" else "torch"
 
@@ -212,7 +221,7 @@ class ContrastiveLoss(Objective):
       product, autograd through logsumexp). All three give the same values and gradients.
     - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
       "auto" is the one measured faster (see choose_backend): on CUDA with bf16/fp16 products the Triton
-      kernels, elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with host-checked
+      kernels (up to TRITON_AUTO_MAX_CANDIDATES), elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with host-checked
       fast paths, on CUDA cuBLAS products in GPU-sized blocks (DEVICE_BLOCK_ELEMENTS) on the exact path, no
       value read on the host. In the
       two-view and image-text settings the torch kernel takes the features as given and normalises them
@@ -436,8 +445,12 @@ class ContrastiveLoss(Objective):
         return self.gather_distributed == "uneven"
 
     def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None) -> str:
-        """The backend of this call (choose_backend), "triton" checked against the features and the install."""
-        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low)
+        """The backend of this call (choose_backend), "triton" checked against the features and the install.
+        features: this process's anchors (any leading shape), times the processes where they are gathered."""
+        candidates = 0
+        if self.backend == "auto" and features.device.type == "cuda":
+            candidates = features.numel() // features.shape[-1] * (world()[1] if self.gather_distributed else 1)
+        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, candidates)
         if backend == "triton":
             if features.dtype == torch.float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
