@@ -43,7 +43,7 @@ def _loss(name, setting, chunk, x, extra, output_dict=False, **opts):
         return fn.query_key(leaves[0], keys, output_dict=output_dict), [leaves[0], keys]
     if setting == "cross_modal":
         return fn.cross_modal(*leaves[:2], output_dict=output_dict), leaves[:2]
-    scale = torch.tensor(14.0, dtype=x[0].dtype, device=x[0].device, requires_grad=True)  # CLIP's learnable exp(t)
+    scale = x[0].new_full((), 14.0).requires_grad_()  # CLIP's learnable exp(t)
     return fn.cross_modal(*leaves[:2], logit_scale=scale, output_dict=output_dict), [*leaves[:2], scale]
 
 
