@@ -5,6 +5,7 @@ error line naming the shard), '::' mixing, and 2 processes x 2 workers learn."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ import torch
 pytest.importorskip("open_clip")
 pytest.importorskip("webdataset")
 
+from launch import accelerate_launch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from contrastkit.cli import parse  # noqa: E402
@@ -126,12 +128,12 @@ def test_shard_errors_are_one_line(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------- the recipe
 
 
-def _recipe(*args, processes=1, port=29571):
+def _recipe(*args, processes=1):
     argv = ["recipes/clip/train.py", "--no-progress", "--log-every", "1", "--eval-every", "0", *map(str, args)]
-    if processes > 1:
-        argv = ["-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes), "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), *argv]
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    if processes == 1:
+        return subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    launch, env = accelerate_launch(processes, PYTHONPATH=ENV["PYTHONPATH"])  # that many processes indeed
+    return subprocess.run([*launch, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_resume_after_a_checkpoint_ends_bit_identical_and_bad_samples_are_counted(tmp_path):
@@ -196,8 +198,9 @@ def test_two_processes_two_workers_learn(tmp_path):
     write_img2dataset_shards(tmp_path / "train", pairs[:512], per_shard=32)
     done = _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "80", "--warmup", "8", "--workers",
                    "2", "--save-every", "80", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run",
-                   processes=2, port=29573)
+                   processes=2)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert json.loads((tmp_path / "run/summary.json").read_text())["processes"] == 2
 
     set_seed(0)  # the recipe's initialisation, untrained
     model, preprocess, tokenizer = create_clip("contrastkit-tiny")
