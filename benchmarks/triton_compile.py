@@ -5,10 +5,9 @@ spills).
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py              # the whole autotune space, D = 512
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py --quick --json   # tests/test_triton_compile.py
 
-Tiles: BLOCK_M x BLOCK_N x BLOCK_D (the products: BLOCK_M x BLOCK_N x BLOCK_K, output rows, output columns,
-reduced axis). Per compiled kernel: the tensor-core instruction in the PTX (wgmma on sm_90, mma.sync on sm_80), registers
-per thread, spill bytes, shared memory, and the blocks per SM those allow (the occupancy: 64 K registers
-and 228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
+Tiles: BLOCK_M x BLOCK_N x BLOCK_D. Per compiled kernel: the tensor-core instruction in the PTX (wgmma on
+sm_90, mma.sync on sm_80), registers per thread, spill bytes, shared memory, and the blocks per SM those
+allow (the occupancy: 64 K registers and 228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 # that are 1 at the production size (Triton specialises an int argument equal to 1 into a constant).
 KERNELS = {"fwd": ("stats_fwd", {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64"}, ("s_ad", "s_bd")),
            "dlogits": ("dlogits", {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "dl_ptr": "x"}, ("s_ad", "s_bd")),
-           "matmul dA": ("band_matmul", {"x_ptr": "x", "y_ptr": "x", "out_ptr": "x"}, ("s_xr", "s_yd")),
-           "matmul dB": ("band_matmul", {"x_ptr": "x", "y_ptr": "x", "out_ptr": "fp32"}, ("s_xo", "s_yd")),
            "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",))}
 
 
@@ -58,15 +55,12 @@ def compile_kernel(case: dict) -> dict:
     *sizes, warps, stages = case["config"]
     d, dtype, columns = case["d"], DTYPES[case["dtype"]], bool(case.get("columns"))
     consts = dict(D=d, PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False)
-    if module_name == "band_matmul":
-        consts.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), sizes), ACCUMULATE=case["kernel"] == "matmul dB")
+    consts.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), sizes), E=1 if columns else 2, WITH_MEAN=not columns)
+    consts["BLOCK_D"] = min(consts["BLOCK_D"], triton.next_power_of_2(d))
+    if module_name == "two_view_grad":
+        consts.update(PARTIAL=False, D_OUT=min(triton.next_power_of_2(d), module.D_OUT_MAX))
     else:
-        consts.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), sizes), E=1 if columns else 2, WITH_MEAN=not columns)
-        consts["BLOCK_D"] = min(consts["BLOCK_D"], triton.next_power_of_2(d))
-        if module_name == "two_view_grad":
-            consts.update(PARTIAL=False, D_OUT=min(triton.next_power_of_2(d), module.D_OUT_MAX))
-        else:
-            consts["COLUMNS"] = columns
+        consts["COLUMNS"] = columns
     consts.update({name: 1 for name in unit})
     names = list(inspect.signature(kernel.fn).parameters)
     types = {p: "constexpr" if p in consts else "*" + {"x": dtype}.get(pointers.get(p, "fp32"), pointers.get(p, "fp32"))
@@ -107,8 +101,7 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
 
 # Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text
 # columns (the diagonal); the products as dA (row-major operands) and dB (dL transposed, float32 accumulated).
-SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "matmul dA": (False,), "matmul dB": (False,),
-            "two-view": (False,)}
+SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,)}
 
 
 def quick_cases(d: int = 512) -> list[dict]:

@@ -77,3 +77,26 @@ def test_cuda_only_peer_is_skipped_on_cpu(tmp_path):
     assert records["infcl", 64]["status"] == "skipped" and records["infcl", 64]["time_s"] is None
     assert records["clip-torch", 64]["status"] == "ok" and records["clip", 64]["vs_peers"] == {}
     assert "skipped CUDA only" in md
+
+
+def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
+    """benchmarks/triton_kernels.py (the per-kernel timings a device run makes) under the interpreter at a
+    tiny size: a line per kernel and entry, its JSON; a misspelt kernel is one error line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    script = [sys.executable, str(root / "benchmarks" / "triton_kernels.py")]
+    done = subprocess.run([*script, "--n", "48", "--d", "32", "--repeats", "1", "--first", "--extra", "16,16,16,4,1",
+                           "--json", str(tmp_path / "k.json")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = json.loads((tmp_path / "k.json").read_text())["lines"]
+    kernels = [line["kernel"] for line in lines]
+    assert kernels == ["stats_fwd"] * 2 + ["two_view_grad"] * 2 + ["two_view_bands"] * 2 + ["dlogits"] * 2 + [
+        "band_products"], kernels
+    bad = subprocess.run([*script, "--kernels", "stats_fwd,band_matmul"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("triton_kernels.py: error: ")
+    assert "band_matmul" in bad.stderr and "Traceback" not in bad.stderr

@@ -35,8 +35,7 @@ def test_every_kernel_compiled_for_both_architectures(compiled):
     for arch in (90, 80):
         for dtype in ("bf16", "fp32"):
             assert {("fwd", False, arch, dtype), ("fwd", True, arch, dtype), ("dlogits", False, arch, dtype),
-                    ("dlogits", True, arch, dtype), ("matmul dA", False, arch, dtype),
-                    ("matmul dB", False, arch, dtype), ("two-view", False, arch, dtype)} <= kinds
+                    ("dlogits", True, arch, dtype), ("two-view", False, arch, dtype)} <= kinds
     assert ("two-view", False, 90, "fp16") in kinds
     assert all(r["d"] == 512 for r in compiled)
 

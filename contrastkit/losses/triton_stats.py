@@ -10,8 +10,8 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
 - backward, two views (two_view_grad.py): dz = scale (dL + dL^T) z in one kernel, the gradient in registers;
 - backward, two operands (image-text, query/queue): per block of rows and columns (a band of rows and
   every column up to large sizes), d loss / d logits recomputed once and written in the inputs' dtype
-  (dlogits.py), then dA[rows] += scale dL b[cols] and dB[cols] += scale dL^T a[rows] (band_matmul.py),
-  summed over the blocks in float32.
+  (dlogits.py), then dA[rows] += scale dL b[cols] and dB[cols] += scale dL^T a[rows] on cuBLAS, summed over
+  the blocks in float32.
 
 Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
 
@@ -29,9 +29,9 @@ dL meets b (or a) in the inputs' dtype: bfloat16, float16 (dL divided by max |gr
 small entries stay in float16's range; the factor is put back on the float32 sum), or float32.
 Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
 values. Memory beyond the inputs, their gradients and the statistics: in forward the columns' partials
-(at most COLUMN_PARTIAL_BYTES, 128 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB)
-and, for half-precision inputs, the gradients' float32 sums where there are several blocks (dB: K D 4
-bytes; dA: a band's rows D 4 bytes).
+(at most COLUMN_PARTIAL_BYTES, 128 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
+its products in float32 (its rows and columns times D times 4 bytes) and, for half-precision inputs, the
+gradients' float32 sums where there are several blocks (dB: K D 4 bytes; dA: a band's rows D 4 bytes).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from contrastkit.losses.chunked import host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import _mm_f32, host_checks_allowed, no_autocast
 from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.band_matmul import product
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
 from contrastkit.losses.kernels.two_view_grad import two_view_gradient
@@ -63,14 +62,27 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     return torch.stack(forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks)))
 
 
+def _add_product(out, x, y, scale, accumulate):
+    """out (+ out where ``accumulate``) = scale x @ y with float32 sums, on cuBLAS: bfloat16/float16 operands
+    written in float32 (out_dtype), float32 ones in TF32 where torch's own setting allows it (as the user's
+    other float32 products); under the interpreter (the CPU tests) from float32 copies."""
+    if x.dtype != torch.float32 and x.device.type in ("cuda", "meta"):
+        part = _mm_f32(x, y).mul_(scale)
+    else:
+        part = torch.mm(x.float(), y.float()).mul_(scale)
+    if accumulate:
+        out.add_(part)
+    else:
+        out.copy_(part)
+
+
 def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles):
     """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
     every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
-    products (band_matmul.py), each gradient summed over the blocks in float32."""
+    products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
+    ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     rows, cols = block_shape(m, k, a.element_size())
-    matmul = None if tiles is None else dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_D"],
-                                             BLOCK_K=tiles["BLOCK_N"])
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = torch.empty_like(b, memory_format=torch.contiguous_format)
     half = a.dtype != torch.float32
@@ -87,8 +99,8 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
             block = dl[: r1 - r0, : c1 - c0]
             write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j], r0, r1, c0, c1, splits, share,
                           with_mean, columns, tf32, tiles)
-            product(block, b[c0:c1], da_band, scale, factor, c0 > 0, tf32, matmul)
-            product(block.T, a[r0:r1], db_sum[c0:c1], scale, factor, r0 > 0, tf32, matmul)
+            _add_product(da_band, block, b[c0:c1], scale * factor, c0 > 0)
+            _add_product(db_sum[c0:c1], block.T, a[r0:r1], scale * factor, r0 > 0)
         if da_sum is not None:
             da[r0:r1].copy_(da_band)
     if db_sum is not db:

@@ -1,9 +1,9 @@
 """Triton kernels of the negatives' statistics, one kernel per file beside the torch reference they are
-tested against (contrastkit/losses/triton_stats.py joins them into the autograd op):
+tested against (contrastkit/losses/triton_stats.py joins them into the autograd op, with cuBLAS for the
+products of a band of d logits with the features):
 
 - stats_fwd.py: the forward statistics (rows' lse and mean, image-text columns' partial lse per row tile);
 - dlogits.py: backward's d loss / d logits for a band of rows, written once in the inputs' dtype;
-- band_matmul.py: the two products of a band's d logits with the features (dA rows, dB accumulated);
 - two_view_grad.py: the two-view backward, dz from the symmetric logits in one kernel;
 - common.py: the device helpers they share; launch.py: tiles, autotune spaces, launches.
 """

@@ -1,6 +1,7 @@
 """Backward's d loss / d logits for a band of rows, recomputed from the saved statistics and written once
-(Inf-CL / FlashAttention-2 style recompute, then materialised per band): band_matmul.py's two products
-read it, so dA and dB come from one recompute (image-text and query/queue: 1 recompute + 2 products).
+(Inf-CL / FlashAttention-2 style recompute, then materialised per band): two cuBLAS products
+read it (triton_stats.py), so dA and dB come from one recompute (image-text and query/queue: 1 recompute +
+2 products).
 
 dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
 buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the

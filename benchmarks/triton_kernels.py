@@ -1,0 +1,175 @@
+"""Each Triton kernel of the loss alone, per tile configuration, against cuBLAS's product of the same matrix.
+
+Where benchmarks/losses.py times a whole objective, this splits it: for two views (M = 2N anchors against
+themselves) the forward statistics (stats_fwd), the one-kernel backward (two_view_grad) and, to compare, the
+same backward as image-text computes it (two_view_bands: a band of d logits at a time, then two cuBLAS
+products); for image-text (N against N) one band of d logits (dlogits) and its two cuBLAS products
+(band_products). Each line gives the milliseconds, the rate of the [M, K, D] products done (1 for the
+forward, cdiv(D, 256) + 1 for the two-view backward, 3 for a band backward) and that rate over torch.mm's
+on the same shapes, timed in the same process:
+
+    python benchmarks/triton_kernels.py --n 32768 --d 512                 # every entry of each kernel's space
+    python benchmarks/triton_kernels.py --kernels two_view_grad --extra "64,64,64,4,2;128,32,64,8,2"
+
+An entry is BLOCK_M, BLOCK_N, BLOCK_D, warps, stages (band_products has none). CUDA only; under
+TRITON_INTERPRET=1 it runs on the CPU at tiny sizes (tests/test_benchmark_losses.py checks that it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import triton
+
+from contrastkit.losses import triton_stats
+from contrastkit.losses.kernels import dlogits, launch, stats_fwd, two_view_grad
+
+KERNELS = ("stats_fwd", "two_view_grad", "two_view_bands", "dlogits", "band_products")
+
+
+def timed(fn, repeats: int) -> float:
+    """The median of ``repeats`` runs in milliseconds, after one warm-up run (the compile)."""
+    fn()
+    if launch.INTERPRETED:
+        return float("nan")
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def entries(module, d: int, itemsize: int, extra: list[tuple], first: bool) -> list[dict]:
+    """The kernel's autotune space for sm_90 (its first entry only where ``first``) then ``extra``, as launch
+    keyword arguments."""
+    names = module.NAMES
+    out = [dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+           for config in module.space(d, itemsize)][: 1 if first else None]
+    out += [dict(zip(names, shape[:3]), num_warps=shape[3], num_stages=shape[4]) for shape in extra]
+    return out
+
+
+def name(config: dict) -> str:
+    """128x64x64 w8 s3: the tile sizes, warps and stages of a launch."""
+    if not config:
+        return "cuBLAS"
+    sizes = "x".join(str(v) for k, v in config.items() if k.startswith("BLOCK"))
+    return f"{sizes} w{config['num_warps']} s{config['num_stages']}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=32768, help="samples N (two views: 2N anchors)")
+    parser.add_argument("--d", type=int, default=512)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="a comma list of " + ", ".join(KERNELS))
+    parser.add_argument("--extra", default="", help="more entries, ';'-separated 'BM,BN,BD,warps,stages'")
+    parser.add_argument("--first", action="store_true", help="only the production entry of each space (and --extra)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the lines here too")
+    args = parser.parse_args(argv)
+    kernels = args.kernels.split(",")
+    if unknown := sorted(set(kernels) - set(KERNELS)):
+        parser.error(f"unknown kernel(s) {', '.join(unknown)} (choose from {', '.join(KERNELS)})")
+    try:
+        extra = [tuple(int(v) for v in item.split(",")) for item in args.extra.split(";") if item.strip()]
+    except ValueError:
+        parser.error(f"--extra: entries are 'BM,BN,BD,warps,stages', got {args.extra!r}")
+    if any(len(shape) != 5 for shape in extra):
+        parser.error(f"--extra: entries are 'BM,BN,BD,warps,stages', got {args.extra!r}")
+    if not launch.INTERPRETED and not torch.cuda.is_available():
+        parser.error("needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
+
+    device = "cpu" if launch.INTERPRETED else "cuda"
+    dtype = getattr(torch, args.dtype)
+    n, d = args.n, args.d
+    gen = torch.Generator(device).manual_seed(0)
+    scale = torch.full((), 10.0, device=device)
+    factor = torch.ones((), device=device)
+    lines = []
+
+    def report(kernel, config, products, shape, fn):
+        try:
+            ms = timed(fn, args.repeats)
+        except Exception as error:  # an entry that does not compile or launch: say so, go on
+            print(f"{kernel:14s} {name(config):22s} failed: {str(error).splitlines()[0][:120]}", flush=True)
+            return
+        m, k, depth = shape
+        tflops = products * 2 * m * k * depth / ms / 1e9 if ms == ms else float("nan")
+        line = dict(kernel=kernel, config=config, ms=ms, tflops=tflops, over_cublas=floor[shape] / ms * products)
+        lines.append(line)
+        print(f"{kernel:14s} {name(config):22s} {ms:8.2f} ms  {tflops:6.1f} TFLOP/s  "
+              f"{line['over_cublas']:.2f} of cuBLAS's rate", flush=True)
+
+    floor = {}
+
+    def cublas(shape):
+        m, k, depth = shape
+        x = torch.randn(m, depth, device=device, dtype=dtype, generator=gen)
+        y = torch.randn(k, depth, device=device, dtype=dtype, generator=gen)
+        floor[shape] = timed(lambda: torch.mm(x, y.T), args.repeats)
+        print(f"{'cublas mm':14s} {m} x {k} x {depth}  {floor[shape]:8.2f} ms  "
+              f"{2 * m * k * depth / floor[shape] / 1e9:6.1f} TFLOP/s", flush=True)
+
+    m2 = 2 * n  # two views
+    z = torch.nn.functional.normalize(torch.randn(m2, d, device=device, generator=gen), dim=1).to(dtype)
+    diagonal = torch.arange(m2, device=device)[:, None]
+    if {"stats_fwd", "two_view_grad", "two_view_bands"} & set(kernels):
+        cublas((m2, m2, d))
+        first = entries(stats_fwd, d, z.element_size(), [], True)[0]  # not autotuned: ncu sees only timed launches
+        stats = torch.stack(stats_fwd.forward_stats(z, z, scale, diagonal, False, False, False, first))
+        grad = torch.full_like(stats, 1.0 / m2)
+    if "stats_fwd" in kernels:
+        for config in entries(stats_fwd, d, z.element_size(), extra, args.first):
+            report("stats_fwd", config, 1, (m2, m2, d),
+                   lambda c=config: stats_fwd.forward_stats(z, z, scale, diagonal, False, False, False, c))
+    if "two_view_grad" in kernels:
+        for config in entries(two_view_grad, d, z.element_size(), extra, args.first):
+            report("two_view_grad", config, math.ceil(d / two_view_grad.D_OUT_MAX) + 1, (m2, m2, d),
+                   lambda c=config: two_view_grad.two_view_gradient(z, scale, factor, diagonal, stats, grad, False,
+                                                                    False, c))
+    if "two_view_bands" in kernels:  # dlogits' space for the d logits, cuBLAS for the products
+        for config in entries(dlogits, d, z.element_size(), extra, args.first):
+            report("two_view_bands", config, 3, (m2, m2, d),
+                   lambda c=config: triton_stats._band_gradients(z, z, scale, factor, diagonal, stats, grad, False,
+                                                                 False, False, c))
+    if {"dlogits", "band_products"} & set(kernels):  # image-text: the first band of d logits, its products
+        a, b = z[:n], z[n:]
+        rows, cols = dlogits.block_shape(n, n, a.element_size())
+        cublas((rows, cols, d))
+        first = entries(stats_fwd, d, z.element_size(), [], True)[0]
+        pair = torch.cat([stats_fwd.forward_stats(a, b, scale, diagonal[:n], False, True, False, first)[i][None]
+                          for i in (0, 1)])
+        pair_grad = torch.full_like(pair, 0.5 / n)
+        block = a.new_empty((rows, cols))
+        splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
+        ds = a.new_empty((splits, n), dtype=torch.float32)
+        out = torch.zeros(rows, d, device=device)
+        if "dlogits" in kernels:
+            for config in entries(dlogits, d, a.element_size(), extra, args.first):
+                report("dlogits", config, 1, (rows, cols, d),
+                       lambda c=config: dlogits.write_dlogits(a, b, scale, diagonal[:n], pair, pair_grad, block, ds,
+                                                              0, rows, 0, cols, splits, share, False, True, False, c))
+        if "band_products" in kernels:  # dA's and dB's, as triton_stats._band_gradients makes them
+            out_b = torch.zeros(cols, d, device=device)
+            report("band_products", {}, 2, (rows, cols, d),
+                   lambda: (triton_stats._add_product(out, block, b, scale, False),
+                            triton_stats._add_product(out_b, block.T, a[:rows], scale, False)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(n=n, d=d, dtype=args.dtype, lines=lines, device=torch.cuda.get_device_name()
+                           if device == "cuda" else "cpu"), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
