@@ -10,9 +10,11 @@
 #    D 512 and N 256 .. 262144: every objective in both settings (automatic backend, the Triton kernels forced),
 #    the cuBLAS floor of the same matrix (3 GEMMs, timed in the same process), open_clip's ClipLoss and Inf-CL.
 #    Each writes losses.md, losses.json and losses.png to docs/gpu/<device name>/<dtype>/.
+# 3. benchmarks/triton_kernels.py: each Triton kernel alone over its autotune space, against cuBLAS's rate
+#    (bf16, N 32768: kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
 # Environment: PYTHON (default python), SIZES, DIMS, REPEATS, MEM_LIMIT_GIB override the benchmark's defaults;
 # DTYPES (default "bfloat16 float16 float32"), METHODS (a comma list; default all), MEMORY=0 (times only) and
-# TESTS=0 (skip step 1) split the run over several calls of a
+# TESTS=0 (skip step 1), KERNELS=0 (skip step 3) split the run over several calls of a
 # time-limited machine. The benchmark saves its table after every size, so a run cut off keeps what it measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +50,7 @@ fi
 mkdir -p "$OUT"
 echo "== gpu_check: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
 
-echo "== 1/2 CUDA tests"
+echo "== 1/3 CUDA tests"
 if [ "${TESTS:-1}" = 0 ]; then
   echo "(skipped: TESTS=0)"
 elif [ "$DRY" = 1 ]; then
@@ -58,7 +60,7 @@ else
   "$PY" -m pytest -q --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py
 fi
 
-echo "== 2/2 benchmark against the cuBLAS floor, open_clip and Inf-CL"
+echo "== 2/3 benchmark against the cuBLAS floor, open_clip and Inf-CL"
 for dtype in ${DTYPES:-bfloat16 float16 float32}; do
   extra=()
   [ "$dtype" = float32 ] && extra=(--tf32)
@@ -66,4 +68,12 @@ for dtype in ${DTYPES:-bfloat16 float16 float32}; do
     --repeats "$REPEATS" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "${METHODS:-$TWO_VIEW,$IMAGE_TEXT}" \
     --out "$OUT/$dtype${extra:+-tf32}"
 done
-echo "== gpu_check done: $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the table's conclusions"
+echo "== 3/3 each kernel alone against cuBLAS's rate"
+if [ "${KERNELS:-1}" = 0 ]; then
+  echo "(skipped: KERNELS=0)"
+elif [ "$DRY" = 1 ]; then
+  TRITON_INTERPRET=1 "$PY" benchmarks/triton_kernels.py --n 48 --d 32 --repeats 1 --first --json "$OUT/kernels.json"
+else
+  "$PY" benchmarks/triton_kernels.py --n 32768 --d 512 --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
+fi
+echo "== gpu_check done: $OUT/*/losses.{md,json,png}, $OUT/kernels.{json,log}; commit them (docs/gpu/) with the tables' conclusions"
