@@ -124,6 +124,21 @@ def test_comparison_table_verdicts_and_plot(tmp_path):
     assert [v["a"] + "-" + v["b"] for v in results["verdicts"]] == ["infonce-untrained", "dcl-untrained", "dcl-infonce"]
 
 
+def test_compare_script_writes_and_prints_its_results_dir(tmp_path, capsys):
+    """recipes/clap/compare.py end to end (2 steps, one seed) with --results-dir apart from --out-dir: the
+    table goes there and is printed (it once read it from --out-dir and ended in a traceback)."""
+    import runpy
+
+    argv = ["compare.py", "--losses", "dcl", "--seeds", "0", "--steps", "2", "--data", _fsc(), "--out-dir",
+            str(tmp_path / "runs"), "--results-dir", str(tmp_path / "results")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", argv)
+        runpy.run_path(str(ROOT / "recipes" / "clap" / "compare.py"), run_name="__main__")
+    table = (tmp_path / "results" / "results.md").read_text()
+    assert "| dcl |" in table and table.strip() in capsys.readouterr().out
+    assert not (tmp_path / "runs" / "results.md").exists()
+
+
 def test_eval_script_bad_model_folder_is_one_line(tmp_path, capsys):
     from contrastkit.speech.clap import ZeroShotIntentArgs
 

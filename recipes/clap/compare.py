@@ -14,7 +14,7 @@ def main(argv=None):
     args = parse(ClapCompareArgs, description=__doc__, argv=argv)
     with one_line_errors(ValueError, FileNotFoundError):
         compare(args)
-    print((Path(args.out_dir) / "results.md").read_text())
+    print((Path(args.results_dir or args.out_dir) / "results.md").read_text())
 
 
 if __name__ == "__main__":
