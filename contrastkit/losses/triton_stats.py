@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from contrastkit.losses.chunked import _mm_f32, host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
@@ -65,11 +65,9 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
 def _add_product(out, x, y, scale, accumulate):
     """out (+ out where ``accumulate``) = scale x @ y with float32 sums, on cuBLAS: bfloat16/float16 operands
     written in float32 (out_dtype), float32 ones in TF32 where torch's own setting allows it (as the user's
-    other float32 products); under the interpreter (the CPU tests) from float32 copies."""
-    if x.dtype != torch.float32 and x.device.type in ("cuda", "meta"):
-        part = _mm_f32(x, y).mul_(scale)
-    else:
-        part = torch.mm(x.float(), y.float()).mul_(scale)
+    other float32 products); under the interpreter (the CPU tests) from float32 copies (chunked._operand)."""
+    x, y = _operand(x), _operand(y)
+    part = (_mm_f32(x, y) if _low(x) else torch.mm(x, y)).mul_(scale)
     if accumulate:
         out.add_(part)
     else:
@@ -91,6 +89,7 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
     ds = a.new_empty((triton.cdiv(k, cols), splits, m), dtype=torch.float32)
     dl = a.new_empty((rows, cols))
+    step = scale * factor  # the products' scale, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
@@ -99,8 +98,8 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
             block = dl[: r1 - r0, : c1 - c0]
             write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j], r0, r1, c0, c1, splits, share,
                           with_mean, columns, tf32, tiles)
-            _add_product(da_band, block, b[c0:c1], scale * factor, c0 > 0)
-            _add_product(db_sum[c0:c1], block.T, a[r0:r1], scale * factor, r0 > 0)
+            _add_product(da_band, block, b[c0:c1], step, c0 > 0)
+            _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
         if da_sum is not None:
             da[r0:r1].copy_(da_band)
     if db_sum is not db:
