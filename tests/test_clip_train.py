@@ -226,3 +226,19 @@ def test_default_run_learns(tmp_path):
     untrained = evaluate_zeroshot(model, tokenizer, preprocess, root / "zeroshot")["top1"]
     trained = train(cfg)["zeroshot_top1"]
     assert trained >= untrained + 0.15, f"trained {trained:.3f}, untrained {untrained:.3f}"
+
+
+def test_zero_steps_saves_the_initial_model(data_dir, tmp_path):
+    """--steps 0 (the suite's untrained row): checkpoint_0 holds the model as created from the seed, and the
+    run still reports its zero-shot accuracy."""
+    from accelerate.utils import set_seed
+    from safetensors.torch import load_file
+
+    summary = train(_cfg(tmp_path, data_dir, steps=0, eval_every=0, save_every=0, seed=5))
+    assert summary["steps"] == 0 and summary["final_loss"] is None and 0.0 <= summary["zeroshot_top1"] <= 1.0
+    saved = load_file(str(tmp_path / "checkpoints" / "checkpoint_0" / "model.safetensors"))
+    set_seed(5)
+    initial = create_clip("contrastkit-tiny")[0].state_dict()
+    assert saved.keys() == initial.keys()
+    for name, value in initial.items():
+        assert torch.equal(saved[name], value), name

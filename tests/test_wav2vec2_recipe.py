@@ -5,6 +5,7 @@ the FSC and VoxCeleb1 layouts built from the embedded data)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from environments import needs_fairseq2, skip_without_fairseq2
+from launch import accelerate_launch
 
 from contrastkit.data import speech
 from contrastkit.evaluation import superb
@@ -169,16 +171,29 @@ def test_intent_runs_on_a_fairseq2_checkpoint(tmp_path):
 def test_recipe_on_two_processes(tmp_path):
     """accelerate launch with 2 CPU processes (gloo): trains, checkpoints and exports."""
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(29700 + os.getpid() % 200),
-           str(ROOT / "recipes" / "wav2vec2" / "train.py"), "--steps", "2", "--batch-size", "2", "--save-every", "2",
+    launch, env = accelerate_launch(2)  # gloo processes on the CPU
+    cmd = [*launch, str(ROOT / "recipes" / "wav2vec2" / "train.py"), "--steps", "2", "--batch-size", "2", "--save-every", "2",
            "--log-every", "1", "--out", str(out),
            "--data", str(speech.default_speech_data(small=True) / "fsc")]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}  # gloo processes on the CPU
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["final_loss_per_frame"] > 0
     assert (out / "checkpoints" / "checkpoint_2").is_dir() and (out / "upstream" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("backend", ["hf", pytest.param("fairseq2", marks=needs_fairseq2)])
+def test_zero_steps_exports_the_initial_model(tmp_path, backend):
+    """--steps 0 is the untrained baseline (the suite's 'untrained' row): the exported upstream is the model
+    at initialisation, weight for weight, and compare.py's untrained upstream is that same model."""
+    from contrastkit.speech.pretrain import build_model, export_upstream
+
+    cfg = dataclasses.replace(_cfg(tmp_path, backend, seed=3), steps=0)
+    summary = pretrain(cfg)
+    assert summary["steps"] == 0 and summary["pretext"]["accuracy_gain"] == 0.0
+    export_upstream(build_model(cfg), cfg, tmp_path / "init" / "upstream")
+    exported, init = _weights(Path(cfg.out_dir)), _weights(tmp_path / "init")
+    assert exported.keys() == init.keys()
+    for k in init:
+        assert torch.equal(exported[k], init[k]), k

@@ -59,7 +59,7 @@ class ClipTrainConfig(RunOptions):
                                      "(default: the embedded held-out split)")
     out_dir: str | None = arg(None, "output folder (default runs/clip-<loss>)")
     batch_size: int = arg(64, "global batch, over all processes")
-    steps: int = arg(300, "optimizer steps")
+    steps: int = arg(300, "optimizer steps (0: save the initial model, an untrained baseline)")
     lr: float = arg(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = arg(0.1, "AdamW weight decay")
     warmup: int = arg(30, "linear warm-up steps before the cosine decay")
@@ -76,9 +76,9 @@ class ClipTrainConfig(RunOptions):
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("batch_size", "steps", "lr", "log_every", "num_train", "zeroshot_per_class"):
+        for name in ("batch_size", "lr", "log_every", "num_train", "zeroshot_per_class"):
             positive(name, getattr(self, name))
-        for name in ("weight_decay", "warmup", "eval_every", "save_every", "workers", "max_bad_fraction"):
+        for name in ("steps", "weight_decay", "warmup", "eval_every", "save_every", "workers", "max_bad_fraction"):
             positive(name, getattr(self, name), zero=True)
         positive("shuffle_buffer", self.shuffle_buffer)
         positive("train_num_samples", self.train_num_samples)
@@ -222,6 +222,8 @@ def train(cfg: ClipTrainConfig) -> dict:
         if cfg.save_every and state.step % cfg.save_every == 0:
             divergence.check(state.step, model)
             checkpoints.save(state.step)
+    if cfg.steps == 0:  # the untrained baseline: its initial model as checkpoint_0
+        checkpoints.save(0)
     bar.close()
     last = zero_shot()
     summary = {"loss_name": cfg.loss, "model": cfg.model, "steps": state.step, "batch_size": cfg.batch_size,

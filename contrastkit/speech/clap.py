@@ -69,7 +69,7 @@ class ClapTrainConfig(RunOptions):
     batch_size: int = arg(12, "global batch: clips of different intents (at most the number of intents)")
     max_seconds: float = arg(2.0, "longest audio crop, in seconds (shorter clips are repeated to it)")
     speed: float = arg(0.0, "speed perturbation in training: each clip played at a random rate in [1 - s, 1 + s]")
-    steps: int = arg(300, "optimizer steps")
+    steps: int = arg(300, "optimizer steps (0: save the initial model, an untrained baseline)")
     lr: float = arg(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = arg(0.1, "AdamW weight decay")
     warmup: int = arg(30, "linear warm-up steps before the cosine decay")
@@ -85,9 +85,9 @@ class ClapTrainConfig(RunOptions):
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("steps", "lr", "log_every", "max_seconds"):
+        for name in ("lr", "log_every", "max_seconds"):
             positive(name, getattr(self, name))
-        for name in ("weight_decay", "warmup", "eval_every", "save_every"):
+        for name in ("steps", "weight_decay", "warmup", "eval_every", "save_every"):
             positive(name, getattr(self, name), zero=True)
         if not 0 <= self.speed < 1:
             raise ValueError(f"--speed must be in [0, 1), got {self.speed}")

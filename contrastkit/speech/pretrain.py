@@ -57,7 +57,7 @@ class PretrainConfig(RunOptions):
                              factory=dict, aliases=["--loss-option"])
     data: str | None = arg(None, "FSC root, VoxCeleb1 root or a folder of audio files (default: embedded)")
     out_dir: str | None = arg(None, "output folder (default: runs/wav2vec2-<backend>-<loss>)", aliases=["--out"])
-    steps: int = arg(800, "optimizer steps")
+    steps: int = arg(800, "optimizer steps (0: export the initial model, an untrained baseline)")
     batch_size: int = arg(8, "utterances per process")
     lr: float = arg(4e-3, "peak learning rate (AdamW)")
     warmup: float = arg(0.08, "fraction of the steps spent in linear warm-up")
@@ -80,9 +80,10 @@ class PretrainConfig(RunOptions):
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("steps", "batch_size", "lr", "max_seconds", "save_every", "log_every",
+        for name in ("batch_size", "lr", "max_seconds", "save_every", "log_every",
                      "temperature"):
             positive(name, getattr(self, name))
+        positive("steps", self.steps, zero=True)
         if not 0 <= self.warmup < 1:
             raise ValueError(f"--warmup is a fraction of the steps in [0, 1), got {self.warmup}")
         if not self.gumbel[0] >= self.gumbel[1] > 0:

@@ -57,7 +57,8 @@ class VisionConfig(RunOptions):
     proj_dim: int = arg(128, "projection head output width")
     views: int = arg(2, "views per image")
     batch_size: int = arg(64, "global batch, over all processes")
-    steps: int | None = arg(None, "optimizer steps (else from --samples or --epochs)")
+    steps: int | None = arg(None, "optimizer steps (else from --samples or --epochs; 0: save the initial model, "
+                                          "an untrained baseline)")
     samples: int | None = arg(None, "alternative to --steps: steps = samples // batch_size")
     epochs: int = arg(10, "used when neither --steps nor --samples is given (kNN still rose from 5 to 10: docs/evidence.md)")
     optimizer: str = arg("adamw", "optimizer", choices=("adamw", "sgd"))
@@ -87,11 +88,11 @@ class VisionConfig(RunOptions):
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("image_size", "width", "proj_hidden", "proj_dim", "batch_size", "steps", "samples", "epochs",
+        for name in ("image_size", "width", "proj_hidden", "proj_dim", "batch_size", "samples", "epochs",
                      "lr", "temperature", "knn_k", "log_every", "threads", "train_images",
                      "test_images"):
             positive(name, getattr(self, name))
-        for name in ("weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers", "hue", "grayscale"):
+        for name in ("steps", "weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers", "hue", "grayscale"):
             positive(name, getattr(self, name), zero=True)
         existing("data", self.data, "image data")
         self.check_run()
@@ -111,7 +112,7 @@ class VisionConfig(RunOptions):
         else:
             samples = self.samples if self.samples is not None else self.epochs * num_images
             steps = samples // self.batch_size
-        if steps < 1:
+        if steps < 1 and self.steps != 0:  # --steps 0: the untrained baseline, saved as a run
             raise ValueError(f"the run would take {steps} steps; raise --steps or --samples")
         return steps
 
@@ -225,10 +226,10 @@ def train(cfg: VisionConfig) -> dict:
         torch.save(core.backbone.state_dict(), out / "backbone.pt")
         log.plot(["loss", "pos_term", "neg_term", "npc_multiplier", "attraction", "repulsion", "knn_top1"],
                  title=f"{cfg.method} + {cfg.loss}, batch {cfg.batch_size}")
-        last = [r for r in log.records() if "loss" in r][-1]
+        losses = [r["loss"] for r in log.records() if "loss" in r]  # none with --steps 0
         summary = {"method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size, "queue_size": cfg.queue_size,
                    "steps": state.step, "samples_seen": state.step * cfg.batch_size, "processes": world,
-                   "final_loss": last["loss"], "knn_top1": knn, "knn_k": cfg.knn_k, "train_seconds": seconds,
+                   "final_loss": losses[-1] if losses else None, "knn_top1": knn, "knn_k": cfg.knn_k, "train_seconds": seconds,
                    "config": asdict(cfg), "resumes": state.resumes}
         log.summary(summary)
         accelerator.print(json.dumps(summary))
