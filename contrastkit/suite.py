@@ -32,6 +32,8 @@ COLUMNS = [
     ("vision", "knn_top1", "image kNN"),
     ("speech", "speaker_id_accuracy", "speaker ID"),
     ("speech", "intent_accuracy", "intent"),
+    ("speech_fairseq2", "speaker_id_accuracy", "speaker ID (fairseq2)"),
+    ("speech_fairseq2", "intent_accuracy", "intent (fairseq2)"),
     ("audio_text", "zeroshot_intent_accuracy", "audio-text zero-shot intent"),
 ]
 
@@ -47,10 +49,14 @@ PAPER_REFERENCES = {
                    "(DCL paper, appendix Table 7)"},
 }
 
+UNTRAINED = "untrained"  # the baseline row: each domain's recipe run with --steps 0 (its initial model)
+SPEECH_EVALS = {"evals": ["speaker_id", "intent"], "eval_options": {"speaker_id": {"epochs": 60}, "intent": {"epochs": 60}}}
+
 DEFAULT_CONFIG = {
     "output_dir": "runs/suite",
     "objectives": ["infonce", "dcl"],
     "seeds": [0, 1],
+    "baseline": True,
     "domains": {
         "vision": {"data": None, "checkpoints": {},
                    "train": {"method": "simclr", "batch-size": 32, "steps": 100, "train-images": 2000,
@@ -59,8 +65,10 @@ DEFAULT_CONFIG = {
         "image_text": {"data": None, "zeroshot": None, "checkpoints": {}, "train": {"batch-size": 32, "steps": 100},
                        "evals": ["zeroshot"]},
         "speech": {"fsc": None, "voxceleb": None, "checkpoints": {}, "train": {"backend": "hf", "steps": 800},
-                   "evals": ["speaker_id", "intent"], "eval_options": {"speaker_id": {"epochs": 60},
-                                                                        "intent": {"epochs": 60}}},
+                   **SPEECH_EVALS},
+        # fairseq2 0.8.1 pins torch 2.9.1: its cells run in the second environment (bash setup.sh --legacy-only)
+        "speech_fairseq2": {"python": ".venv-legacy/bin/python", "fsc": None, "voxceleb": None, "checkpoints": {},
+                            "train": {"backend": "fairseq2", "steps": 800}, **SPEECH_EVALS},
         "audio_text": {"fsc": None, "checkpoints": {}, "train": {"steps": 300}, "evals": ["zeroshot_intent"]},
     },
     "sweep": {"domain": "vision", "batch_sizes": [8, 64], "objectives": ["infonce", "dcl"], "seeds": [0]},
@@ -94,6 +102,7 @@ class SuiteArgs:
     seeds: list[int] | None = arg(None, "overrides the config's seeds")
     domains: list[str] | None = arg(None, "a subset of the domains to run", choices=DOMAINS)
     sweep: bool = arg(True, "run the batch-size sweep (--no-sweep skips it)")
+    baseline: bool = arg(True, "evaluate each domain's untrained model too (--no-baseline skips it)")
     print_config: bool = arg(False, "print the resolved config and exit")
     progress: bool = arg(True, "show progress")
 
@@ -113,6 +122,8 @@ class SuiteArgs:
             config["domains"] = {d: config["domains"][d] for d in self.domains}
         if not self.sweep:
             config["sweep"] = {}
+        if not self.baseline:
+            config["baseline"] = False
         return config
 
     def check(self) -> None:
@@ -151,10 +162,16 @@ def load_config(path: str | Path | None) -> dict:
     return config
 
 
+def _rows(config: dict) -> list[str]:
+    """The report's rows: the untrained baseline (unless ``baseline`` is false), then the objectives."""
+    return ([UNTRAINED] if config.get("baseline", True) else []) + list(config["objectives"])
+
+
 def plan(config: dict) -> list[Cell]:
-    """Every cell of the suite: each domain x objective x seed, plus the batch-size sweep."""
-    cells = [Cell(domain, objective, seed) for domain in config["domains"] for objective in config["objectives"]
-             for seed in config["seeds"]]
+    """Every cell of the suite: each domain x (untrained and each objective) x seed, plus the batch-size sweep.
+    An untrained cell runs the domain's recipe with --steps 0 and evaluates what it saves."""
+    cells = [Cell(domain, objective, seed, overrides={"steps": 0} if objective == UNTRAINED else {})
+             for domain in config["domains"] for objective in _rows(config) for seed in config["seeds"]]
     sweep = config.get("sweep") or {}
     if sweep.get("domain") in config["domains"]:
         for batch in sweep.get("batch_sizes", []):
@@ -164,8 +181,16 @@ def plan(config: dict) -> list[Cell]:
     return cells
 
 
+def _python(settings: dict) -> str:
+    """The interpreter of a domain's commands: its ``python`` setting (relative to the checkout), else this one."""
+    return str(ROOT / settings["python"]) if settings.get("python") else sys.executable
+
+
 def missing_data(domain: str, settings: dict) -> str | None:
-    """Why a domain cannot run (a data path that does not exist), or None."""
+    """Why a domain cannot run (a data path or its interpreter does not exist), or None."""
+    if settings.get("python") and not Path(_python(settings)).exists():
+        return (f"{domain}: python {settings['python']} does not exist (fairseq2 runs in the second environment: "
+                "bash setup.sh --legacy-only); domain skipped")
     for key in DATA_KEYS[domain]:
         value = settings.get(key)
         if value and not Path(value).exists():
@@ -196,15 +221,17 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
     settings = config["domains"][cell.domain]
     started = time.time()
     commands = COMMANDS[cell.domain](cell, settings, cell_dir)
+    python = _python(settings)
     metrics = {}
     for name, argv, output in commands:
         argv = argv + _flags((settings.get("eval_options") or {}).get(name, {}))
-        _run([sys.executable, *argv], cell_dir / "log.txt")
+        _run([python, *argv], cell_dir / "log.txt")
         if output is not None:
             metrics.update(READERS[name](json.loads(Path(output).read_text())))
     result = {"domain": cell.domain, "objective": cell.objective, "seed": cell.seed, "variant": cell.variant,
               "metrics": metrics, "settings": {**settings.get("train", {}), **cell.overrides},
-              "commands": [shlex.join(argv + _flags((settings.get("eval_options") or {}).get(name, {})))
+              "commands": [shlex.join(([settings["python"]] if settings.get("python") else []) + argv
+                                      + _flags((settings.get("eval_options") or {}).get(name, {})))
                            for name, argv, _ in commands], "seconds": round(time.time() - started, 1)}
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -238,20 +265,24 @@ def _stats(values: list[float]) -> dict:
 
 
 def _verdicts(config: dict, results: list[dict]) -> list[dict]:
-    """Every objective against InfoNCE, paired over seeds, per column of the table and per sweep batch size."""
+    """Paired over seeds, per column of the table: every objective against the untrained model (did training
+    help?), then against InfoNCE (per sweep batch size too)."""
     rows = []
     for domain, key, title in COLUMNS:
         rows += [{"objective": r["objective"], "seed": r["seed"], "column": title, "value": r["metrics"][key]}
                  for r in results if r["domain"] == domain and not r["variant"] and r["metrics"].get(key) is not None]
     rows += [{"objective": r["objective"], "seed": r["seed"], "column": f"kNN at batch {r['variant'][2:]}",
               "value": r["metrics"].get("knn_top1")} for r in results if r["variant"].startswith("bs")]
-    return grouped_verdicts(rows, name_key="objective", metric="value", group_key="column", scale=100, digits=1)
+    options = {"name_key": "objective", "metric": "value", "group_key": "column", "scale": 100, "digits": 1}
+    trained = [r for r in rows if r["objective"] != UNTRAINED]
+    return (grouped_verdicts(rows, reference=UNTRAINED, **options)
+            + grouped_verdicts(trained, reference="infonce", **options))
 
 
 def build_report(config: dict, results: list[dict], skipped: dict, failures: dict) -> dict:
     """Every number with its settings; per objective and column: mean, spread (sample std) and seeds."""
     table = {}
-    for objective in config["objectives"]:
+    for objective in _rows(config):
         row = {}
         for domain, key, title in COLUMNS:
             values = [r["metrics"][key] for r in results
@@ -295,7 +326,9 @@ def markdown(report: dict) -> str:
     config = report["config"]
     titles = [title for _, _, title in COLUMNS]
     lines = ["# contrastkit cross-domain suite", "",
-             f"Objectives {', '.join(config['objectives'])}; seeds {config['seeds']}. Accuracy in %, "
+             f"Objectives {', '.join(config['objectives'])}"
+             + (" and the untrained model (each recipe with --steps 0)" if config.get("baseline", True) else "")
+             + f"; seeds {config['seeds']}. Accuracy in %, "
              "mean ± half-width of the 95 % t-interval over seeds (n = number of seeds). What each paper claims "
              "and whether the project reproduces it: docs/evidence.md.", "",
              "| objective | " + " | ".join(titles) + " |", "|---" * (len(titles) + 1) + "|"]
@@ -305,6 +338,7 @@ def markdown(report: dict) -> str:
         data = "embedded default" if _uses_embedded_data(domain, settings) else ", ".join(
             f"{k}={settings[k]}" for k in DATA_KEYS[domain] if settings.get(k))
         lines.append(f"\n- {domain}: data {data}; training {json.dumps(settings.get('train', {}))}"
+                     + (f"; python {settings['python']}" if settings.get("python") else "")
                      + (f"; checkpoints {settings['checkpoints']}" if settings.get("checkpoints") else ""))
     for domain, why in report["skipped"].items():
         lines.append(f"- **skipped** {why}")
@@ -317,7 +351,7 @@ def markdown(report: dict) -> str:
         for objective, per in report["sweep"].items():
             lines.append(f"| {objective} | " + " | ".join(_fmt(per.get(b)) for b in batches) + " |")
     if report.get("verdicts"):
-        lines += ["", "## Paired verdicts against InfoNCE", "",
+        lines += ["", "## Paired verdicts: against the untrained model, then against InfoNCE", "",
                   "Points of accuracy, same seeds; resolved = the 95 % interval of the difference excludes 0.", ""]
         lines += [f"- {v['text']}" for v in report["verdicts"]]
     lines += ["", "## Papers' numbers", "", "| domain | metric | InfoNCE | DCL | setting | comparable here |",
@@ -349,7 +383,8 @@ def write_report(report: dict, out_dir: Path) -> None:
         for ax, title in zip(axes[0], titles):
             stats = [report["table"][o].get(title) for o in objectives]
             ax.bar(range(len(objectives)), [100 * s["mean"] if s else math.nan for s in stats],
-                   yerr=[_bar(s) for s in stats], capsize=4, color="tab:blue", alpha=0.8)
+                   yerr=[_bar(s) for s in stats], capsize=4, alpha=0.8,
+                   color=["tab:gray" if o == UNTRAINED else "tab:blue" for o in objectives])
             ax.set_xticks(range(len(objectives)), objectives)
             ax.set_title(title)
             ax.set_ylabel("accuracy (%)")
@@ -378,7 +413,7 @@ def write_report(report: dict, out_dir: Path) -> None:
 # None). They are the commands of the README, so a number in the report can be reproduced by hand.
 
 DATA_KEYS = {"vision": ("data",), "image_text": ("data", "zeroshot"), "speech": ("fsc", "voxceleb"),
-             "audio_text": ("fsc",)}
+             "speech_fairseq2": ("fsc", "voxceleb"), "audio_text": ("fsc",)}
 
 
 def _flags(options: dict) -> list[str]:
@@ -394,6 +429,11 @@ def _flags(options: dict) -> list[str]:
     return argv
 
 
+def _loss(cell: Cell) -> str:
+    """The recipe's --loss: the objective's (an untrained cell trains no step: any loss builds the model)."""
+    return "infonce" if cell.objective == UNTRAINED else cell.objective
+
+
 def _checkpoint(settings: dict, cell: Cell) -> str | None:
     return None if cell.variant else (settings.get("checkpoints") or {}).get(cell.objective)
 
@@ -403,8 +443,10 @@ def vision_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
     commands = []
     if run is None:
         run = str(cell_dir / "train")
-        options = {**settings.get("train", {}), **cell.overrides, "loss": cell.objective, "seed": cell.seed,
+        options = {**settings.get("train", {}), **cell.overrides, "loss": _loss(cell), "seed": cell.seed,
                    "out-dir": run, "data": settings.get("data")}
+        if options["steps"] == 0:  # untrained: --steps 0 replaces a length given as samples or epochs
+            options.update(samples=None, epochs=None)
         argv = ["recipes/vision/train.py", *_flags(options), "--no-progress"]
         if (Path(run) / "checkpoints").exists():
             argv.append("--resume")  # an interrupted cell continues its training run
@@ -426,7 +468,7 @@ def speech_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
     commands = []
     if run is None:
         run = str(cell_dir / "train")
-        options = {**settings.get("train", {}), **cell.overrides, "loss": cell.objective, "seed": cell.seed,
+        options = {**settings.get("train", {}), **cell.overrides, "loss": _loss(cell), "seed": cell.seed,
                    "out": run, "data": settings.get("fsc")}
         commands.append(("train", ["recipes/wav2vec2/train.py", *_flags(options)], None))
     for task, key in (("speaker_id", "voxceleb"), ("intent", "fsc")):
@@ -446,7 +488,7 @@ def image_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
     if checkpoint is None:
         run = cell_dir / "train"
         steps = int(train.get("steps", 300))
-        options = {**train, "loss": cell.objective, "seed": cell.seed, "out-dir": str(run), "save-every": steps,
+        options = {**train, "loss": _loss(cell), "seed": cell.seed, "out-dir": str(run), "save-every": steps,
                    "eval-every": 0, "data": settings.get("data"), "zeroshot": settings.get("zeroshot")}
         argv = ["recipes/clip/train.py", *_flags(options), "--no-progress"]
         if (run / "checkpoints").exists():
@@ -466,7 +508,7 @@ def audio_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
     if run is None:
         run = str(cell_dir / "train")
         steps = int({**settings.get("train", {}), **cell.overrides}.get("steps", 300))
-        options = {**settings.get("train", {}), **cell.overrides, "loss": cell.objective, "seed": cell.seed,
+        options = {**settings.get("train", {}), **cell.overrides, "loss": _loss(cell), "seed": cell.seed,
                    "out-dir": run, "save-every": steps, "eval-every": 0, "data": settings.get("fsc")}
         argv = ["recipes/clap/train.py", *_flags(options), "--no-progress"]
         if (Path(run) / "checkpoints").exists():
@@ -480,7 +522,7 @@ def audio_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
 
 
 COMMANDS = {"vision": vision_commands, "image_text": image_text_commands, "speech": speech_commands,
-            "audio_text": audio_text_commands}
+            "speech_fairseq2": speech_commands, "audio_text": audio_text_commands}
 
 READERS = {
     "zeroshot": lambda r: {"zeroshot_top1": r["top1"]},

@@ -34,10 +34,14 @@ def tiny_suite(tmp_path_factory):
 def test_report_has_every_number_and_its_settings(tiny_suite):
     config, report = tiny_suite
     row = report["table"]["dcl"]
-    assert set(row) == {"image linear probe", "image kNN"}
+    assert set(row) == {"image linear probe", "image kNN"} == set(report["table"]["untrained"])
     assert 0.0 <= row["image kNN"]["mean"] <= 1.0 and row["image kNN"]["n"] == 1
-    (cell,) = report["cells"]
-    assert cell["settings"]["steps"] == 3 and cell["objective"] == "dcl"
+    cells = {c["objective"]: c for c in report["cells"]}
+    assert list(cells) == ["untrained", "dcl"]
+    assert cells["dcl"]["settings"]["steps"] == 3 and cells["untrained"]["settings"]["steps"] == 0
+    assert "--steps 0" in cells["untrained"]["commands"][0]
+    assert [v["text"].split(" = ")[0] for v in report["verdicts"]] == [
+        "column image linear probe: dcl - untrained", "column image kNN: dcl - untrained"]
     base = Path(config["output_dir"])
     assert json.loads((base / "report.json").read_text())["table"] == json.loads(json.dumps(report["table"]))
     assert "| dcl |" in (base / "report.md").read_text()
@@ -46,7 +50,8 @@ def test_report_has_every_number_and_its_settings(tiny_suite):
 
 def test_numbers_agree_with_the_eval_scripts_run_by_hand(tiny_suite, tmp_path):
     config, report = tiny_suite
-    run = report["cells"][0]["commands"][0].split("--out-dir ")[1].split()[0]
+    (cell,) = [c for c in report["cells"] if c["objective"] == "dcl"]
+    run = cell["commands"][0].split("--out-dir ")[1].split()[0]
     subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
                     "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
     assert json.loads((tmp_path / "knn.json").read_text())["knn_top1"] == report["table"]["dcl"]["image kNN"]["mean"]
@@ -82,7 +87,11 @@ def test_config_files_and_plan(tmp_path):
                     "sweep: {domain: vision}\n")
     config = load_config(path)
     assert list(config["domains"]) == ["speech"] and config["domains"]["speech"]["evals"] == ["intent"]
-    assert len(plan(config)) == 6  # the sweep's domain is not in this suite
+    cells = plan(config)  # the sweep's domain is not in this suite
+    assert [(c.objective, c.seed) for c in cells] == [(o, s) for o in ("untrained", "infonce", "dcl") for s in (0, 1, 2)]
+    assert all(c.overrides == ({"steps": 0} if c.objective == "untrained" else {}) for c in cells)
+    config["baseline"] = False
+    assert len(plan(config)) == 6
     bad = tmp_path / "bad.yaml"
     bad.write_text("domains:\n  audio: {}\n")
     with pytest.raises(ValueError, match="unknown domains \\['audio'\\]"):
@@ -94,9 +103,9 @@ def test_config_files_and_plan(tmp_path):
 def test_example_config_loads_and_skips_missing_paths(tmp_path):
     config = load_config(ROOT / "eval" / "suite_example.yaml")
     config["output_dir"] = str(tmp_path / "out")
-    assert set(config["domains"]) == {"vision", "image_text", "speech", "audio_text"}
+    assert set(config["domains"]) == {"vision", "image_text", "speech", "speech_fairseq2", "audio_text"}
     report = run_suite(config, progress=False)  # none of the example's /data paths exist here
-    assert set(report["skipped"]) == {"vision", "image_text", "speech", "audio_text"}
+    assert set(report["skipped"]) == {"vision", "image_text", "speech", "speech_fairseq2", "audio_text"}
     assert report["cells"] == []
 
 
@@ -107,15 +116,19 @@ def test_report_gives_intervals_and_paired_verdicts():
     config.update(objectives=["infonce", "dcl"], seeds=[0, 1, 2])
     config["domains"] = {"vision": config["domains"]["vision"]}
     knn = {("infonce", 0): 0.30, ("infonce", 1): 0.32, ("infonce", 2): 0.31,
-           ("dcl", 0): 0.40, ("dcl", 1): 0.41, ("dcl", 2): 0.42}
+           ("dcl", 0): 0.40, ("dcl", 1): 0.41, ("dcl", 2): 0.42,
+           ("untrained", 0): 0.20, ("untrained", 1): 0.22, ("untrained", 2): 0.19}
     results = [{"domain": "vision", "objective": o, "seed": s, "variant": "", "metrics": {"knn_top1": v}}
                for (o, s), v in knn.items()]
     report = build_report(config, results, {}, {})
     assert report["table"]["infonce"]["image kNN"]["half_width"] == pytest.approx(4.303 * 0.01 / 3**0.5)
     text = markdown(report)
-    assert "| infonce | - | - | 31.0 ± 2.5 (n=3) | - | - | - |" in text
-    # dcl - infonce per seed: +10, +9, +11 points
+    assert "| infonce | - | - | 31.0 ± 2.5 (n=3) | - | - | - | - | - |" in text
+    assert text.index("| untrained |") < text.index("| infonce |")
+    # dcl - infonce per seed: +10, +9, +11 points; dcl - untrained: +20, +19, +23 (sd 2.08)
     assert "- column image kNN: dcl - infonce = +10.0 ± 2.5 (95 % CI, 3 seeds): resolved" in text
+    assert "- column image kNN: dcl - untrained = +20.7 ± 5.2 (95 % CI, 3 seeds): resolved" in text
+    assert "- column image kNN: infonce - untrained = " in text and "untrained - infonce" not in text
     assert "docs/evidence.md" in text
 
 
@@ -131,7 +144,8 @@ def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
     report = run_suite(config, progress=False)
     assert not report["failures"], report["failures"]
     stat = report["table"]["dcl"]["audio-text zero-shot intent"]
-    (cell,) = report["cells"]
+    untrained, cell = report["cells"]  # the untrained row's cell first: --steps 0
+    assert untrained["objective"] == "untrained" and "--steps 0" in untrained["commands"][0]
     assert stat["values"] == [cell["metrics"]["zeroshot_intent_accuracy"]] and 0.0 <= stat["mean"] <= 1.0
     assert [c.split()[0] for c in cell["commands"]] == ["recipes/clap/train.py", "eval/zeroshot_intent.py"]
     assert "audio-text zero-shot intent" in markdown(report)
@@ -139,3 +153,45 @@ def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
     summary = json.loads((Path(config["output_dir"]) / "cells" / cell["domain"] / "dcl" / "seed0" / "train" /
                           "summary.json").read_text())
     assert summary["zeroshot_intent"]["accuracy"] == pytest.approx(stat["mean"], abs=1e-9)
+
+
+def test_missing_interpreter_skips_the_domain_with_a_clear_line(tmp_path):
+    config = _config(tmp_path)
+    config["domains"] = {"speech_fairseq2": {**load_config(None)["domains"]["speech_fairseq2"],
+                                             "python": "no-such-venv/bin/python"}}
+    report = run_suite(config, progress=False)
+    assert "python no-such-venv/bin/python does not exist" in report["skipped"]["speech_fairseq2"]
+    assert "bash setup.sh --legacy-only" in markdown(report) and report["cells"] == []
+
+
+def _speech_suite(tmp_path, domain):
+    from contrastkit.data.speech import default_speech_data
+
+    small = default_speech_data(small=True)
+    config = _config(tmp_path)
+    config["domains"] = {domain: {**load_config(None)["domains"][domain], "fsc": str(small / "fsc"),
+                                  "voxceleb": str(small / "voxceleb1"), "evals": ["intent"],
+                                  "eval_options": {"intent": {"epochs": 2}}}}
+    config["domains"][domain]["train"] = {**config["domains"][domain]["train"], "steps": 2, "batch-size": 4,
+                                          "max-seconds": 1.0, "no-pretext-eval": True}
+    report = run_suite(config, progress=False)
+    assert not report["failures"], report["failures"]
+    return report
+
+
+@pytest.mark.parametrize("domain", ["speech", pytest.param("speech_fairseq2", marks=pytest.mark.legacy)])
+def test_speech_columns_with_the_untrained_row(tmp_path, domain):
+    """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter), intent
+    only (speaker ID runs the same way): the untrained row from --steps 0, the trained row, the paired verdict."""
+    if domain == "speech_fairseq2" and not (ROOT / ".venv-legacy/bin/python").exists():
+        pytest.skip("needs the second environment (.venv-legacy): bash setup.sh --legacy-only")
+    report = _speech_suite(tmp_path, domain)
+    suffix = " (fairseq2)" if domain == "speech_fairseq2" else ""
+    for row in ("untrained", "dcl"):
+        assert set(report["table"][row]) == {"intent" + suffix}
+    cells = {c["objective"]: c for c in report["cells"]}
+    assert "--steps 0" in cells["untrained"]["commands"][0] and "--steps 2" in cells["dcl"]["commands"][0]
+    if suffix:
+        assert all(c.startswith(".venv-legacy/bin/python ") for c in cells["dcl"]["commands"])
+        assert "--backend fairseq2" in cells["dcl"]["commands"][0]
+    assert [v["text"].split(" = ")[0] for v in report["verdicts"]] == [f"column intent{suffix}: dcl - untrained"]
