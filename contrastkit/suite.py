@@ -1,7 +1,8 @@
 """The cross-domain suite: train (or take) one model per domain, objective and seed, run every evaluation
 that fits, and write one report (JSON, Markdown, plots).
 
-A *cell* is (domain, objective, seed, variant). Each cell runs the domain's recipe and eval scripts as
+A *cell* is (domain, objective, seed, variant); the objective "untrained" is the domain's recipe run with
+--steps 0, the floor each objective is compared with. Each cell runs the domain's recipe and eval scripts as
 subprocesses, exactly the commands a person would type, and stores its numbers in ``cell.json``; a
 cell whose ``cell.json`` exists is not run again, so an interrupted suite picks up where it stopped
 (and the recipes' own ``--resume`` continues an interrupted training run).
