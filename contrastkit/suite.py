@@ -51,7 +51,8 @@ PAPER_REFERENCES = {
 }
 
 UNTRAINED = "untrained"  # the baseline row: each domain's recipe run with --steps 0 (its initial model)
-SPEECH_EVALS = {"evals": ["speaker_id", "intent"], "eval_options": {"speaker_id": {"epochs": 60}, "intent": {"epochs": 60}}}
+SPEECH_EVALS = {"evals": ["speaker_id", "intent"],
+                "eval_options": {"speaker_id": {"epochs": 60}, "intent": {"epochs": 60}}}
 
 DEFAULT_CONFIG = {
     "output_dir": "runs/suite",

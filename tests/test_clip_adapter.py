@@ -230,7 +230,8 @@ def test_entry_point_trains_open_clip_train_one_process(tiny_csv, tmp_path):
 
 
 def test_entry_point_trains_open_clip_train_two_processes(tiny_csv, tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
     log = _open_clip_train(launcher, tiny_csv, tmp_path, ["--local-loss", "--gather-with-grad"])
     assert "world size: 2" in log.lower() or "Running in distributed mode" in log
     assert len(_losses(log)) == 2  # 32 pairs, a global batch of 16 per step

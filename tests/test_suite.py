@@ -88,7 +88,8 @@ def test_config_files_and_plan(tmp_path):
     config = load_config(path)
     assert list(config["domains"]) == ["speech"] and config["domains"]["speech"]["evals"] == ["intent"]
     cells = plan(config)  # the sweep's domain is not in this suite
-    assert [(c.objective, c.seed) for c in cells] == [(o, s) for o in ("untrained", "infonce", "dcl") for s in (0, 1, 2)]
+    assert [(c.objective, c.seed) for c in cells] == [(o, s) for o in ("untrained", "infonce", "dcl")
+                                                      for s in (0, 1, 2)]
     assert all(c.overrides == ({"steps": 0} if c.objective == "untrained" else {}) for c in cells)
     config["baseline"] = False
     assert len(plan(config)) == 6

@@ -172,11 +172,10 @@ def test_recipe_on_two_processes(tmp_path):
     """accelerate launch with 2 CPU processes (gloo): trains, checkpoints and exports."""
     out = tmp_path / "ddp"
     launch, env = accelerate_launch(2)  # gloo processes on the CPU
-    cmd = [*launch, str(ROOT / "recipes" / "wav2vec2" / "train.py"), "--steps", "2", "--batch-size", "2", "--save-every", "2",
-           "--log-every", "1", "--out", str(out),
+    cmd = [*launch, str(ROOT / "recipes" / "wav2vec2" / "train.py"), "--steps", "2", "--batch-size", "2",
+           "--save-every", "2", "--log-every", "1", "--out", str(out),
            "--data", str(speech.default_speech_data(small=True) / "fsc")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["final_loss_per_frame"] > 0

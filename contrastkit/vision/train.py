@@ -58,7 +58,7 @@ class VisionConfig(RunOptions):
     views: int = arg(2, "views per image")
     batch_size: int = arg(64, "global batch, over all processes")
     steps: int | None = arg(None, "optimizer steps (else from --samples or --epochs; 0: save the initial model, "
-                                          "an untrained baseline)")
+                                  "an untrained baseline)")
     samples: int | None = arg(None, "alternative to --steps: steps = samples // batch_size")
     epochs: int = arg(10, "used when neither --steps nor --samples is given (kNN still rose from 5 to 10: docs/evidence.md)")
     optimizer: str = arg("adamw", "optimizer", choices=("adamw", "sgd"))
@@ -92,7 +92,8 @@ class VisionConfig(RunOptions):
                      "lr", "temperature", "knn_k", "log_every", "threads", "train_images",
                      "test_images"):
             positive(name, getattr(self, name))
-        for name in ("steps", "weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers", "hue", "grayscale"):
+        for name in ("steps", "weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers", "hue",
+                     "grayscale"):
             positive(name, getattr(self, name), zero=True)
         existing("data", self.data, "image data")
         self.check_run()
@@ -229,7 +230,8 @@ def train(cfg: VisionConfig) -> dict:
         losses = [r["loss"] for r in log.records() if "loss" in r]  # none with --steps 0
         summary = {"method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size, "queue_size": cfg.queue_size,
                    "steps": state.step, "samples_seen": state.step * cfg.batch_size, "processes": world,
-                   "final_loss": losses[-1] if losses else None, "knn_top1": knn, "knn_k": cfg.knn_k, "train_seconds": seconds,
+                   "final_loss": losses[-1] if losses else None, "knn_top1": knn, "knn_k": cfg.knn_k,
+                   "train_seconds": seconds,
                    "config": asdict(cfg), "resumes": state.resumes}
         log.summary(summary)
         accelerator.print(json.dumps(summary))
