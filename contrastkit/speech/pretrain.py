@@ -307,8 +307,11 @@ def pretext_comparison(model, heldout: list[torch.Tensor], cfg: PretrainConfig, 
     """
     if trained is None:
         trained = evaluate_pretext(model, heldout, cfg)
-    with torch.random.fork_rng(devices=[]):
-        untrained = evaluate_pretext(build_model(cfg).to(next(model.parameters()).device), heldout, cfg)
+    if cfg.steps == 0:  # --steps 0: the model is the untrained one
+        untrained = trained
+    else:
+        with torch.random.fork_rng(devices=[]):
+            untrained = evaluate_pretext(build_model(cfg).to(next(model.parameters()).device), heldout, cfg)
     return {"heldout": (cfg.data or "embedded default") + f" ({len(heldout)} held-out utterances)",
             "trained": trained, "untrained": untrained,
             "accuracy_gain": trained["accuracy"] - untrained["accuracy"],
