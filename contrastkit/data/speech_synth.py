@@ -1,5 +1,8 @@
 """Offline speech synthesis with espeak-ng: the library shipped in the PyPI package espeakng-loader
 (through ctypes), or the ``espeak-ng`` program as a fallback. Returns float32 mono waveforms.
+
+Deterministic through the library (each utterance in a fresh process, its noise seeded from the
+utterance); the program fallback seeds the breathy voices' noise with the clock, so those vary per run.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import functools
 import io
 import shutil
 import subprocess
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -32,6 +36,7 @@ class _Library:
                                           ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         self.lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.lib.espeak_ng_SetRandSeed.argtypes = [ctypes.c_long]
         self.sample_rate = self.lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0,
                                                       espeakng_loader.get_data_path().encode(), 0)
         if self.sample_rate <= 0:
@@ -51,6 +56,9 @@ class _Library:
             raise ValueError(f"espeak-ng has no voice {voice!r}")
         for key, value in ((_RATE, rate), (_PITCH, pitch), (_RANGE, pitch_range)):
             self.lib.espeak_SetParameter(key, value, 0)
+        # espeak-ng seeds the noise of its breathy voices (en+f2, +f3, +f5, ...) with the clock at initialisation:
+        # seeded from the utterance instead, the same job gives the same samples in any second
+        self.lib.espeak_ng_SetRandSeed(zlib.crc32(repr((text, voice, rate, pitch, pitch_range)).encode()))
         self.chunks = []
         data = text.encode() + b"\0"
         if self.lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, _CHARS_AUTO, None, None) != 0:
