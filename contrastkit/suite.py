@@ -222,19 +222,20 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
     cell_dir.mkdir(parents=True, exist_ok=True)
     settings = config["domains"][cell.domain]
     started = time.time()
-    commands = COMMANDS[cell.domain](cell, settings, cell_dir)
+    options = settings.get("eval_options") or {}
+    commands = [(name, argv + _flags(options.get(name, {})), output)
+                for name, argv, output in COMMANDS[cell.domain](cell, settings, cell_dir)]
     python = _python(settings)
+    shown = [settings["python"]] if settings.get("python") else []  # as typed: relative to the checkout
     metrics = {}
     for name, argv, output in commands:
-        argv = argv + _flags((settings.get("eval_options") or {}).get(name, {}))
         _run([python, *argv], cell_dir / "log.txt")
         if output is not None:
             metrics.update(READERS[name](json.loads(Path(output).read_text())))
     result = {"domain": cell.domain, "objective": cell.objective, "seed": cell.seed, "variant": cell.variant,
               "metrics": metrics, "settings": {**settings.get("train", {}), **cell.overrides},
-              "commands": [shlex.join(([settings["python"]] if settings.get("python") else []) + argv
-                                      + _flags((settings.get("eval_options") or {}).get(name, {})))
-                           for name, argv, _ in commands], "seconds": round(time.time() - started, 1)}
+              "commands": [shlex.join(shown + argv) for _, argv, _ in commands],
+              "seconds": round(time.time() - started, 1)}
     result_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

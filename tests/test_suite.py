@@ -185,7 +185,8 @@ def test_speech_columns_with_the_untrained_row(tmp_path, domain):
     """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter), intent
     only (speaker ID runs the same way): the untrained row from --steps 0, the trained row, the paired verdict."""
     if domain == "speech_fairseq2" and not (ROOT / ".venv-legacy/bin/python").exists():
-        pytest.skip("needs the second environment (.venv-legacy): bash setup.sh --legacy-only")
+        pytest.skip("needs the second environment (.venv-legacy, bash setup.sh --legacy-only): runs in CI's "
+                    "legacy step, .venv-legacy/bin/python -m pytest -m legacy")
     report = _speech_suite(tmp_path, domain)
     suffix = " (fairseq2)" if domain == "speech_fairseq2" else ""
     for row in ("untrained", "dcl"):
