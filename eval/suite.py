@@ -1,7 +1,7 @@
 """One command, one report across vision, image-text and speech: train small models with each objective
 (or take the checkpoints named in a config), run every evaluation that fits, write report.{json,md,png}.
 
-    python eval/suite.py                               # the default suite on the embedded data (~4 h on 2 cores, most of it speech)
+    python eval/suite.py                               # the default suite on the embedded data (~2 h on 2 cores)
     python eval/suite.py --config my_suite.yaml        # real data and checkpoints; see eval/suite_example.yaml
     python eval/suite.py --output-dir runs/suite       # run again: finished cells are not redone
 """
