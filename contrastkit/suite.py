@@ -387,8 +387,9 @@ def markdown(report: dict) -> str:
         lines += ["", "## Paired verdicts: against the untrained model, then against InfoNCE", "",
                   "Points of accuracy, same seeds; resolved = the 95 % interval of the difference excludes 0.", ""]
         lines += [f"- {v['text']}" for v in report["verdicts"]]
-    lines += ["", "## Papers' numbers", "", "| domain | metric | InfoNCE | DCL | setting | comparable here |",
-              "|---|---|---|---|---|---|"]
+    if report["references"]:
+        lines += ["", "## Papers' numbers", "", "| domain | metric | InfoNCE | DCL | setting | comparable here |",
+                  "|---|---|---|---|---|---|"]
     for ref in report["references"]:
         lines.append(f"| {ref['domain']} | {ref['metric']} | {ref['paper'].get('infonce', '-')} | "
                      f"{ref['paper'].get('dcl', '-')} | {ref['setting']} | no: {ref['why']} |")
@@ -410,6 +411,9 @@ def write_report(report: dict, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     titles = _columns(report)
+    for plot, made in (("report_domains.png", titles), ("report_batch_size.png", report["sweep"])):
+        if not made:  # an earlier report's plot in the same folder would no longer match report.md
+            (out_dir / plot).unlink(missing_ok=True)
     if titles:
         fig, axes = plt.subplots(1, len(titles), figsize=(3.6 * len(titles), 3.4), squeeze=False)
         objectives = list(report["table"])

@@ -155,6 +155,25 @@ def test_report_gives_intervals_and_paired_verdicts():
     assert "docs/evidence.md" in text
 
 
+def test_a_report_written_over_an_older_one_keeps_nothing_it_does_not_make(tmp_path):
+    """A suite run again with fewer domains in the same folder: the earlier run's sweep plot is removed, and a
+    table without papers' numbers gets no empty section for them."""
+    from contrastkit.suite import build_report, write_report
+
+    config = load_config(None)
+    config.update(objectives=["dcl"], seeds=[0, 1])
+    config["domains"] = {"audio_text": config["domains"]["audio_text"]}
+    results = [{"domain": "audio_text", "objective": o, "seed": s, "variant": "",
+                "metrics": {"zeroshot_intent_accuracy": 0.1 + 0.05 * s + (0.1 if o == "dcl" else 0)}}
+               for o in ("untrained", "dcl") for s in (0, 1)]
+    report = build_report(config, results, {}, {})
+    (tmp_path / "report_batch_size.png").write_bytes(b"an earlier run's sweep")
+    write_report(report, tmp_path)
+    assert not (tmp_path / "report_batch_size.png").exists()
+    assert (tmp_path / "report_domains.png").stat().st_size > 0
+    assert report["references"] == [] and "Papers' numbers" not in (tmp_path / "report.md").read_text()
+
+
 def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
     """A tiny audio-text cell: the CLAP recipe, then eval/zeroshot_intent.py, its accuracy in the column (and
     equal to the recipe's own)."""
