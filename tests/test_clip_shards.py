@@ -181,6 +181,7 @@ def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_
                                              "than 10% of the shard", errors[0]), errors
 
 
+@pytest.mark.slow
 def test_two_processes_two_workers_learn(tmp_path):
     """2 processes x 2 loader workers, 80 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
     held-out CLIP loss (InfoNCE over 4 batches of 32 unseen pairs) falls by at least 0.3 from the untrained

@@ -209,6 +209,7 @@ def test_hf_image_folder_with_captions(tmp_path):
         load_image_text(folder, caption_key="caption")
 
 
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """The main job's default (300 steps of batch 64 on the embedded 4096 pairs, DCL) beats the same model
     untrained on zero-shot top-1 by 0.15 (8 classes, 400 held-out images; chance 0.125). Measured at seed 0:

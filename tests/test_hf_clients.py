@@ -201,6 +201,7 @@ def _dropped(logs):
     assert last < first - 0.25, [x["constrast_loss"] for x in logs]
 
 
+@pytest.mark.slow
 def test_wav2vec2_example_trains_with_dcl_after_one_import(speech_data, tmp_path):
     """The script alone (the model's own InfoNCE) and with the one import, 1 process, same seed: the same
     first batch, masks, distractors and codes (equal diversity loss), and DCL's contrastive loss is below

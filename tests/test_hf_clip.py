@@ -363,6 +363,7 @@ def _clap_batches(rows, steps):
                       for step in range(steps)]
 
 
+@pytest.mark.slow
 def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     """The embedded spoken commands loaded as a Hugging Face audio dataset from their files (decoded by
     torchcodec), a tiny ClapModel with its own feature extractor, AdamW, 400 steps with DCL: every step's

@@ -155,6 +155,7 @@ def straight(hosts, data_dir, tmp_path_factory):
     return weights(outs[0])
 
 
+@pytest.mark.slow
 def test_the_same_resume_auto_command_carries_on_after_a_host_dies(hosts, data_dir, straight, tmp_path):
     outs = (tmp_path / "a", tmp_path / "b")
     command = ("--resume", "auto")
@@ -179,6 +180,7 @@ def test_the_same_resume_auto_command_carries_on_after_a_host_dies(hosts, data_d
     assert [r["step"] for r in json.loads((outs[0] / "summary.json").read_text())["resumes"]] == [4]
 
 
+@pytest.mark.slow
 def test_a_cut_link_ends_both_hosts_within_the_timeout_and_resume_is_exact(hosts, data_dir, straight, tmp_path):
     outs = (tmp_path / "a", tmp_path / "b")
     hold = tmp_path / "cut"  # host A stalls in step 5 until the link is cut

@@ -91,6 +91,7 @@ def launch(out_dir, *extra, kill_rank=None, port=29700):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_two_processes_one_killed_end_by_themselves_and_resume_exactly(tmp_path):
     """Rank 1 SIGKILLed mid-step: the launcher ends the run (no hang: the timeout would fail the test), and
     --resume on 2 processes reaches the uninterrupted 2-process run's weights bit for bit."""

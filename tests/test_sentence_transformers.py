@@ -184,6 +184,7 @@ def test_trainer_with_cached_dcl_learns(tmp_path):
     assert after >= before + 0.10, (before, after)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
     """accelerate launch, 2 CPU processes (gloo), gather_across_devices=True, batch 4 per process: the logged
     losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates), with

@@ -156,6 +156,7 @@ LEARN = dict(train_images=4000, test_images=1000, width=16, batch_size=64, steps
              margins={"knn_top1": 0.025, "probe_top1": 0.12})
 
 
+@pytest.mark.slow
 def test_short_default_run_learns(tmp_path):
     """A short SimCLR run on the embedded shapes must beat both floors on frozen features, in kNN and in the
     L-BFGS probe (same splits): the same backbone at initialisation and the raw pixels."""

@@ -74,6 +74,7 @@ PRETEXT_MARGIN = 0.08
 SMALL_STEPS = 400
 
 
+@pytest.mark.slow
 def test_pretraining_beats_untrained_on_heldout_pretext(tmp_path):
     """A learning test at small scale: the recipe with its default schedule (HF, DCL, lr, batch; half the
     default steps, on the tests' subset of the embedded data) predicts the masked frames' quantised
