@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Under pytest-xdist (-n auto: one worker per core) a test's torch ops and the processes it starts take one
+# thread each: torch's default, one per core, oversubscribes the cores the other workers use (the in-process
+# CLIP training test took 241 s beside another worker, 70 s alone).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 

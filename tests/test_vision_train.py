@@ -150,26 +150,52 @@ def test_bad_setups_fail_before_training(tmp_path):
     assert not (tmp_path / "simclr_dcl" / "checkpoints").exists()
 
 
-# Measured (seed 0, this config: the default data and recipe, width 16, 400 steps): kNN 38.5 % vs raw pixels
-# 33.4 % and random init 26.4 %; probe 62.6 % vs random init 38.1 % and pixels 23.6 %. Margins: half the gaps.
+# Measured (seed 0, this config: the default data and recipe, width 16, 400 steps): kNN 37.7 % vs raw pixels
+# 33.4 % and random init 26.4 %; probe 62.1 % vs random init 38.1 % and pixels 23.6 % (25.6 % at its best
+# penalty, 1e-2). Margins: half the gaps to the higher floor. The pixel probe, far below the others, is left
+# out: L-BFGS on 3072 pixel features took 68 of the test's 330 s.
 LEARN = dict(train_images=4000, test_images=1000, width=16, batch_size=64, steps=400,
              margins={"knn_top1": 0.025, "probe_top1": 0.12})
 
 
 @pytest.mark.slow
 def test_short_default_run_learns(tmp_path):
-    """A short SimCLR run on the embedded shapes must beat both floors on frozen features, in kNN and in the
-    L-BFGS probe (same splits): the same backbone at initialisation and the raw pixels."""
-    from contrastkit.vision.baselines import baselines, frozen_scores
-    from contrastkit.vision.train import load_backbone
+    """A short SimCLR run on the embedded shapes must beat the floors on frozen features, in kNN and in the
+    L-BFGS probe (same splits): the same backbone at initialisation (both) and the raw pixels (kNN)."""
+    from torch import nn
+
+    from contrastkit.evaluation.knn import knn_accuracy
+    from contrastkit.vision.baselines import frozen_scores, initial_backbone
+    from contrastkit.vision.train import frozen_features, load_backbone
 
     cfg = VisionConfig(out_dir=str(tmp_path / "run"), train_images=LEARN["train_images"],
                        test_images=LEARN["test_images"], width=LEARN["width"], batch_size=LEARN["batch_size"],
                        steps=LEARN["steps"], threads=1, progress=False, log_every=10)
     train(cfg)
     backbone, cfg = load_backbone(cfg.out_dir)
-    trained, floors = frozen_scores(backbone, cfg), baselines(cfg)
-    print(json.dumps({"trained": trained, **floors}))
+    trained = frozen_scores(backbone, cfg)
+    random_init = frozen_scores(initial_backbone(cfg), cfg)
+    pixels_train, pixels_test, classes = frozen_features(nn.Flatten(), cfg)
+    pixels_knn = knn_accuracy(*pixels_train, *pixels_test, k=cfg.knn_k, temperature=cfg.knn_temperature,
+                              num_classes=len(classes))
+    floors = {"knn_top1": max(pixels_knn, random_init["knn_top1"]), "probe_top1": random_init["probe_top1"]}
+    print(json.dumps({"trained": trained, "random_init": random_init, "pixels_knn": pixels_knn}))
     for metric, margin in LEARN["margins"].items():
-        floor = max(floors["pixels"][metric], floors["random_init"][metric])
-        assert trained[metric] > floor + margin, (metric, trained, floors)
+        assert trained[metric] > floors[metric] + margin, (metric, trained, floors)
+
+
+def test_random_init_floor_is_the_backbone_an_untrained_run_saves(tmp_path):
+    """``baselines``' random-init floor is the weights a run starts from: ``--steps 0`` (the suite's untrained
+    row) saves a backbone that scores exactly the same; the pixel floor is the same data flattened."""
+    from torch import nn
+
+    from contrastkit.vision.baselines import baselines, frozen_scores
+    from contrastkit.vision.train import load_backbone
+
+    cfg = VisionConfig(out_dir=str(tmp_path), train_images=64, test_images=32, width=8, batch_size=8, steps=0,
+                       knn_k=5, seed=3, threads=1, progress=False)
+    train(cfg)
+    untrained, cfg = load_backbone(cfg.out_dir)
+    floors = baselines(cfg)
+    assert floors["random_init"] == frozen_scores(untrained, cfg)
+    assert floors["pixels"] == frozen_scores(nn.Flatten(), cfg)

@@ -57,7 +57,7 @@ class MultiViewDataset(Dataset):
     def __getitem__(self, item):
         epoch, index = item
         image, label = self.images[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
+        with torch.random.fork_rng(devices=[]):  # the CPU generator alone: CUDA's stream stays the model's
+            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             views = torch.stack([self.transform(image) for _ in range(self.views)])
         return views, label, index

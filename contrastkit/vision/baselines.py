@@ -35,10 +35,14 @@ def frozen_scores(backbone: nn.Module, cfg, progress: bool = False) -> dict:
     return scores_of_features(train, test, len(classes), cfg.knn_k, cfg.knn_temperature)
 
 
-def baselines(cfg, progress: bool = False) -> dict:
-    """Scores of raw pixels (the normalised image, flattened) and of the backbone of ``cfg`` at its
-    initialisation under ``cfg.seed`` (batch norm with its initial running statistics)."""
+def initial_backbone(cfg) -> nn.Module:
+    """The backbone of ``cfg`` at its initialisation under ``cfg.seed``, in eval mode (batch norm with its
+    initial running statistics): the weights a run of ``cfg`` starts from (``--steps 0`` saves the same)."""
     torch.manual_seed(cfg.seed)
-    random_backbone, _ = build_backbone(cfg.backbone, cfg.small_images, cfg.width)
-    return {"pixels": frozen_scores(nn.Flatten(), cfg, progress), "random_init": frozen_scores(random_backbone.eval(),
-                                                                                             cfg, progress)}
+    return build_backbone(cfg.backbone, cfg.small_images, cfg.width)[0].eval()
+
+
+def baselines(cfg, progress: bool = False) -> dict:
+    """Scores of raw pixels (the normalised image, flattened) and of ``initial_backbone(cfg)``."""
+    return {"pixels": frozen_scores(nn.Flatten(), cfg, progress),
+            "random_init": frozen_scores(initial_backbone(cfg), cfg, progress)}
