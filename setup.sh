@@ -6,8 +6,8 @@
 #                                # once, ~3 minutes, 14 GB
 #   bash setup.sh --legacy-only  # .venv-legacy alone (CI, where the disk has no room for both at once)
 # pip's cache is off: the CUDA wheels (nvidia-*, ~3 GB per environment) would otherwise be kept twice on disk.
-# --no-compile: Python compiles a module when it is first imported; compiling all of torch, transformers and
-# the CUDA wheels up front took 72 of the 172 s of an environment's install.
+# pip byte-compiles as it installs (72 of an environment's 172 s): left to the first import, every process
+# would compile again where PYTHONDONTWRITEBYTECODE is set (this machine's CI: the legacy tests took 266 s, not 158).
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in
@@ -29,12 +29,12 @@ export PIP_NO_CACHE_DIR=1
 make_env() {  # make_env DIR LOCKFILE: the locked packages (the project itself after, see below)
   python3 -m venv "$1"
   "$1/bin/python" -m pip install -q --upgrade pip
-  "$1/bin/python" -m pip install -q --no-compile --no-deps -r "$2"
+  "$1/bin/python" -m pip install -q --no-deps -r "$2"
 }
 case "${1:-}" in
   "") envs=(.venv); make_env .venv requirements/lock.txt ;;
   --legacy-only) envs=(.venv-legacy); make_env .venv-legacy requirements/legacy.txt ;;
-  --with-legacy)  # both at once: pip unpacks on one core (156 s for both here, against ~240 s one after the other)
+  --with-legacy)  # both at once: pip unpacks on one core (~4 minutes for both, against ~7 one after the other)
     envs=(.venv .venv-legacy)
     make_env .venv requirements/lock.txt & primary=$!
     make_env .venv-legacy requirements/legacy.txt

@@ -53,6 +53,7 @@ PAPER_REFERENCES = {
                    "(DCL paper, appendix Table 7)"},
 }
 
+RESUME = ("--resume", "auto")  # every training command: an interrupted cell continues its run, a new one starts
 UNTRAINED = "untrained"  # the baseline row: each domain's recipe run with --steps 0 (its initial model)
 SPEECH_EVALS = {"evals": ["speaker_id", "intent"],
                 "eval_options": {"speaker_id": {"epochs": 60}, "intent": {"epochs": 60}}}
@@ -225,12 +226,9 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
     options = settings.get("eval_options") or {}
     shown = [settings["python"]] if settings.get("python") else []  # as typed: relative to the checkout
 
-    def planned() -> tuple[list, list[str]]:  # (name, argv, output) each, and the commands as recorded
-        commands = [(name, argv + _flags(options.get(name, {})), output)
-                    for name, argv, output in COMMANDS[cell.domain](cell, settings, cell_dir)]
-        return commands, [shlex.join(shown + argv) for _, argv, _ in commands]
-
-    commands, recorded = planned()
+    commands = [(name, argv + _flags(options.get(name, {})), output)  # (name, argv, output) each
+                for name, argv, output in COMMANDS[cell.domain](cell, settings, cell_dir)]
+    recorded = [shlex.join(shown + argv) for _, argv, _ in commands]
     if result_path.exists():
         cached = json.loads(result_path.read_text())
         if _same_commands(cached["commands"], recorded, cell):
@@ -238,7 +236,6 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
         print(f"suite: {cell.name}: its settings changed since cell.json was written; running it again",
               file=sys.stderr)
         shutil.rmtree(cell_dir)  # a training run resumed under other settings would mix the two
-        commands, recorded = planned()  # without the --resume of the removed run
     cell_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     python = _python(settings)
@@ -256,11 +253,12 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
 
 def _same_commands(cached: list[str], planned: list[str], cell: Cell) -> bool:
     """The same commands, up to where the output folder lies (a moved folder keeps its cells) and --resume
-    (added when the cell's training run had been interrupted)."""
+    (cells recorded before ``RESUME`` have a bare one where their training run had been interrupted)."""
     cell_path = re.compile(r"\S*" + re.escape(f"cells/{cell.name}"))
 
-    def key(commands: list[str]) -> list[list[str]]:
-        return [[w for w in shlex.split(cell_path.sub("<cell>", c)) if w != "--resume"] for c in commands]
+    def key(commands: list[str]) -> list[str]:
+        return [re.sub(r" --resume( auto)?(?= |$)", "", shlex.join(shlex.split(cell_path.sub("<cell>", c))))
+                for c in commands]
 
     return key(cached) == key(planned)
 
@@ -484,9 +482,7 @@ def vision_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
                    "out-dir": run, "data": settings.get("data")}
         if options["steps"] == 0:  # untrained: --steps 0 replaces a length given as samples or epochs
             options.update(samples=None, epochs=None)
-        argv = ["recipes/vision/train.py", *_flags(options), "--no-progress"]
-        if (Path(run) / "checkpoints").exists():
-            argv.append("--resume")  # an interrupted cell continues its training run
+        argv = ["recipes/vision/train.py", *_flags(options), "--no-progress", *RESUME]
         commands.append(("train", argv, None))
     evals = ["knn"] if cell.variant else settings.get("evals", ["knn", "linear_probe"])
     data = _flags({"data": settings.get("data")})
@@ -527,9 +523,7 @@ def image_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
         steps = int(train.get("steps", 300))
         options = {**train, "loss": _loss(cell), "seed": cell.seed, "out-dir": str(run), "save-every": steps,
                    "eval-every": 0, "data": settings.get("data"), "zeroshot": settings.get("zeroshot")}
-        argv = ["recipes/clip/train.py", *_flags(options), "--no-progress"]
-        if (run / "checkpoints").exists():
-            argv.append("--resume")
+        argv = ["recipes/clip/train.py", *_flags(options), "--no-progress", *RESUME]
         commands.append(("train", argv, None))
         checkpoint = str(run / "checkpoints" / f"checkpoint_{steps}")
     out = cell_dir / "zeroshot"
@@ -547,9 +541,7 @@ def audio_text_commands(cell: Cell, settings: dict, cell_dir: Path) -> list:
         steps = int({**settings.get("train", {}), **cell.overrides}.get("steps", 300))
         options = {**settings.get("train", {}), **cell.overrides, "loss": _loss(cell), "seed": cell.seed,
                    "out-dir": run, "save-every": steps, "eval-every": 0, "data": settings.get("fsc")}
-        argv = ["recipes/clap/train.py", *_flags(options), "--no-progress"]
-        if (Path(run) / "checkpoints").exists():
-            argv.append("--resume")
+        argv = ["recipes/clap/train.py", *_flags(options), "--no-progress", *RESUME]
         commands.append(("train", argv, None))
     if "zeroshot_intent" in settings.get("evals", ["zeroshot_intent"]):
         out = cell_dir / "zeroshot_intent.json"

@@ -93,6 +93,23 @@ def test_a_moved_suite_keeps_its_cells_and_a_changed_setting_runs_the_cell_again
     assert (cells_dir / "untrained" / "seed0" / "log.txt").read_text() == logs["untrained"]  # --steps 0 either way
 
 
+def test_a_cell_killed_before_its_result_continues_its_run_under_the_same_recorded_commands(tiny_suite, tmp_path):
+    """Every training command carries ``--resume auto``: the commands a cell records are the same whether it
+    ran at once or was picked up after a kill, and the picked-up run continues rather than training again."""
+    config, report = tiny_suite
+    moved = tmp_path / "moved"
+    shutil.copytree(config["output_dir"], moved)
+    cell_dir = moved / "cells" / "vision" / "dcl" / "seed0"
+    first = json.loads((cell_dir / "cell.json").read_text())
+    assert all("--resume auto" in c for c in first["commands"] if "train.py" in c)
+    (cell_dir / "cell.json").unlink()  # killed after training, before the evaluations wrote the cell
+    again = {c["objective"]: c for c in run_suite({**config, "output_dir": str(moved)}, progress=False)["cells"]}
+    assert again["dcl"]["commands"] == [c.replace(config["output_dir"], str(moved)) for c in first["commands"]]
+    assert again["dcl"]["metrics"] == first["metrics"]
+    summary = json.loads((cell_dir / "train" / "summary.json").read_text())
+    assert [r["step"] for r in summary["resumes"]] == [TINY_VISION["train"]["steps"]]
+
+
 def test_missing_data_path_skips_the_domain_with_a_clear_line(tmp_path):
     config = _config(tmp_path)
     config["domains"]["vision"]["data"] = str(tmp_path / "no-such-imagenet")
