@@ -7,7 +7,8 @@
 #   bash setup.sh --legacy-only  # .venv-legacy alone (CI, where the disk has no room for both at once)
 # pip's cache is off: the CUDA wheels (nvidia-*, ~3 GB per environment) would otherwise be kept twice on disk.
 # pip byte-compiles as it installs (72 of an environment's 172 s): left to the first import, every process
-# would compile again where PYTHONDONTWRITEBYTECODE is set (this machine's CI: the legacy tests took 266 s, not 158).
+# would compile again where PYTHONDONTWRITEBYTECODE is set (as in the shell CI was tried from here: the legacy
+# tests then took 266 s, not 158).
 set -euo pipefail
 cd "$(dirname "$0")"
 case "${1:-}" in
