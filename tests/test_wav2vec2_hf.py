@@ -118,6 +118,49 @@ def test_frames_without_valid_distractor():
 
 
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
+@pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw", "eqco", "cacr"])
+def test_frames_left_out_in_place(loss):
+    """FrameObjective keeps every row (no shape from values, so no host sync on CUDA): the frames with no valid
+    distractor, and the rows outside ``frames``, give exactly what leaving them out gives (loss, gradients:
+    0 for theirs), DCLW's weights over the other frames only; ``dropped`` is a 0-dim tensor counting the first
+    kind alone. Every frame left out: 0, with zero gradients."""
+    from contrastkit.losses.frames import FrameObjective
+
+    g = torch.Generator().manual_seed(5)
+    pos = torch.rand(9, generator=g, dtype=torch.float64)
+    neg = torch.rand(9, 6, generator=g, dtype=torch.float64)
+    valid = torch.rand(9, 6, generator=g) > 0.4
+    valid[:, 0] = True
+    valid[[1, 4, 7]] = False  # three frames without a valid distractor
+    neg[1, 2] = float("inf")  # a dropped frame's scores are never looked at
+    frames = torch.ones(9, dtype=torch.bool)
+    frames[[0, 7]] = False  # rows that are not frames to contrast (7 would be dropped too)
+    objective = FrameObjective(loss, **({"sigma": 0.3} if loss == "dclw" else {}))
+    for rows in (None, frames):
+        leaves = [pos.clone().requires_grad_(), neg.clone().requires_grad_()]
+        total, dropped = objective.summed(*leaves, valid, model_temperature=0.2, frames=rows)
+        grads = torch.autograd.grad(total, leaves)
+        keep = valid.any(1) & (True if rows is None else rows)
+        want_leaves = [pos[keep].requires_grad_(), neg[keep].requires_grad_()]
+        kernel, options = objective.kernel, dict(objective.options)
+        if loss != "cacr":
+            options["temperature"] = 0.2
+        want = kernel(*want_leaves, neg_mask=valid[keep], **options).sum()  # DCLW: weights over kept frames
+        want_grads = torch.autograd.grad(want, want_leaves)
+        torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got[keep], expected, rtol=1e-12, atol=1e-12)
+            assert bool((got[~keep] == 0).all())
+        assert isinstance(dropped, torch.Tensor) and dropped.dim() == 0
+        assert int(dropped) == (3 if rows is None else 2)
+    leaves = [pos.clone().requires_grad_(), neg.clone().requires_grad_()]
+    total, dropped = objective.summed(*leaves, torch.zeros_like(valid), model_temperature=0.2)
+    total.backward()
+    assert float(total.detach()) == 0.0 and int(dropped) == 9
+    assert all(bool((t.grad == 0).all()) for t in leaves)
+
+
+@pytest.mark.legacy  # the adapters promise transformers 4.57 too
 def test_patch_targets_and_undo():
     from transformers import Wav2Vec2ConformerForPreTraining, Wav2Vec2ForPreTraining
 

@@ -89,14 +89,23 @@ def contrastive_scores(projected_states: torch.Tensor, projected_quantized: torc
     """The model's scores on its masked frames: pos [M], neg [M, K] cosines (float32) and valid [M, K].
 
     Same construction as ``Wav2Vec2ForPreTraining.forward``: distractors gathered from the flattened
-    quantised states by ``sampled_negative_indices``; a distractor equal to the target is invalid.
+    quantised states by ``sampled_negative_indices``; a distractor equal to the target is invalid. M comes
+    from the mask's values (a host read on CUDA): training takes every frame's scores (frame_scores).
     """
+    pos, neg, valid = frame_scores(projected_states, projected_quantized, sampled_negative_indices)
+    mask = mask_time_indices.bool().reshape(-1)
+    return pos[mask], neg[mask], valid[mask]
+
+
+def frame_scores(projected_states: torch.Tensor, projected_quantized: torch.Tensor,
+                 sampled_negative_indices: torch.Tensor):
+    """contrastive_scores of every frame, masked or not (B T rows, in the order of ``mask_time_indices.reshape(-1)``,
+    as the model scores them): no shape depends on the mask, so no value is read on the host."""
     b, t, h = projected_quantized.shape
-    negatives = projected_quantized.reshape(-1, h)[sampled_negative_indices.long().reshape(-1)].view(b, t, -1, h)
-    mask = mask_time_indices.bool()
-    context, target, negatives = projected_states[mask], projected_quantized[mask], negatives[mask]
-    pos = torch.cosine_similarity(context.float(), target.float(), dim=-1)
-    neg = torch.cosine_similarity(context.float()[:, None], negatives.float(), dim=-1)
+    negatives = projected_quantized.reshape(-1, h)[sampled_negative_indices.long().reshape(-1)].view(b * t, -1, h)
+    context, target = projected_states.reshape(b * t, h).float(), projected_quantized.reshape(b * t, h)
+    pos = torch.cosine_similarity(context, target.float(), dim=-1)
+    neg = torch.cosine_similarity(context[:, None], negatives.float(), dim=-1)
     valid = ~(target[:, None] == negatives).all(-1)
     return pos, neg, valid
 
@@ -119,8 +128,9 @@ def _post(objective: FrameObjective):
         return_dict, negatives, mask = state
         if return_dict is None:  # the config's default (transformers 5 renamed use_return_dict to return_dict)
             return_dict = getattr(model.config, "return_dict", True)
-        pos, neg, valid = contrastive_scores(out.projected_states, out.projected_quantized_states, negatives, mask)
-        contrastive, dropped = objective.summed(pos, neg, valid,
+        pos, neg, valid = frame_scores(out.projected_states, out.projected_quantized_states, negatives)
+        frames = mask.to(pos.device, torch.bool, non_blocking=True).reshape(-1)
+        contrastive, dropped = objective.summed(pos, neg, valid, frames=frames,
                                                 model_temperature=model.config.contrastive_logits_temperature)
         object.__setattr__(model, "_contrastkit_dropped_frames", dropped)
         loss = contrastive + model.config.diversity_loss_weight * out.diversity_loss

@@ -148,9 +148,11 @@ class ContrastkitClipLoss(nn.Module):
         from open_clip.loss import gather_features
 
         from contrastkit.losses.base import check_features, check_logit_scale
+        from contrastkit.losses.chunked import host_checks_allowed
         from contrastkit.losses.functional import Terms, normalize_rows
 
-        check_features(self.name, {"image": image, "text": text})
+        # values where host reads are free only: on CUDA a non-finite feature shows as a non-finite loss
+        check_features(self.name, {"image": image, "text": text}, values=host_checks_allowed(image))
         if scale is not None:
             check_logit_scale(self.name, scale)
         all_image, all_text = gather_features(image, text, local_loss=True, gather_with_grad=False,

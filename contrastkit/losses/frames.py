@@ -10,7 +10,8 @@ masked frames stays right).
 
 A frame whose distractors are all equal to its target has no valid negative. The models' own
 InfoNCE gives it exactly 0 (cross entropy over a single finite logit), so here every objective leaves
-such frames out of the sum (a contribution of 0), and the count is returned as ``dropped``.
+such frames out of the sum (a contribution of 0), and the count is returned as ``dropped`` (a 0-dim
+tensor: reading it would wait for the device).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from contrastkit.distributed import gather_no_grad, world
+from contrastkit.distributed import gather_no_grad
 from contrastkit.losses import functional as K
 
 # name -> (kernel, options it takes besides pos/neg/neg_mask)
@@ -55,21 +56,37 @@ class FrameObjective:
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
         return f"FrameObjective({self.name!r}{', ' + opts if opts else ''})"
 
-    def summed(self, pos: torch.Tensor, neg: torch.Tensor, valid: torch.Tensor, *,
-               model_temperature: float) -> tuple[torch.Tensor, int]:
-        """(sum over frames of the per-frame loss, number of frames dropped for having no valid distractor)."""
-        keep = valid.any(dim=1)
-        dropped = int((~keep).sum())
-        if dropped:
-            pos, neg, valid = pos[keep], neg[keep], valid[keep]
+    def summed(self, pos: torch.Tensor, neg: torch.Tensor, valid: torch.Tensor, *, model_temperature: float,
+               frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum over frames of the per-frame loss, number of frames dropped for having no valid distractor, a
+        0-dim tensor). ``frames`` [M] bool: the rows that are frames to contrast (default: every row); the others
+        count for nothing, not even as dropped (the Hugging Face adapter scores every frame and passes its mask).
+
+        No value is read on the host and no shape depends on values, so a CUDA step never waits for the device:
+        a frame left out keeps its row, its scores set to 0 and every distractor made valid so that its loss is
+        finite, and that loss is then replaced by an exact 0 (which gives its scores no gradient either)."""
+        has_negative = valid.any(dim=1)
+        keep = has_negative if frames is None else has_negative & frames
+        dropped = (~has_negative if frames is None else frames & ~has_negative).sum()
+        out = ~keep[:, None]
+        pos, neg, valid = pos.masked_fill(~keep, 0.0), neg.masked_fill(out, 0.0), valid | out
         options = dict(self.options)
         if "temperature" in KERNELS[self.name][1]:
             options.setdefault("temperature", model_temperature)
-        if self.name == "dclw" and world()[1] > 1:
-            # DCLW's weights are a softmax over the batch's positive pairs: every process's frames
-            # (a collective: called on every process, also one with no frame left).
-            options["pos_weight"] = K.dclw_weights(pos[:, None], options.get("sigma", 0.5),
-                                                   gather_no_grad(pos, uneven=True))[:, 0]  # frames differ
+        if self.name == "dclw":  # a collective: called on every process, also one with no frame left
+            options["pos_weight"] = frame_weights(pos, keep, options.get("sigma", 0.5))
         if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
             return neg.sum() * 0.0, dropped
-        return self.kernel(pos, neg, neg_mask=valid, **options).sum(), dropped
+        per_frame = self.kernel(pos, neg, neg_mask=valid, **options)
+        return torch.where(keep, per_frame, 0.0).sum(), dropped
+
+
+def frame_weights(pos: torch.Tensor, keep: torch.Tensor, sigma: float) -> torch.Tensor:
+    """DCLW's weights (functional.dclw_weights) over the kept frames of every process: w = 2 - n softmax(pos /
+    sigma), n and the softmax over the frames where ``keep`` [M] holds; 1 elsewhere (those frames count 0).
+    Processes hold different numbers of frames: the rows are gathered as (scaled cosine, kept) pairs, their
+    sizes exchanged between the hosts, so nothing is read from the device."""
+    scaled = (pos.detach() / sigma).masked_fill(~keep, float("-inf"))
+    rows = gather_no_grad(torch.stack([scaled, keep.to(scaled.dtype)], dim=1), uneven=True)
+    weights = 2.0 - rows[:, 1].sum() * torch.exp(scaled - torch.logsumexp(rows[:, 0], dim=0))
+    return torch.where(keep, weights, 1.0)

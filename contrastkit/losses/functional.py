@@ -133,8 +133,9 @@ def check_scores(pos, neg, neg_mask, name: str) -> tuple[torch.Tensor, torch.Ten
 
 
 def _check_temperature(name: str, value: float, what: str = "temperature") -> None:
+    """A positive, finite number; a tensor's values only where host reads are free (see host_checks_allowed)."""
     if isinstance(value, torch.Tensor):
-        if bool((value <= 0).any()) or not bool(torch.isfinite(value).all()):
+        if host_checks_allowed(value) and (bool((value <= 0).any()) or not bool(torch.isfinite(value).all())):
             raise ValueError(f"{name}: {what} must be positive and finite")
     elif not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name}: {what} must be positive and finite, got {value}")

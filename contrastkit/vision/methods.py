@@ -95,7 +95,7 @@ class ContrastiveModel(nn.Module):
         queue = self.queue.clone() if self.method == "moco" else None
         outputs = []
         for a in range(v):
-            others = keys[[b for b in range(v) if b != a]].transpose(0, 1)  # [N, V-1, D]
+            others = torch.cat([keys[:a], keys[a + 1:]]).transpose(0, 1)  # [N, V-1, D]; slices: no index copied
             outputs.append(self.loss_fn.query_key(z[a], others[:, 0] if v == 2 else others, queue,
                                                   output_dict=True))
         if self.method == "moco":
