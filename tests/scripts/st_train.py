@@ -6,7 +6,8 @@ user runs. On several processes (a global batch of 8 split over them, negatives 
 writes the number of processes and the logged losses to DIR/losses.json, of MultipleNegativesLoss and
 then of CachedMultipleNegativesLoss (mini-batches of half the process's batch).
 tests/test_sentence_transformers.py imports train() for the one-process run it compares with, and
-train_and_score() for the learning check.
+train_and_score() for the learning check. benchmarks/gpu_e2e.sh runs one form on a model folder of its own, on
+whatever device there is (``--model DIR [--cached] [--bf16]``).
 """
 
 import argparse
@@ -23,7 +24,7 @@ from contrastkit.data.paraphrase import paraphrase_split
 from contrastkit.evaluation.text_retrieval import load_minilm, retrieval_scores
 
 
-def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_steps=1):
+def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_steps=1, bf16=False, use_cpu=True):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dropout:  # one process and two draw different dropout masks; the comparison needs none
         for m in model.modules():
@@ -32,7 +33,7 @@ def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_
     args = SentenceTransformerTrainingArguments(
         output_dir=out, per_device_train_batch_size=batch // world, max_steps=steps, learning_rate=1e-4,
         warmup_steps=0, logging_steps=logging_steps, seed=0, save_strategy="no", report_to="none", disable_tqdm=True,
-        use_cpu=True, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None)
+        use_cpu=use_cpu, bf16=bf16, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 and use_cpu else None)
     if cached:
         loss_fn = CachedMultipleNegativesLoss(model, loss, mini_batch_size=batch // 2, gather_across_devices=world > 1)
     else:
@@ -70,10 +71,30 @@ def train_and_score(out: str, *, loss: str, cached: bool = False) -> tuple[float
     return before, retrieval_scores(model, test)["mrr@10"], losses
 
 
+def train_model(model_dir: str, out: str, *, loss: str, steps: int, batch: int, cached: bool, bf16: bool) -> list:
+    """One form on the model saved in ``model_dir``, with dropout, on the default device: the logged losses."""
+    from sentence_transformers import SentenceTransformer
+
+    torch.manual_seed(0)
+    pairs, _ = paraphrase_split(num_train=min(batch * steps, 4096), num_test=8)
+    trainer = _trainer(SentenceTransformer(model_dir), out, pairs, loss=loss, batch=batch, steps=steps, cached=cached,
+                       dropout=True, logging_steps=max(1, steps // 10), bf16=bf16, use_cpu=False)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--loss", default="dcl")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--model", help="a SentenceTransformer folder: train one form of the loss on it")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--cached", action="store_true")
+    p.add_argument("--bf16", action="store_true")
     a = p.parse_args()
-    train(a.out, loss=a.loss, steps=a.steps)
+    if a.model:
+        print(train_model(a.model, a.out, loss=a.loss, steps=a.steps, batch=a.batch_size, cached=a.cached,
+                          bf16=a.bf16))
+    else:
+        train(a.out, loss=a.loss, steps=a.steps)

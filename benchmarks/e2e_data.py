@@ -1,0 +1,122 @@
+"""The inputs of benchmarks/gpu_e2e.sh, made locally (nothing downloaded): every entry point's embedded
+data and the small models that the third-party scripts load from a folder.
+
+    python benchmarks/e2e_data.py .e2e --speech-only   # on this machine: the speech set needs espeak-ng,
+                                                       # which the GPU machine lacks; .e2e/ then travels
+    python benchmarks/e2e_data.py .e2e                 # on the GPU machine: the rest (absolute paths there)
+    python benchmarks/e2e_data.py DIR --small          # --dry-run's sizes
+
+Writes into DIR (each part skipped where it is already there):
+  speech/      the embedded speech set (contrastkit.data.speech, its tests' subset of 360 clips: fsc/ and
+               voxceleb1/ layouts), for the wav2vec 2.0 and CLAP recipes and, as an audio folder, for
+               transformers' wav2vec 2.0 pre-training script
+  shapes/      the CLIP recipe's embedded image-text set (its train.csv is open_clip_train's --train-data)
+  run_clip/    run_clip.py's --train_file (json lines) and a small VisionTextDualEncoderModel (ViT + BERT)
+  wav2vec2/    a small Wav2Vec2Config (stable layer norm, what the script requires) and its feature extractor
+  st/          a small SentenceTransformer (BERT + mean pooling) over the paraphrase set's words
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # hf_tiny: the tests' small Hugging Face models, built locally
+
+# (--small, full): the models' widths; the image sets' sizes
+SIZES = {
+    "shapes_pairs": (256, 4096), "zeroshot_per_class": (4, 50),
+    "run_clip_pairs": (64, 1024), "hidden": (32, 256), "layers": (1, 4),
+}
+
+
+def speech(out: Path) -> Path:
+    from contrastkit.data.speech import default_speech_data
+
+    return default_speech_data(out / "speech", small=True)
+
+
+def shapes(out: Path, small: bool) -> Path:
+    from contrastkit.data.image_text import make_shapes_clip
+
+    pairs, zeroshot = SIZES["shapes_pairs"][not small], SIZES["zeroshot_per_class"][not small]
+    return make_shapes_clip(out / "shapes", num_train=pairs, num_zeroshot_per_class=zeroshot, progress=False)
+
+
+def run_clip(out: Path, shapes_dir: Path, small: bool) -> None:
+    import hf_tiny
+
+    root = out / "run_clip"
+    if (root / "model" / "config.json").exists():
+        return
+    with open(shapes_dir / "train.csv", newline="") as f:
+        rows = [{"image_path": r["filepath"], "caption": r["title"]} for r in csv.DictReader(f, delimiter="\t")]
+    rows = rows[: SIZES["run_clip_pairs"][not small]]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf_tiny.dual_encoder_dir(root / "model", [r["caption"] for r in rows])
+
+
+def wav2vec2(out: Path) -> None:
+    from transformers import Wav2Vec2FeatureExtractor
+
+    from contrastkit.speech.models import hf_config
+
+    root = out / "wav2vec2"
+    if (root / "preprocessor_config.json").exists():
+        return
+    hf_config(feat_extract_norm="layer", do_stable_layer_norm=True).save_pretrained(root)
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16_000, padding_value=0.0, do_normalize=True,
+                             return_attention_mask=True).save_pretrained(root)
+
+
+def sentence_model(out: Path, small: bool) -> None:
+    import torch
+    import transformers as T
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    from contrastkit.data.paraphrase import paraphrase_split
+    from contrastkit.speech.clap import word_tokenizer
+
+    root = out / "st"
+    if (root / "modules.json").exists():
+        return
+    train, test = paraphrase_split(num_train=1024, num_test=256)
+    bert = out / "st-bert"
+    tokenizer = word_tokenizer(bert, [t for pair in train + test for t in pair])
+    hidden, layers = SIZES["hidden"][not small], SIZES["layers"][not small]
+    config = T.BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                          max_position_embeddings=64)
+    torch.manual_seed(0)
+    T.BertModel(config).save_pretrained(bert)
+    tokenizer.save_pretrained(bert)
+    encoder = Transformer(str(bert), max_seq_length=32)
+    SentenceTransformer(modules=[encoder, Pooling(encoder.get_embedding_dimension(), "mean")]).save(str(root))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--small", action="store_true", help="--dry-run's sizes")
+    p.add_argument("--speech-only", action="store_true", help="the speech set alone (it needs espeak-ng)")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    print(f"speech set: {speech(a.out)}")
+    if a.speech_only:
+        return
+    shapes_dir = shapes(a.out, a.small)
+    print(f"image-text set: {shapes_dir}")
+    run_clip(a.out, shapes_dir, a.small)
+    wav2vec2(a.out)
+    sentence_model(a.out, a.small)
+    print(f"models: {a.out}/run_clip/model, {a.out}/wav2vec2, {a.out}/st")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""benchmarks/gpu_e2e.sh, the end-to-end GPU check, proven on the CPU before a GPU machine is lent: its
+--dry-run runs every entry point (recipes, open_clip_train, transformers' scripts, SentenceTransformerTrainer)
+under the harness at tiny sizes, and the report has a row per entry point with the harness's timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import e2e_report  # noqa: E402
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_entry_point(tmp_path):
+    """Every stage exits 0 with the objective seen in training (its calls, one or more a step), the step
+    and replay timings present, the ecosystem's InfoNCE timed beside DCL, and the main job's resume from
+    its half-way checkpoint bit-identical to the uninterrupted run on the CPU."""
+    env = {**os.environ, "E2E_WORK": str(tmp_path / "e2e"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_e2e.sh"), "--dry-run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads((tmp_path / "e2e" / "report" / "e2e.json").read_text())
+    rows = {r["stage"]: r for r in report["rows"]}
+    assert list(rows) == list(e2e_report.ENTRY_POINTS)
+    for name, r in rows.items():
+        assert r["rc"] == 0 and r["calls"] >= r["steps"] > 0, (name, r)
+        assert r["step_ms"] > 0 and r["objective_ms"] > 0 and r["infonce_ms"] > 0, (name, r)
+    assert report["resume"]["bit_identical"], report["resume"]
+    md = (tmp_path / "e2e" / "report" / "e2e.md").read_text()
+    assert md.count("| yes |") == len(rows)
+
+
+def test_compare_names_a_difference(tmp_path):
+    """The resume check reads two checkpoints' weights: equal ones are bit-identical, a changed entry is not,
+    with its difference."""
+    from safetensors.torch import save_file
+
+    weights = {"w": torch.randn(3, 4), "b": torch.zeros(2)}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        save_file(weights, str(tmp_path / name / "model.safetensors"))
+    assert e2e_report.compare(tmp_path / "a", tmp_path / "b")["bit_identical"]
+    save_file({**weights, "b": torch.tensor([0.0, 0.25])}, str(tmp_path / "b" / "model.safetensors"))
+    result = e2e_report.compare(tmp_path / "a", tmp_path / "b")
+    assert not result["bit_identical"] and result["max_abs_diff"] == 0.25
