@@ -15,7 +15,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 # torch >= 2.10 names it all_gather_single_autograd (the old name warns); torch 2.9 has the old one only.
+# torch 2.13 renamed the all-gathers into one tensor and the reduce-scatter (the old names warn there, on
+# every call); torch 2.9 (the second environment) has only the old ones.
 _all_gather_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def world() -> tuple[int, int]:
@@ -32,7 +37,7 @@ def _assert_same_rows(x: torch.Tensor) -> None:
     """Every process holds x.shape[0] rows, checked on the device: a device-side assertion, no host read
     (on CUDA it stops the process at the next synchronisation, before a mismatched gather runs)."""
     n = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
-    everyone = fc.all_gather_tensor(n, 0, dist.group.WORLD)
+    everyone = _all_gather(n, 0, dist.group.WORLD)
     torch._assert_async((everyone == n).all(), "gather_distributed: processes hold different numbers of rows; "
                         "declare it with gather_distributed='uneven'")
 
@@ -42,7 +47,7 @@ def _gather_equal(x: torch.Tensor, grad: bool) -> torch.Tensor:
     x = x.contiguous()
     if grad:
         return _all_gather_autograd(x, 0, dist.group.WORLD)
-    return fc.all_gather_tensor(x.detach(), 0, dist.group.WORLD)
+    return _all_gather(x.detach(), 0, dist.group.WORLD)
 
 
 # ----------------------------------------------------------------------------- uneven sizes: declared
@@ -80,7 +85,7 @@ def _gather_uneven(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """all_gather along dim 0 of rows padded to the longest, then the padding dropped."""
     longest = max(sizes)
     parts = torch.empty((len(sizes) * longest, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(parts, _padded(x, longest))
+    _all_gather_into(parts, _padded(x, longest))
     return torch.cat([p[:s] for p, s in zip(parts.split(longest), sizes)])
 
 
@@ -99,7 +104,7 @@ class _GatherUneven(torch.autograd.Function):
         longest = max(sizes)
         padded = torch.cat([_padded(g, longest) for g in grad.split(sizes)])
         mine = grad.new_empty((longest, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(mine, padded, op=dist.ReduceOp.SUM)
+        _reduce_scatter_into(mine, padded, op=dist.ReduceOp.SUM)
         return mine[: sizes[rank]], None
 
 

@@ -196,3 +196,24 @@ def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
         features = [(op, dtype) for op, dtype, width in r["collectives"] if width == 2 * 6]  # both views' rows
         assert any("all_gather" in op for op, _ in features) and any("reduce_scatter" in op for op, _ in features)
         assert all(dtype == torch.bfloat16 for _, dtype in features), features  # in the input dtype
+
+
+def _gather_without_warnings(rank, world, init_file):
+    import warnings
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13+: all_gather_tensor warns, all_gather_single not
+        warnings.simplefilter("error", DeprecationWarning)
+        for gather in (True, "uneven"):
+            z1, z2 = (x[rank * 3:(rank + 1) * 3].clone().requires_grad_() for x in _batch(0, 3 * world)[:2])
+            build_loss("dcl", gather_distributed=gather)(z1, z2).backward()
+    dist.destroy_process_group()
+
+
+def test_gather_uses_the_collectives_current_names(tmp_path):
+    """Two processes gathering with and without gradient, equal and uneven sizes: no FutureWarning or
+    DeprecationWarning from contrastkit's collectives (torch 2.13 renamed all_gather_tensor to
+    all_gather_single; the old name warns twice a process a step)."""
+    mp.start_processes(_gather_without_warnings, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn",
+                       join=True)
