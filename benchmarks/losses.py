@@ -64,6 +64,11 @@ QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "
 # the Triton kernels forced ("-triton"), and image-text through each objective ("clip-<objective>[-backend]").
 OBJECTIVES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-triton" for o in OBJECTIVES[1:]]
+# Where the Triton path's logits come from, forward and backward (triton_stats.LOGITS; "-triton" alone: its
+# defaults, the kernels' forward and cuBLAS's backward): "-band" both from cuBLAS (every kernel elementwise),
+# "-fused" both computed inside the kernels (the first design).
+LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "fused": ("kernel", "kernel")}
+TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS]
 GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]]
 TWO_VIEW |= {m for m in GPU_METHODS if not m.startswith("clip")}
 IMAGE_TEXT |= {m for m in GPU_METHODS if m.startswith("clip")}
@@ -81,6 +86,9 @@ GIB = 2**30
 def _step(method: str, n: int, d: int, args) -> dict:
     """{name: closure doing one forward + backward of ``method`` at batch n, dimension d}; a floor has
     one entry per variant ("floor-2v/blocks", ...)."""
+    base, _, variant = method.rpartition("-")
+    if variant in LOGITS_VARIANTS and base.endswith("-triton"):  # the Triton path with its logits from elsewhere
+        return {method: _with_logits(fn, *LOGITS_VARIANTS[variant]) for fn in _step(base, n, d, args).values()}
     import torch
     import torch.nn.functional as F
 
@@ -125,6 +133,21 @@ def _step(method: str, n: int, d: int, args) -> dict:
         name, _, backend = method.partition("-")  # infonce-dense, infonce-torch: that backend forced
         loss_fn = build_loss(name, backend=backend or "auto")
     return {method: lambda: loss_fn(x, y).backward()}
+
+
+def _with_logits(fn, forward: str, backward: str):
+    """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS)."""
+    def run():
+        from contrastkit.losses import triton_stats
+
+        saved = triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS
+        triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = forward, backward
+        try:
+            fn()
+        finally:
+            triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = saved
+
+    return run
 
 
 def _floor(a, b) -> dict:

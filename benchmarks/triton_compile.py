@@ -28,11 +28,19 @@ REGISTERS_PER_SM = 65536
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
-# Per kernel: its module, the pointers' element types (the inputs' dtype where "x"), and the stride arguments
-# that are 1 at the production size (Triton specialises an int argument equal to 1 into a constant).
-KERNELS = {"fwd": ("stats_fwd", {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64"}, ("s_ad", "s_bd")),
-           "dlogits": ("dlogits", {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "dl_ptr": "x"}, ("s_ad", "s_bd")),
-           "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",))}
+# Per kernel: its module, the pointers' element types (the inputs' dtype where "x"; p_ptr, the band's
+# products, float32), the stride arguments that are 1 at the production size (Triton specialises an int
+# argument equal to 1 into a constant), and its variant's constants. The "-band" variants read the logits
+# cuBLAS wrote (the band design: elementwise, no product inside).
+_FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64"}
+_DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "dl_ptr": "x"}
+KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False)),
+           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True)),
+           "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False)),
+           "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False)),
+           "two-view-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True)),
+           "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
+BAND = ("fwd-band", "dlogits-band", "two-view-band")  # no product inside: no tensor-core instruction expected
 
 
 def compile_kernel(case: dict) -> dict:
@@ -49,7 +57,7 @@ def compile_kernel(case: dict) -> dict:
 
     if launch.INTERPRETED:
         raise SystemExit("error: run with TRITON_INTERPRET=0 (the interpreter's kernels cannot be compiled)")
-    module_name, pointers, unit = KERNELS[case["kernel"]]
+    module_name, pointers, unit, variant = KERNELS[case["kernel"]]
     module = importlib.import_module(f"contrastkit.losses.kernels.{module_name}")
     kernel = getattr(module, module_name)
     *sizes, warps, stages = case["config"]
@@ -61,7 +69,7 @@ def compile_kernel(case: dict) -> dict:
         consts.update(PARTIAL=False, D_OUT=min(triton.next_power_of_2(d), module.D_OUT_MAX))
     else:
         consts["COLUMNS"] = columns
-    consts.update({name: 1 for name in unit})
+    consts.update({name: 1 for name in unit}, **variant)
     names = list(inspect.signature(kernel.fn).parameters)
     types = {p: "constexpr" if p in consts else "*" + {"x": dtype}.get(pointers.get(p, "fp32"), pointers.get(p, "fp32"))
              if p.endswith("_ptr") else "i32" for p in names}
@@ -101,7 +109,8 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
 
 # Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text
 # columns (the diagonal); the products as dA (row-major operands) and dB (dL transposed, float32 accumulated).
-SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,)}
+SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,), "fwd-band": (False, True),
+            "dlogits-band": (False, True), "two-view-band": (False,)}
 
 
 def quick_cases(d: int = 512) -> list[dict]:
@@ -112,7 +121,7 @@ def quick_cases(d: int = 512) -> list[dict]:
     for arch in (90, 80):
         for dtype in ("bf16", "fp32") + (("fp16",) if arch == 90 else ()):
             for kernel, settings in SETTINGS.items():
-                if dtype == "fp16" and kernel != "two-view":
+                if dtype == "fp16" and kernel not in ("two-view", "two-view-band"):
                     continue
                 config = _shapes(kernel, d, dtype, arch)[0]
                 cases += [dict(kernel=kernel, arch=arch, dtype=dtype, d=d, columns=c, config=config) for c in settings]

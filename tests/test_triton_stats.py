@@ -34,6 +34,19 @@ def reference(a, b, scale, exclude=None, with_mean=False, columns=False):
     return torch.stack(stats)
 
 
+@pytest.fixture(params=["kernel", "cublas"])
+def logits_from(request, monkeypatch):
+    """Both places a pass's logits come from (triton_stats.LOGITS), in both passes: computed by the Triton
+    kernels, or written per band by cuBLAS in float32 and read by elementwise kernels (the band design; two
+    views then take one product of dL + dL^T). Tests without it run the defaults (the kernels' forward,
+    cuBLAS's backward)."""
+    from contrastkit.losses import triton_stats
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", request.param)
+    monkeypatch.setattr(triton_stats, "BACKWARD_LOGITS", request.param)
+    return request.param
+
+
 def _features(g, rows, d, dtype=torch.float32):
     return torch.nn.functional.normalize(torch.randn(rows, d, generator=g, dtype=torch.float64), dim=1).to(dtype)
 
@@ -71,7 +84,7 @@ def _close(got, want, tol, what):
 
 
 @pytest.mark.parametrize("views, with_mean", [(0, False), (1, True), (2, False), (3, True), (2, True)])
-def test_rows_equal_float64_reference(views, with_mean):
+def test_rows_equal_float64_reference(views, with_mean, logits_from):
     """Query/queue (no exclusion), one excluded column (a positive), two and three (several views or
     positives), with and without CACR's mean; ragged tiles, a learnable scale."""
     g = torch.Generator().manual_seed(10 + views)
@@ -83,7 +96,7 @@ def test_rows_equal_float64_reference(views, with_mean):
 
 
 @pytest.mark.parametrize("with_mean", [False, True])
-def test_two_views_same_tensor(with_mean):
+def test_two_views_same_tensor(with_mean, logits_from):
     """Two views on one process: anchors are the candidates (one tensor), each row leaves out itself and its
     other view; the tensor's gradient is the sum of both roles."""
     g = torch.Generator().manual_seed(2)
@@ -109,7 +122,7 @@ def test_two_views_far_apart():
     _compare(z, z, 100.0, 2e-6, 2e-5, same=True, exclude=exclude)
 
 
-def test_same_tensor_with_asymmetric_exclusions():
+def test_same_tensor_with_asymmetric_exclusions(logits_from):
     """One tensor as anchors and candidates, exclusions not symmetric (i leaves out k, k keeps i): the
     one-kernel backward's dL_ki term must read row k's own exclusions."""
     g = torch.Generator().manual_seed(13)
@@ -128,7 +141,7 @@ def test_rows_with_many_excluded_columns():
     _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, with_mean=True)
 
 
-def test_row_with_every_column_excluded():
+def test_row_with_every_column_excluded(logits_from):
     """A row with no valid column: a hugely negative lse, mean 0, no gradient, nothing non-finite."""
     g = torch.Generator().manual_seed(12)
     a = _features(g, 5, 16).to(DEVICE).requires_grad_()
@@ -144,7 +157,7 @@ def test_row_with_every_column_excluded():
 
 
 @pytest.mark.parametrize("diagonal", [True, False])
-def test_columns_equal_float64_reference(diagonal):
+def test_columns_equal_float64_reference(diagonal, logits_from):
     """Image-text on one process: the columns' lse too, the diagonal (each image's caption) excluded or not."""
     g = torch.Generator().manual_seed(4)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 37, 24).to(DEVICE)
@@ -184,7 +197,7 @@ def test_columns_far_apart():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_mean", [False, True])
-def test_half_precision_inputs(dtype, with_mean):
+def test_half_precision_inputs(dtype, with_mean, logits_from):
     """bfloat16 / float16 features against the float64 reference of the same rounded features: the
     statistics are exact up to float32 sums; the gradients come back in the inputs' dtype (rounding
     2^-9 / 2^-12 relative) after dL meets b (or a) in bfloat16 (float32 for float16)."""
@@ -335,7 +348,7 @@ def small_buffers(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_image_text_in_bands(small_buffers, dtype):
+def test_image_text_in_bands(small_buffers, dtype, logits_from):
     """Image-text in 3 bands (16 + 16 + 5 rows) or 3 x 3 blocks, 3 forward launches: the columns' lse from
     the rows' pass, dA and dB summed over the blocks (in float32 where the inputs are bfloat16). The scale's
     gradient, a float32 sum of M K terms that cancel, within 1e-5 (8e-6 measured, 5e-6 in one band)."""
@@ -346,7 +359,7 @@ def test_image_text_in_bands(small_buffers, dtype):
              columns=True)
 
 
-def test_query_queue_in_bands(small_buffers):
+def test_query_queue_in_bands(small_buffers, logits_from):
     """Rows only (query/queue) with CACR's mean, exclusions, in bands or blocks."""
     g = torch.Generator().manual_seed(15)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
@@ -354,7 +367,7 @@ def test_query_queue_in_bands(small_buffers):
     _compare(a, b, 10.0, 2e-6, 2e-6, scale_tol=1e-5, exclude=exclude, with_mean=True)
 
 
-def test_one_tensor_as_image_and_text(small_buffers):
+def test_one_tensor_as_image_and_text(small_buffers, logits_from):
     """columns=True with the very tensor as both operands: its gradient is the sum of both roles' (dA + dB)."""
     g = torch.Generator().manual_seed(16)
     z = _features(g, 37, 24).to(DEVICE)
@@ -376,8 +389,8 @@ PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, F
 
 @pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
                          ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
-def test_production_configuration_equals_float64_reference(monkeypatch, setting, m, k, excluded, with_mean,
-                                                           dtype):
+def test_production_configuration_equals_float64_reference(monkeypatch, logits_from, setting, m, k, excluded,
+                                                           with_mean, dtype):
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""

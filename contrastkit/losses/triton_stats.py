@@ -7,17 +7,21 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
 
 - forward (stats_fwd.py): one pass, an online maximum per row (exact whatever the logits' range, no shift
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
-- backward, two views (two_view_grad.py): dz = scale (dL + dL^T) z in one kernel, the gradient in registers;
-- backward, two operands (image-text, query/queue): per block of rows and columns (a band of rows and
-  every column up to large sizes), d loss / d logits recomputed once and written in the inputs' dtype
-  (dlogits.py), then dA[rows] += scale dL b[cols] and dB[cols] += scale dL^T a[rows] on cuBLAS, summed over
+- backward, per block of rows and columns (a band of rows and every column up to large sizes): the block's
+  logits recomputed by cuBLAS in float32, d loss / d logits written once in the inputs' dtype by an
+  elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += scale dL b[cols] and dB[cols] += scale dL^T
+  a[rows] (image-text, query/queue), or for two views dz[rows] += scale (dL + dL^T) z[cols], one product
+  (L = z z^T is symmetric: dL^T's entries come from the columns' own statistics), each gradient summed over
   the blocks in float32.
 
-Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
+Where each pass's logits come from is FORWARD_LOGITS / BACKWARD_LOGITS ("kernel": the Triton kernels compute
+their own products; "cublas": the band design above, every kernel elementwise). The first design, still one
+argument away: the backward's products inside the kernels, and two views in one kernel (two_view_grad.py),
+which an H100 measured latency-bound. Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
 
-    two views      forward 1, backward c + 1                     = 3 (D <= 256), 4 (D = 512)
-    image-text     forward 1, backward 3 (recompute, dA, dB)    = 4
-    rows only      forward 1, backward 3                        = 4
+    two views      forward 1, backward 2 (recompute, (dL + dL^T) z)   = 3   (first design: c + 2 = 4 at D = 512)
+    image-text     forward 1, backward 3 (recompute, dA, dB)          = 4
+    rows only      forward 1, backward 3                              = 4
 
 Small M (few row tiles) splits the other axis over programs (flash-decoding style), each split's partial
 statistics (or gradients, in float32) combined by a few torch ops. On CUDA the tiles, warps and pipeline
@@ -54,12 +58,39 @@ def _tiles(blocks):
     return None if blocks is None else dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), blocks))
 
 
+# Where each pass's logits come from (the band design, issue 40): "kernel", the Triton kernels compute their
+# own products; "cublas", cuBLAS writes a band's products in float32 and the kernels read them (then every
+# kernel is elementwise: no product inside, no atomics, no cooperation between programs). The defaults follow
+# the rates measured on an H100 (docs/performance.md's model): the fused forward ran the two-view statistics
+# at N = 32768 in 11.8 ms, where a band forward is predicted at ~18; the backward's recompute is an L2-bound
+# Triton product (0.19-0.57 of cuBLAS's rate), so cuBLAS recomputes it, and two views take one product of the
+# band's dL + dL^T instead of the latency-bound two-view kernel.
+LOGITS = ("kernel", "cublas")
+FORWARD_LOGITS = "kernel"
+BACKWARD_LOGITS = "cublas"
+
+
+def _write_product(out, x, y):
+    """out = x @ y in float32, on cuBLAS (bf16/fp16 operands written in float32 through out_dtype, float32 ones
+    in TF32 where torch's own setting allows it); under the interpreter from float32 copies (_operand)."""
+    x, y = _operand(x), _operand(y)
+    if _low(x):
+        torch.mm(x, y, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(x, y, out=out)
+
+
 @launch.operator("contrastkit::negative_stats")
 def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, exclude: torch.Tensor | None,
-                    with_mean: bool, columns: bool, tf32: bool, blocks: list[int] | None) -> torch.Tensor:
+                    with_mean: bool, columns: bool, tf32: bool, blocks: list[int] | None, forward_logits: str,
+                    backward_logits: str) -> torch.Tensor:
     """b None: the candidates are a (two views on one process)."""
     b = a if b is None else b
-    return torch.stack(forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks)))
+    product = None
+    if forward_logits == "cublas":
+        def product(r0, r1, out):
+            _write_product(out, a[r0:r1], b.T)
+    return torch.stack(forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks), product))
 
 
 def _add_product(out, x, y, scale, accumulate):
@@ -74,21 +105,26 @@ def _add_product(out, x, y, scale, accumulate):
         out.copy_(part)
 
 
-def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles):
+def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles, from_cublas=False,
+                    symmetric=False):
     """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
     every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
     products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
-    ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32."""
+    ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32.
+    from_cublas: the block's logits recomputed by cuBLAS into a float32 buffer that the d logits kernel reads
+    (the band design; the buffer, not d logits, is then what BAND_BYTES bounds). symmetric (two views, b is
+    a): d logits dL + dL^T, one product, dA is dz and dB empty."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
-    rows, cols = block_shape(m, k, a.element_size())
+    rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
-    db = torch.empty_like(b, memory_format=torch.contiguous_format)
+    db = a.new_empty(0) if symmetric else torch.empty_like(b, memory_format=torch.contiguous_format)
     half = a.dtype != torch.float32
     da_sum = a.new_empty((rows, d), dtype=torch.float32) if half and cols < k else None
-    db_sum = torch.empty_like(db, dtype=torch.float32) if half and rows < m else db
+    db_sum = torch.empty_like(db, dtype=torch.float32) if half and rows < m and not symmetric else db
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
     ds = a.new_empty((triton.cdiv(k, cols), splits, m), dtype=torch.float32)
     dl = a.new_empty((rows, cols))
+    logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas else None
     step = scale * factor  # the products' scale, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
@@ -96,10 +132,15 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
         for j, c0 in enumerate(range(0, k, cols)):
             c1 = min(c0 + cols, k)
             block = dl[: r1 - r0, : c1 - c0]
+            products = None
+            if from_cublas:
+                products = logits[: r1 - r0, : c1 - c0]
+                _write_product(products, a[r0:r1], b[c0:c1].T)
             write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j], r0, r1, c0, c1, splits, share,
-                          with_mean, columns, tf32, tiles)
+                          with_mean, columns, tf32, tiles, products, symmetric)
             _add_product(da_band, block, b[c0:c1], step, c0 > 0)
-            _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
+            if not symmetric:
+                _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
         if da_sum is not None:
             da[r0:r1].copy_(da_band)
     if db_sum is not db:
@@ -110,16 +151,22 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
 @launch.operator("contrastkit::negative_stats_backward")
 def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor,
                              exclude: torch.Tensor | None, stats: torch.Tensor, with_mean: bool, columns: bool,
-                             tf32: bool, blocks: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             tf32: bool, blocks: list[int] | None, forward_logits: str,
+                             backward_logits: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...)."""
     tiles = _tiles(blocks)
     factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
     grad = grad / factor
+    from_cublas = backward_logits == "cublas"
     if b is None and not columns:
-        dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
+        if from_cublas:  # the band design: dL + dL^T per band, one product
+            dz, _, ds = _band_gradients(a, a, scale, factor, exclude, stats, grad, with_mean, False, tf32, tiles,
+                                        from_cublas=True, symmetric=True)
+        else:
+            dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
         return dz, a.new_empty(0), ds * factor
     da, db, ds = _band_gradients(a, a if b is None else b, scale, factor, exclude, stats, grad, with_mean, columns,
-                                 tf32, tiles)
+                                 tf32, tiles, from_cublas)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
@@ -139,13 +186,16 @@ def _backward(ctx, grad):
         d_scale = ds.sum()
         if with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
-    return da, None if b is None else db, d_scale, None, None, None, None, None
+    return da, None if b is None else db, d_scale, None, None, None, None, None, None, None
 
 
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks):
+def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits):
+    for name, where in (("forward_logits", forward_logits), ("backward_logits", backward_logits)):
+        if where not in LOGITS:
+            raise ValueError(f"negative_stats_triton: {name} must be one of {', '.join(LOGITS)}, got {where!r}")
     for name, x in (("anchors", anchors), ("candidates", candidates)):
         if x.dtype == torch.float64:
             raise TypeError(f"negative_stats_triton: {name} are float64; the Triton kernels take float32, "
@@ -192,8 +242,8 @@ def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks):
 
 def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale, *,
                           exclude: torch.Tensor | None = None, with_mean: bool = False, columns: bool = False,
-                          block_m: int | None = None, block_n: int | None = None,
-                          block_d: int | None = None) -> torch.Tensor:
+                          block_m: int | None = None, block_n: int | None = None, block_d: int | None = None,
+                          forward_logits: str | None = None, backward_logits: str | None = None) -> torch.Tensor:
     """chunked.negative_stats on Triton kernels: [S, M] float32 statistics of the logits scale * a @ b.T.
 
     anchors [M, D] and candidates [K, D] (float32, bfloat16 or float16; float64 raises TypeError); scale a
@@ -203,13 +253,16 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     gradient; an exclude index outside [0, K) excludes nothing (indices are not checked: that would sync).
     candidates the very tensor anchors (two views): one gradient for it from one backward kernel.
     block_m, block_n, block_d: fixed tiles (powers of two >= 16, all three or none); None: autotuned on
-    CUDA, the production default under the interpreter.
+    CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
+    "cublas", where each pass's logits come from (LOGITS; None: FORWARD_LOGITS, BACKWARD_LOGITS).
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
-    _check(anchors, candidates, scale, exclude, with_mean, columns, blocks)
+    forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
+    backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
+    _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)
     else:
@@ -218,4 +271,4 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         exclude = exclude.contiguous()
     tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
     return _negative_stats(anchors, None if candidates is anchors else candidates, scale, exclude, with_mean,
-                           columns, tf32, blocks)
+                           columns, tf32, blocks, forward_logits, backward_logits)

@@ -19,6 +19,7 @@ from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.common import EXCLUDED, dots, resident, tile_exp, valid
 
 COLUMN_PARTIAL_BYTES = 2**27
+LOGIT_BAND_BYTES = 2**28  # the band design's float32 products of a band of rows and every column
 BLOCK_M = 128  # every entry's row tile: the columns' partials are indexed by it, whichever entry autotune keeps
 
 # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py).
@@ -39,26 +40,33 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 
 
 @triton.jit
-def stats_fwd(a_ptr, b_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, K, R0, R1, SPLIT, s_am, s_ad,
-              s_bk, s_bd, D: tl.constexpr, E: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr):
+def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, K, R0, R1, SPLIT, s_am,
+              s_ad, s_bk, s_bd, s_pr, D: tl.constexpr, E: tl.constexpr, WITH_MEAN: tl.constexpr,
+              COLUMNS: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0), rows < R1), columns [SPLIT s, SPLIT (s + 1))
     of split s = program_id(1): online maximum m, sum l of exp(L - m) and (WITH_MEAN) sum w of exp(L - m) L;
     the split's lse and mean to row s of the [splits, M] outputs. COLUMNS (no mean): each column's lse over
-    the tile's rows to row t of cpart [tiles, K]."""
+    the tile's rows to row t of cpart [tiles, K]. FROM_LOGITS: the products a.b read from p [R1 - R0, K]
+    float32 (the band's, cuBLAS's), not computed here."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, K)
     scale = tl.load(scale_ptr)
-    a = resident(a_ptr, rows, R1, D, s_am, s_ad, BLOCK_D)
+    a = None
+    if not FROM_LOGITS:
+        a = resident(a_ptr, rows, R1, D, s_am, s_ad, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     w = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        s = dots(a_ptr, b_ptr, a, rows, cols, R1, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
-                 PRECISION, UPCAST) * scale
+        if FROM_LOGITS:
+            s = tl.load(p_ptr + (rows - R0)[:, None] * s_pr + cols[None, :],
+                        mask=(rows[:, None] < R1) & (cols[None, :] < end), other=0.0) * scale
+        else:
+            s = dots(a_ptr, b_ptr, a, rows, cols, R1, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
+                     PRECISION, UPCAST) * scale
         ok = valid(ex_ptr, rows, cols, R1, end, E, True)
         s = tl.where(ok, s, EXCLUDED)
         if COLUMNS:  # the rows' and the columns' terms from one exp per logit (common.tile_exp)
@@ -87,14 +95,20 @@ def stats_fwd(a_ptr, b_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, 
         tl.store(mean_ptr + out, w / l / scale, mask=inside)
 
 
-def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None):
+def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None):
     """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each. blocks: fixed tiles (BLOCK_M, BLOCK_N,
-    BLOCK_D), else the space's. The columns split over b's rows where a has few row tiles."""
+    BLOCK_D), else the space's. The columns split over b's rows where a has few row tiles. product(r0, r1,
+    out): where given, the band's products a[r0:r1] b^T written into out (cuBLAS: the band design), in bands
+    of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them."""
     m, k = a.shape[0], b.shape[0]
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
     chunk = m
     if columns:  # the partials' buffer bounded: launches of at most COLUMN_PARTIAL_BYTES
         chunk = min(m, max(1, COLUMN_PARTIAL_BYTES // (k * 4)) * tile)
+    band = None
+    if product is not None:  # the band's float32 products bounded too
+        chunk = min(chunk, max(1, LOGIT_BAND_BYTES // (k * 4 * tile)) * tile)
+        band = a.new_empty((chunk, k), dtype=torch.float32)
     splits, share = launch.split(triton.cdiv(chunk, 64), k, a.device)
     lse = a.new_empty((splits, m), dtype=torch.float32)
     mean = torch.empty_like(lse) if with_mean else lse
@@ -102,12 +116,15 @@ def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None):
     column_lse = None
     for r0 in range(0, m, chunk):
         r1 = min(r0 + chunk, m)
+        if band is not None:
+            product(r0, r1, band[: r1 - r0])
         launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-                   ("M", "K", "D", "COLUMNS"), a, b, scale, a if exclude is None else exclude, lse, mean, cpart,
-                   M=m, K=k, R0=r0, R1=r1, SPLIT=share, s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0),
-                   s_bd=b.stride(1), D=a.shape[1], E=0 if exclude is None else exclude.shape[1],
-                   WITH_MEAN=with_mean, COLUMNS=columns, PRECISION=launch.precision(a.dtype, tf32),
-                   UPCAST=launch.upcast(a.dtype), blocks=blocks)
+                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS"), a, b, lse if band is None else band, scale,
+                   a if exclude is None else exclude, lse, mean, cpart, M=m, K=k, R0=r0, R1=r1, SPLIT=share,
+                   s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0), s_bd=b.stride(1),
+                   s_pr=0 if band is None else band.stride(0), D=a.shape[1], E=0 if exclude is None else exclude.shape[1],
+                   WITH_MEAN=with_mean, COLUMNS=columns, FROM_LOGITS=band is not None,
+                   PRECISION=launch.precision(a.dtype, tf32), UPCAST=launch.upcast(a.dtype), blocks=blocks)
         if columns:
             part = torch.logsumexp(cpart[: triton.cdiv(r1 - r0, tile)], dim=0)
             column_lse = part if column_lse is None else torch.logaddexp(column_lse, part)
