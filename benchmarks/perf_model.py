@@ -1,0 +1,452 @@
+"""Predicted time of each GPU loss path from measured rates (issue 40: the second design of the GPU loss core).
+
+    python benchmarks/perf_model.py                          # both settings, N 256 .. 1048576, D 512, bf16
+    python benchmarks/perf_model.py --budget-gib 8 --out /tmp/perf_model.md
+
+A path's time is the sum of three terms, each from a measured or stated rate (nothing is fitted):
+
+- its matrix products: GEMM-equivalents (one [M, K, D] product: 2 M K D FLOPs) at cuBLAS's measured rate;
+- its global-memory traffic: bytes per logit (one entry of the [M, K] matrix; reads + writes, counted pass
+  by pass below) times M K, plus each block's operand and float32 accumulator traffic, at the measured
+  copy bandwidth;
+- its kernel launches at a fixed cost each (an assumption: see LAUNCH_S).
+
+The terms are added, not overlapped: cuBLAS's output write is counted as bytes although the measured rate
+already includes writing a bf16 output, so the model errs slow by up to 2 B per logit written by a GEMM.
+The floor is the products alone: image-text 3 (S = s A B^T, dA = G B, dB = G^T A), two views 2 (A = B = Z,
+S symmetric, so dZ = (G + G^T) Z is one product). Two views: N samples, M = K = 2N; image-text: M = K = N.
+
+The paths (docs/performance.md, "The second design (issue 40): predicted", says what each pass does):
+
+- band: rows in bands (square blocks where a band of every column would be under BAND_MIN_ROWS) sized from
+  a memory budget; cuBLAS writes float32 logits, one fused pass per block reads them; backward recomputes.
+- band+fwd: band's backward, with the forward taken from the measured fused Triton forward (stats_fwd),
+  scaled by M K D.
+- dense: the float32 logits kept from forward to backward (one product fewer, no recompute); its memory
+  is 4 M K bytes (+ 2 M K for bf16 d logits).
+- dense+epilogue: dense with the rows' statistics written by the GEMM's epilogue (the stretch: no forward
+  pass over the logits).
+- open_clip's ClipLoss and lightly's NTXentLoss, as their code runs under CUDA autocast (bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+# ----------------------------------------------------------------------------- measured rates and constants
+
+# cuBLAS bf16, torch.mm of 65536 x 65536 x 512 on the H100: 6.67 ms (docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md,
+# run 4). The image-text floor of run 3 (3 GEMMs of 32768 x 32768 x 512: 5.0 ms) is the same rate.
+CUBLAS_BF16_FLOPS = 659e12
+# TF32: not measured in this repository (the float32 run did not fit run 3's time). Assumed half of bf16's,
+# as the H100 SXM's dense peaks are (494.7 against 989.4 TFLOP/s), at the same share of peak.
+CUBLAS_TF32_FLOPS = CUBLAS_BF16_FLOPS / 2
+# Copy bandwidth, bytes read + written, measured on the first H100 run (issue 40); HBM3's peak is 3.35 TB/s.
+HBM_BYTES_PER_S = 3.0e12
+# The fused Triton forward (stats_fwd, best entry 128x128x64, 8 warps, 3 stages), two views at N = 32768:
+# 11.76 ms for the [65536, 65536] matrix at D = 512, bf16 (kernels.md, run 4; the production default entry
+# 128x64x64: 13.73 ms). Scaled by M K D for other sizes; the image-text variant (rows and columns) and TF32
+# (twice the time: products at half the rate, operands twice the bytes) are assumptions, not measurements.
+STATS_FWD_S = 11.76e-3
+STATS_FWD_MKD = 65536 * 65536 * 512
+# Per kernel launch: an assumption (a CUDA launch plus a lean host path issuing it; eager PyTorch ops cost
+# more). The H100 measurements at N = 4096 imply ~33 us per eager op for open_clip (3.2 ms measured against
+# 0.51 ms of modelled GPU time, over its 81 launches): small N is host-bound for every path.
+LAUNCH_S = 5e-6
+
+BAND_MIN_ROWS = 2048  # below this a band of every column is too thin: square blocks (contrastkit's rule)
+TILE = 128  # block sides are multiples of the kernels' row tile
+GIB = 2**30
+DEFAULT_BUDGET = 1 * GIB  # the loss's working memory: the issue-23 target at N = 262144 is <= 1 GiB
+
+TWO_VIEW, IMAGE_TEXT = "two-view", "image-text"
+SETTINGS = (TWO_VIEW, IMAGE_TEXT)
+SIZES = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 1048576)
+PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
+
+# Launches the design makes once per call whatever the size (counted as it would be written: not built yet).
+# two views: stack the views, inverse norms, positives' cosines, the loss's mean; backward: the
+# normalisation's backward (2). image-text: inverse norms (2), positives, columns' lse combine, the mean;
+# backward: dB's float32 accumulator zeroed and cast back, the normalisation's backward (2 per side).
+FIXED_LAUNCHES = {TWO_VIEW: 6, IMAGE_TEXT: 11}
+
+# Measured on the H100 (docs/gpu/NVIDIA-H100-80GB-HBM3/README.md, run 3, bf16 autocast, D = 512, the minimum
+# of 3 rounds), ms; InfoNCE for the Triton and torch paths. floor-2v timed 3 GEMMs (S, S B, S^T A): two views'
+# floor is 2/3 of it. None: not run (lightly at 32768: over the memory limit) or failed (image-text torch at
+# 32768 bf16 failed in run 2; fp16 ran 145.4 ms).
+MEASURED_MS = {
+    TWO_VIEW: {
+        4096: {"floor (3 GEMMs timed)": 0.4, "Triton": 6.0, "torch": 10.1, "lightly": 15.9},
+        32768: {"floor (3 GEMMs timed)": 18.7, "Triton": 183.9, "torch": 429.1, "lightly": None},
+    },
+    IMAGE_TEXT: {
+        4096: {"floor": 0.2, "Triton": 7.0, "torch": 6.2, "open_clip": 3.2},
+        32768: {"floor": 5.0, "Triton": 20.9, "torch": None, "open_clip": 34.1},
+    },
+}
+
+
+def measured_floor_ms(setting: str, n: int) -> float | None:
+    """The measured floor of the setting: image-text's 3 GEMMs as timed, two views' 2 of the 3 timed."""
+    row = MEASURED_MS[setting].get(n)
+    if not row:
+        return None
+    return row["floor"] if setting == IMAGE_TEXT else row["floor (3 GEMMs timed)"] * 2 / 3
+
+
+# ----------------------------------------------------------------------------- bytes per logit, pass by pass
+
+
+def _products(setting: str) -> int:
+    """Backward products reading the d logits: image-text dA = dL B and dB = dL^T A; two views one, of the
+    band rows of (G + G^T), since the pass computes both terms from both rows' statistics."""
+    return 2 if setting == IMAGE_TEXT else 1
+
+
+def _dl_bytes(dtype: str) -> int:
+    """d logits are written in the products' input dtype: bf16 2 B; float32 (TF32 products) 4 B."""
+    return 2 if dtype == "bf16" else 4
+
+
+def passes(path: str, setting: str, dtype: str = "bf16") -> dict[str, dict[str, int]]:
+    """{"forward": {what: bytes per logit}, "backward": {...}}: global-memory traffic per logit, reads +
+    writes, of each pass over the [M, K] matrix (the [M, D] operands and accumulators are counted per block
+    in predict(); the per-row statistics are negligible)."""
+    dl = _dl_bytes(dtype)
+    reads = {f"product {i + 1} reads d logits": dl for i in range(_products(setting))}
+    d_logits = {"fused pass writes d logits": dl, **reads}
+    if path == "band":
+        return {"forward": {"cuBLAS writes logits (float32)": 4, "fused pass reads them": 4},
+                "backward": {"cuBLAS recomputes logits (float32)": 4, "fused pass reads them": 4, **d_logits}}
+    if path == "band+fwd":  # the forward's time is measured (stats_fwd), its bytes inside it
+        return {"forward": {}, "backward": passes("band", setting, dtype)["backward"]}
+    if path == "dense":
+        return {"forward": {"cuBLAS writes logits (float32, kept)": 4, "statistics pass reads them": 4},
+                "backward": {"fused pass reads the kept logits": 4, **d_logits}}
+    if path == "dense+epilogue":
+        return {"forward": {"cuBLAS writes logits (float32, kept), statistics in its epilogue": 4},
+                "backward": {"fused pass reads the kept logits": 4, **d_logits}}
+    raise ValueError(f"unknown path {path!r}")
+
+
+def bytes_per_logit(path: str, setting: str, dtype: str = "bf16") -> int:
+    return sum(sum(p.values()) for p in passes(path, setting, dtype).values())
+
+
+def gemms(path: str, setting: str) -> dict[str, int]:
+    """GEMM-equivalents per pass: forward 1 (band+fwd: inside the measured kernel, 0 here), backward the
+    products reading d logits, plus band's recompute."""
+    forward = 0 if path == "band+fwd" else 1
+    recompute = 1 if path in ("band", "band+fwd") else 0
+    return {"forward": forward, "backward": recompute + _products(setting)}
+
+
+def floor_gemms(setting: str) -> int:
+    return 3 if setting == IMAGE_TEXT else 2
+
+
+def launches_per_block(path: str, setting: str) -> int:
+    forward = {"band": 2, "band+fwd": 0, "dense": 2, "dense+epilogue": 1}[path]
+    backward = (1 if path in ("band", "band+fwd") else 0) + 1 + _products(setting)  # recompute, pass, products
+    return forward + backward
+
+
+def resident_bytes_per_logit(dtype: str) -> int:
+    """The [M, K]-sized memory a block holds: float32 logits, and bf16 d logits beside them (float32 d
+    logits overwrite the logits in place)."""
+    return 4 + (2 if dtype == "bf16" else 0)
+
+
+def dense_memory(m: int, k: int, dtype: str = "bf16") -> int:
+    """Bytes the dense path keeps: 4 M K of float32 logits, + 2 M K of bf16 d logits."""
+    return m * k * resident_bytes_per_logit(dtype)
+
+
+def dense_max_n(setting: str, budget: int, dtype: str = "bf16") -> int:
+    """The largest N whose dense matrix fits the budget."""
+    side = math.isqrt(budget // resident_bytes_per_logit(dtype))
+    return side // 2 if setting == TWO_VIEW else side
+
+
+# ----------------------------------------------------------------------------- the prediction
+
+
+def shape(setting: str, n: int) -> tuple[int, int]:
+    return (2 * n, 2 * n) if setting == TWO_VIEW else (n, n)
+
+
+def gemm_s(m: int, k: int, d: int, dtype: str = "bf16") -> float:
+    """One [M, K, D] product at cuBLAS's measured rate."""
+    return 2 * m * k * d / (CUBLAS_BF16_FLOPS if dtype == "bf16" else CUBLAS_TF32_FLOPS)
+
+
+def floor_s(setting: str, n: int, d: int = 512, dtype: str = "bf16") -> float:
+    return floor_gemms(setting) * gemm_s(*shape(setting, n), d, dtype)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    rows: int  # rows of one block
+    cols: int  # columns of one block
+    row_blocks: int
+    col_blocks: int
+
+    @property
+    def count(self) -> int:
+        return self.row_blocks * self.col_blocks
+
+
+def blocks(m: int, k: int, resident: int, budget: int) -> Blocks:
+    """Bands of every column sized from the budget; square blocks where such a band would be thinner than
+    BAND_MIN_ROWS."""
+    if m * k * resident <= budget:
+        return Blocks(m, k, 1, 1)
+    rows = budget // (resident * k) // TILE * TILE
+    if rows >= BAND_MIN_ROWS:
+        return Blocks(rows, k, math.ceil(m / rows), 1)
+    side = max(TILE, math.isqrt(budget // resident) // TILE * TILE)
+    return Blocks(side, side, math.ceil(m / side), math.ceil(k / side))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    path: str
+    setting: str
+    n: int
+    dtype: str
+    gemm_s: float  # the products at cuBLAS's rate
+    bytes_s: float  # the passes' and blocks' traffic at the copy bandwidth
+    measured_s: float  # a measured kernel's time, scaled (band+fwd's forward)
+    launch_s: float
+    launches: int
+    blocks: Blocks
+    memory: int  # the [M, K]-sized memory the path holds at once, bytes
+    fits: bool  # memory <= the budget
+
+    @property
+    def seconds(self) -> float:
+        return self.gemm_s + self.bytes_s + self.measured_s + self.launch_s
+
+
+def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,
+            launch_s: float = LAUNCH_S) -> Prediction:
+    """Forward + backward of one loss call on ``path``, at batch ``n`` (two views: N samples)."""
+    m, k = shape(setting, n)
+    resident = resident_bytes_per_logit(dtype)
+    if path.startswith("dense"):
+        blk = Blocks(m, k, 1, 1)
+        memory = dense_memory(m, k, dtype)
+    else:
+        blk = blocks(m, k, resident, budget)
+        memory = blk.rows * blk.cols * resident
+    g = gemms(path, setting)
+    products = gemm_s(m, k, d, dtype) * (g["forward"] + g["backward"])
+    # Per block: each GEMM reads its operands once ([rows + cols, D] in the input dtype), and a gradient
+    # summed over several blocks is read and written in float32 (image-text dB over the row bands; dA, and
+    # two views' dZ, over the column blocks).
+    elem = 2 if dtype == "bf16" else 4
+    operands = (g["forward"] + g["backward"]) * (blk.rows + blk.cols) * d * elem
+    accumulators = 8 * d * ((blk.cols if setting == IMAGE_TEXT and blk.row_blocks > 1 else 0)
+                            + (blk.rows if blk.col_blocks > 1 else 0))
+    traffic = m * k * bytes_per_logit(path, setting, dtype) + blk.count * (operands + accumulators)
+    measured = 0.0
+    launches = FIXED_LAUNCHES[setting] + blk.count * launches_per_block(path, setting)
+    if path == "band+fwd":
+        measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD * (1 if dtype == "bf16" else 2)
+        launches += 1
+    return Prediction(path, setting, n, dtype, products, traffic / HBM_BYTES_PER_S, measured,
+                      launches * launch_s, launches, blk, memory, memory <= budget)
+
+
+def best(setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,
+         launch_s: float = LAUNCH_S, paths=("band", "band+fwd", "dense")) -> Prediction:
+    """The fastest of the buildable paths that fit the budget (the stretch, dense+epilogue, left out)."""
+    return min((p for p in (predict(x, setting, n, d, dtype, budget, launch_s) for x in paths) if p.fits),
+               key=lambda p: p.seconds)
+
+
+# ----------------------------------------------------------------------------- the peers, as their code runs
+
+# open_clip 3.3.0 ClipLoss, one process, under CUDA autocast bf16 (as benchmarks/losses.py calls it; read from
+# open_clip/loss.py and traced with fake CUDA tensors): logits_per_image = (scale * img) @ txt.T and
+# logits_per_text = (scale * txt) @ img.T are two products (bf16 out), so 2 forward + 4 backward = 6 GEMMs of
+# [N, N, D]. F.cross_entropy is not autocast on CUDA: it calls log_softmax with the input's dtype (bf16 in,
+# bf16 out) and nll_loss, which autocast runs in float32 (a float32 copy of the log-probabilities).
+OPEN_CLIP_PASSES = {  # per matrix, bytes per logit of that [N, N] matrix; two matrices
+    "GEMM writes logits (bf16)": 2,
+    "log_softmax reads, writes (bf16)": 4,
+    "autocast copy to float32 for nll_loss (read 2, write 4)": 6,
+    "nll_loss backward zero-fills its float32 gradient": 4,
+    "the copy's backward to bf16 (read 4, write 2)": 6,
+    "log_softmax backward (reads grad and output, writes)": 6,
+    "2 backward products read the gradient": 4,
+}
+OPEN_CLIP_MATRICES = 2
+OPEN_CLIP_GEMMS = 6
+OPEN_CLIP_LAUNCHES = 81  # 25 forward (traced under autocast), 50 backward (traced on the CPU) + 6 casts' backward
+
+# lightly 1.6.0 NTXentLoss, one process, autocast bf16: four [N, N] products (logits_00, 01, 10, 11: one
+# [2N, 2N] product in all, bf16 out) divided by the temperature, the diagonals of 00 and 11 removed by
+# boolean-mask indexing (nonzero: int64 indices; its backward a sort-based index_put with accumulate), three
+# cats, then cross_entropy as open_clip's. Bytes per logit of the [2N, 2N] matrix (00 and 11 are half of it).
+LIGHTLY_PASSES = {
+    "4 GEMMs write logits (bf16)": 2,
+    "divide by the temperature (read, write)": 4,
+    "eye and two bitwise_not of the [N, N] mask": 1.25,
+    "mask indexing, 00 and 11: nonzero (read 1, write 16) + gather (read 16 + 2, write 2)": 18.5,
+    "three cats (read, write)": 8,
+    "log_softmax and its float32 copy for nll_loss": 10,
+    "nll_loss backward zero-fill (float32)": 4,
+    "the copy's backward and log_softmax backward": 12,
+    "view backward of the indexed blocks (a copy) and new_zeros": 3,
+    "index_put backward, sort-based (estimated: nonzero, linear index, 3 radix passes of int64 pairs, "
+    "scatter)": 87.5,
+    "divide backward": 4,
+    "backward products read the gradient (8 of [N, N])": 4,
+}
+LIGHTLY_GEMMS = 3  # of [2N, 2N, D]: forward 1, backward 2 (the floor is 2)
+LIGHTLY_LAUNCHES = 131  # 35 forward + 6 in its 2 nonzeros; 66 backward + ~24 in its 2 sort-based index_puts
+LIGHTLY_HOST_SYNCS = 4  # each nonzero reads its count on the host (not modelled)
+
+
+def peer_s(setting: str, n: int, d: int = 512, launch_s: float = LAUNCH_S) -> float:
+    """open_clip's ClipLoss (image-text) or lightly's NTXentLoss (two views), bf16 autocast, forward + backward."""
+    m, k = shape(setting, n)
+    if setting == IMAGE_TEXT:
+        traffic = OPEN_CLIP_MATRICES * sum(OPEN_CLIP_PASSES.values()) * m * k
+        return OPEN_CLIP_GEMMS * gemm_s(m, k, d) + traffic / HBM_BYTES_PER_S + OPEN_CLIP_LAUNCHES * launch_s
+    traffic = sum(LIGHTLY_PASSES.values()) * m * (k - 1)
+    return LIGHTLY_GEMMS * gemm_s(m, k, d) + traffic / HBM_BYTES_PER_S + LIGHTLY_LAUNCHES * launch_s
+
+
+PEER = {TWO_VIEW: "lightly", IMAGE_TEXT: "open_clip"}
+
+
+def eager_op_s() -> float:
+    """The cost per launch that open_clip's measured 3.2 ms at N = 4096 implies: its time less the model's
+    products and bytes, over its launches (~33 us: eager PyTorch on the H100 machine's host)."""
+    gpu = peer_s(IMAGE_TEXT, 4096, launch_s=0.0)
+    return (MEASURED_MS[IMAGE_TEXT][4096]["open_clip"] * 1e-3 - gpu) / OPEN_CLIP_LAUNCHES
+
+
+# ----------------------------------------------------------------------------- the issue's targets
+
+
+def targets(n: int = 32768, d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_S) -> dict:
+    """The Done-when ratios of issue 40 at (n, d): each path over its floor, TF32 over bf16."""
+    out = {}
+    for setting in SETTINGS:
+        fl = floor_s(setting, n, d)
+        for path in PATHS:
+            out[(setting, path)] = predict(path, setting, n, d, "bf16", budget, launch_s).seconds / fl
+            tf32 = predict(path, setting, n, d, "tf32", budget, launch_s).seconds
+            out[(setting, path, "tf32/bf16")] = tf32 / predict(path, setting, n, d, "bf16", budget, launch_s).seconds
+        b16, b32 = best(setting, n, d, "bf16", budget, launch_s), best(setting, n, d, "tf32", budget, launch_s)
+        out[(setting, "best")] = b16.seconds / fl
+        out[(setting, "best", "tf32/bf16")] = b32.seconds / b16.seconds
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:,.0f}"
+
+
+def _ratio(r: float) -> str:
+    return f"{r:.2f}" if r < 10 else f"{r:.3g}" if r < 100 else f"{r:.0f}"
+
+
+def _cell(p: Prediction, floor: float) -> str:
+    return f"{_ms(p.seconds)} ({_ratio(p.seconds / floor)})"
+
+
+def _gib(nbytes: int) -> str:
+    if nbytes >= 1024 * GIB:
+        return f"{nbytes / (1024 * GIB):.3g} TiB"
+    return f"{nbytes / GIB:.3g} GiB" if nbytes >= GIB / 8 else f"{nbytes / 2**20:.3g} MiB"
+
+
+def table(setting: str, sizes=SIZES, d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_S) -> str:
+    peer = PEER[setting]
+    head = (f"| N | floor ({floor_gemms(setting)} GEMMs) | band | blocks | band+fwd | dense (memory) | dense+epilogue"
+            f" | best, TF32 / bf16 | {peer} (model) | measured on the H100: floor, Triton, torch, {peer} |")
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for n in sizes:
+        fl = floor_s(setting, n, d)
+        p = {path: predict(path, setting, n, d, "bf16", budget, launch_s) for path in PATHS}
+        b16, b32 = best(setting, n, d, "bf16", budget, launch_s), best(setting, n, d, "tf32", budget, launch_s)
+        blk = p["band"].blocks
+        shape_ = f"{blk.row_blocks} x {blk.rows}" if blk.col_blocks == 1 else f"{blk.row_blocks}^2 of {blk.rows}^2"
+        dense = f"{_cell(p['dense'], fl)}, {_gib(p['dense'].memory)}" + ("" if p["dense"].fits else " (over)")
+        ps = peer_s(setting, n, d, launch_s)
+        meas = ""
+        if measured := MEASURED_MS[setting].get(n):
+            values = [measured_floor_ms(setting, n), *list(measured.values())[1:]]
+            meas = ", ".join("-" if v is None else f"{v:.3g} ({v * 1e-3 / fl:.1f})" for v in values)
+        best_ = f"{b16.path}: {_cell(b16, fl)}; {b32.seconds / b16.seconds:.2f}"
+        lines.append(f"| {n} | {_ms(fl)} | {_cell(p['band'], fl)} | {shape_} | {_cell(p['band+fwd'], fl)} | {dense}"
+                     f" | {_cell(p['dense+epilogue'], fl)} | {best_} | {_ms(ps)} ({_ratio(ps / fl)}) | {meas} |")
+    return "\n".join(lines)
+
+
+def report(sizes=SIZES, d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_S) -> str:
+    out = [f"Predicted forward + backward, ms (over the floor), D = {d}, bf16 unless named; budget "
+           f"{_gib(budget)}, {launch_s * 1e6:g} us per launch. Rates: cuBLAS {CUBLAS_BF16_FLOPS / 1e12:g} TFLOP/s "
+           f"bf16 (TF32 {CUBLAS_TF32_FLOPS / 1e12:g}, assumed), {HBM_BYTES_PER_S / 1e12:g} TB/s. "
+           f"Measured: run 3, bf16, ms (over the model's floor; two views' floor: 2/3 of the 3 GEMMs timed).", ""]
+    for setting in SETTINGS:
+        bpl = ", ".join(f"{path} {bytes_per_logit(path, setting)} B + {sum(gemms(path, setting).values())} G"
+                        for path in PATHS)
+        out += [f"### Predicted: {setting} ({bpl}; band+fwd's forward measured)", "",
+                table(setting, sizes, d, budget, launch_s), ""]
+    dense = "; ".join(f"{s}: N <= {dense_max_n(s, GIB)} (1 GiB), {dense_max_n(s, 8 * GIB)} (8 GiB)" for s in SETTINGS)
+    out += [f"Dense fits (bf16, 6 B per logit): {dense}.", "", *checks(d, budget, launch_s), ""]
+    return "\n".join(out)
+
+
+def checks(d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_S) -> list[str]:
+    """The peers' models against their measured points, and issue 40's targets at N = 32768."""
+    lines = ["Peers, model against measured (ms):"]
+    for setting, n in ((IMAGE_TEXT, 4096), (IMAGE_TEXT, 32768), (TWO_VIEW, 4096)):
+        peer = PEER[setting]
+        got, meas = peer_s(setting, n, d, launch_s) * 1e3, MEASURED_MS[setting][n][peer]
+        slow = peer_s(setting, n, d, eager_op_s()) * 1e3
+        lines.append(f"- {peer}, N = {n}: {got:.3g} against {meas:g} ({got / meas:.2f}); at "
+                     f"{eager_op_s() * 1e6:.0f} us per launch {slow:.3g} ({slow / meas:.2f})")
+    n = 32768
+    t = targets(n, d, budget, launch_s)
+    need = {s: _gib(dense_memory(*shape(s, n))) for s in SETTINGS}
+    lines += ["", f"Issue 40's targets at N = {n} (predicted):",
+              f"- image-text <= 3x its 3-GEMM floor: band {t[(IMAGE_TEXT, 'band')]:.2f}, band+fwd "
+              f"{t[(IMAGE_TEXT, 'band+fwd')]:.2f}, dense {t[(IMAGE_TEXT, 'dense')]:.2f} (needs {need[IMAGE_TEXT]})",
+              f"- two views <= 3.5x its 2-GEMM floor: band {t[(TWO_VIEW, 'band')]:.2f}, band+fwd "
+              f"{t[(TWO_VIEW, 'band+fwd')]:.2f}, dense {t[(TWO_VIEW, 'dense')]:.2f} (needs {need[TWO_VIEW]})",
+              f"- TF32 within 1.5x of bf16 (best path each): image-text {t[(IMAGE_TEXT, 'best', 'tf32/bf16')]:.2f}, "
+              f"two views {t[(TWO_VIEW, 'best', 'tf32/bf16')]:.2f}"]
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="N, comma-separated")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--budget-gib", type=float, default=DEFAULT_BUDGET / GIB,
+                        help="memory for the [M, K] blocks (band) and the limit dense must fit")
+    parser.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="cost of one kernel launch")
+    parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    text = report(sizes, args.dim, int(args.budget_gib * GIB), args.launch_us * 1e-6)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
