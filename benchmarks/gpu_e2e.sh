@@ -3,13 +3,15 @@
 # each real client for a short bf16 run with the objective DCL, its harness (benchmarks/e2e_probe.py) timing
 # the step, the objective alone and the ecosystem's own InfoNCE on the same features, failing on a host sync.
 #
-#     bash benchmarks/gpu_e2e.sh --prepare    # here, once before a lease: .whl/ (benchmarks/gpu_wheels.sh) and
-#                                             # .e2e/ (the speech set: espeak-ng is not on the GPU machine)
+#     bash benchmarks/gpu_e2e.sh --prepare    # here, once before a lease: .e2e/ (the speech set: espeak-ng is
+#                                             # not on the GPU machine), then .whl/ (benchmarks/gpu_wheels.sh)
 #     bash benchmarks/gpu_e2e.sh              # on the GPU machine: docs/gpu/<device>/e2e.{md,json}, e2e-logs/
 #     bash benchmarks/gpu_e2e.sh --dry-run    # no GPU: every stage on the CPU, tiny, float32, into a temp dir
 #
-# The device call (carry .whl, .debs and .e2e; see benchmarks/gpu_wheels.sh for the install line):
-#     PYTHON=python3 bash benchmarks/gpu_e2e.sh; cp docs/gpu/*/e2e.* $OUT/
+# The device call (docs/gpu/README.md): carry .whl and the speech set's fsc/ and done.json (gpu_wheels.sh
+# prints the list), then
+#     source benchmarks/gpu_env.sh && COMMIT=<hash> PYTHON=python3 bash benchmarks/gpu_e2e.sh
+# (gpu_env.sh installs the wheels, points torchcodec at the FFmpeg they carry and checks the machine first).
 # A separate script from gpu_check.sh (the loss core's tests and benchmark): each must fit one call of the
 # device tool (10 minutes), and this one needs the carried wheels and data, which gpu_check.sh does not.
 # Environment: PYTHON (default python), COMMIT (the commit the report names, where the tree has no .git), STAGES (a space list of stage names, default all, in order: clip
@@ -27,10 +29,8 @@ case "${1:-}" in
 esac
 
 if [ "$MODE" = prepare ]; then
-  bash benchmarks/gpu_wheels.sh
   "$PY" benchmarks/e2e_data.py .e2e --speech-only
-  du -sh .whl .e2e ${DEBS:+.debs}
-  echo "ready: carry .whl .debs .e2e in the device call"
+  bash benchmarks/gpu_wheels.sh  # prints what travels (the wheels, the speech set's fsc/) and its size
   exit 0
 fi
 
