@@ -23,8 +23,9 @@ def device_path(monkeypatch):
 
 def test_auto_takes_the_backend_measured_faster(monkeypatch):
     """"auto": Triton on CUDA for bf16/fp16 products up to the largest matrix measured (faster on an H100:
-    docs/gpu/), the blockwise torch kernel everywhere else (larger matrices: its memory is proven), and
-    wherever triton is missing or a chunk_size asks for blocks."""
+    docs/gpu/) and for float32 (the band design, predicted faster: docs/performance.md), the blockwise torch
+    kernel everywhere else (float64, larger matrices: its memory is proven), and wherever triton is missing
+    or a chunk_size asks for blocks."""
     import contrastkit.losses.base as base
 
     monkeypatch.setattr(base, "triton_available", lambda: True)
@@ -35,7 +36,8 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
         assert choose_backend("auto", 64, "cuda", low) == "torch"
         for device in ("cpu", "meta"):
             assert choose_backend("auto", None, device, low) == "torch"
-    assert choose_backend("auto", None, "cuda", None) == "torch"  # float32/float64 products: not measured
+    assert choose_backend("auto", None, "cuda", None) == "triton"  # float32: the band design (predicted faster)
+    assert choose_backend("auto", None, "cuda", None, float64=True) == "torch"  # the kernels compute in float32
     assert choose_backend("torch", None, "cuda", torch.bfloat16) == "torch"
     assert choose_backend("triton", None) == "triton"
     assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"

@@ -56,17 +56,19 @@ TRITON_AUTO_MAX_CANDIDATES = 2**16
 
 
 def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
-                   low: torch.dtype | None = None, candidates: int = 0) -> str:
+                   low: torch.dtype | None = None, candidates: int = 0, float64: bool = False) -> str:
     """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
-    for "auto" the one measured faster on the device (docs/gpu/NVIDIA-H100-80GB-HBM3): on CUDA with bf16/fp16
-    products (``low``, see _low_precision), triton installed and at most TRITON_AUTO_MAX_CANDIDATES
-    candidates, the Triton kernels (2.1-3.2x the blockwise torch kernel's speed for two views, 5.6-6.9x for
-    image-text at N = 32768, D = 512 on an H100; not slower at 4096); everywhere else (the CPU; float32 or
-    float64 products on CUDA, not measured yet; larger matrices) the blockwise torch kernel. A chunk_size
-    asks for the torch kernel's blocks."""
+    for "auto": on CUDA, triton installed, products in bf16/fp16 (``low``, see _low_precision) or float32
+    (not ``float64``: the kernels compute in float32) and at most TRITON_AUTO_MAX_CANDIDATES candidates, the
+    Triton kernels; everywhere else (the CPU, float64, larger matrices) the blockwise torch kernel. Measured
+    on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
+    for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 (TF32 where torch's setting allows
+    it) takes the band design's elementwise kernels on cuBLAS's products (triton_stats.FORWARD_LOGITS), which
+    docs/performance.md's model predicts faster than the torch kernel's float32 passes; not measured yet. A
+    chunk_size asks for the torch kernel's blocks."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
-    if (requested == "auto" and chunk_size is None and device_type == "cuda" and low is not None
+    if (requested == "auto" and chunk_size is None and device_type == "cuda" and not float64
             and candidates <= TRITON_AUTO_MAX_CANDIDATES):
         return "triton" if triton_available() else "torch"
     return "triton" if requested == "triton" else "torch"
@@ -387,7 +389,7 @@ class ContrastiveLoss(Objective):
             if isinstance(scale, torch.Tensor):
                 scale = scale.to(dtype)
             n = image.shape[0]
-            backend = self._resolve_backend(image, low)
+            backend = self._resolve_backend(image, low, dtype)
             raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
             if raw:
                 a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
@@ -444,15 +446,18 @@ class ContrastiveLoss(Objective):
         """Whether processes may hold different batch sizes (gather_distributed="uneven")."""
         return self.gather_distributed == "uneven"
 
-    def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None) -> str:
+    def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None,
+                         dtype: torch.dtype | None = None) -> str:
         """The backend of this call (choose_backend), "triton" checked against the features and the install.
-        features: this process's anchors (any leading shape), times the processes where they are gathered."""
+        features: this process's anchors (any leading shape), times the processes where they are gathered;
+        dtype: the call's compute dtype where it is not the features' own (another input in float64)."""
         candidates = 0
         if self.backend == "auto" and features.device.type == "cuda":
             candidates = features.numel() // features.shape[-1] * (world()[1] if self.gather_distributed else 1)
-        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, candidates)
+        float64 = (dtype or features.dtype) == torch.float64
+        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, candidates, float64)
         if backend == "triton":
-            if features.dtype == torch.float64:
+            if float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
                                 "features; use backend='torch' for float64")
             if not triton_available():

@@ -65,8 +65,10 @@ def _tiles(blocks):
 # at N = 32768 in 11.8 ms, where a band forward is predicted at ~18; the backward's recompute is an L2-bound
 # Triton product (0.19-0.57 of cuBLAS's rate), so cuBLAS recomputes it, and two views take one product of the
 # band's dL + dL^T instead of the latency-bound two-view kernel.
+# "auto" (forward): the fused kernel for bf16/fp16 inputs, where it was measured; float32 (TF32) on cuBLAS's
+# products, since a fused product kernel becomes a default only with a GPU table that shows it faster.
 LOGITS = ("kernel", "cublas")
-FORWARD_LOGITS = "kernel"
+FORWARD_LOGITS = "auto"
 BACKWARD_LOGITS = "cublas"
 
 
@@ -254,13 +256,16 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     candidates the very tensor anchors (two views): one gradient for it from one backward kernel.
     block_m, block_n, block_d: fixed tiles (powers of two >= 16, all three or none); None: autotuned on
     CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
-    "cublas", where each pass's logits come from (LOGITS; None: FORWARD_LOGITS, BACKWARD_LOGITS).
+    "cublas", where each pass's logits come from (LOGITS; None: FORWARD_LOGITS, BACKWARD_LOGITS; the
+    forward's "auto": the kernel for bf16/fp16, cuBLAS for float32).
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
+    if forward_logits == "auto":
+        forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) else "cublas"
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):
