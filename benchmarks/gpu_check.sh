@@ -26,10 +26,11 @@ case "${1:-}" in
   *) echo "error: unknown argument '$1' (usage: bash benchmarks/gpu_check.sh [--dry-run])" >&2; exit 2 ;;
 esac
 
-# "-triton-band": every Triton kernel reading cuBLAS's logits (the band design); "-triton-fused": the products
-# inside the kernels (the first design); "-triton" alone: the defaults (triton_stats.FORWARD/BACKWARD_LOGITS).
-TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-triton,eqco-triton,cacr-triton,infonce-triton-band,dcl-triton-band,infonce-triton-fused,dcl-triton-fused,infonce-torch,lightly-ntxent"
-IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-triton-band,clip-dcl-triton-band,clip-triton-fused,clip-dcl-triton-fused,clip-torch,openclip,infcl"
+# "-triton-band": every Triton kernel reading cuBLAS's logits (the band design); "-triton-dense": the whole
+# matrix written once and kept for backward; "-triton-fused": the products inside the kernels (the first
+# design); "-triton" alone: the defaults (triton_stats.FORWARD/BACKWARD_LOGITS, DENSE_BYTES).
+TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-triton,eqco-triton,cacr-triton,infonce-triton-band,dcl-triton-band,infonce-triton-dense,dcl-triton-dense,infonce-triton-fused,dcl-triton-fused,infonce-torch,lightly-ntxent"
+IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-triton-band,clip-dcl-triton-band,clip-triton-dense,clip-dcl-triton-dense,clip-triton-fused,clip-dcl-triton-fused,clip-torch,openclip,infcl"
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu

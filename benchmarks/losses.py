@@ -65,9 +65,10 @@ QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "
 OBJECTIVES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-triton" for o in OBJECTIVES[1:]]
 # Where the Triton path's logits come from, forward and backward (triton_stats.LOGITS; "-triton" alone: its
-# defaults, the kernels' forward and cuBLAS's backward): "-band" both from cuBLAS (every kernel elementwise),
-# "-fused" both computed inside the kernels (the first design).
-LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "fused": ("kernel", "kernel")}
+# defaults, dense where the matrix fits, else the kernels' forward and cuBLAS's backward): "-band" both from
+# cuBLAS per band (every kernel elementwise), "-dense" written whole once and read back, "-fused" both
+# computed inside the kernels (the first design).
+LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel")}
 TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS]
 GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]]
 TWO_VIEW |= {m for m in GPU_METHODS if not m.startswith("clip")}

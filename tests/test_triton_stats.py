@@ -34,16 +34,16 @@ def reference(a, b, scale, exclude=None, with_mean=False, columns=False):
     return torch.stack(stats)
 
 
-@pytest.fixture(params=["kernel", "cublas"])
+@pytest.fixture(params=["kernel", "cublas", "dense"])
 def logits_from(request, monkeypatch):
-    """Both places a pass's logits come from (triton_stats.LOGITS), in both passes: computed by the Triton
+    """Every place a pass's logits come from (triton_stats.LOGITS), in both passes: computed by the Triton
     kernels, or written per band by cuBLAS in float32 and read by elementwise kernels (the band design; two
-    views then take one product of dL + dL^T). Tests without it run the defaults (the kernels' forward,
-    cuBLAS's backward)."""
+    views then take one product of dL + dL^T), or written whole once in forward and read back in backward
+    (dense). Tests without it run the defaults ("auto": dense at these sizes)."""
     from contrastkit.losses import triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", request.param)
-    monkeypatch.setattr(triton_stats, "BACKWARD_LOGITS", request.param)
+    monkeypatch.setattr(triton_stats, "BACKWARD_LOGITS", "cublas" if request.param == "dense" else request.param)
     return request.param
 
 
@@ -420,3 +420,23 @@ def test_production_configuration_equals_float64_reference(monkeypatch, logits_f
     # another order than the interpreter's; a TF32 product would be ~1e-3 off).
     grad_tol = {torch.float32: 6e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     _compare_at(a, b, 14.0, 2e-6, grad_tol, scale_tol=1e-5, same=setting == "two views", tiles={}, **options)
+
+
+@pytest.mark.parametrize("forward", ["dense", "cublas"])
+def test_dense_keeps_the_logits_and_backward_reads_them(monkeypatch, forward):
+    """The dense path: cuBLAS writes the whole matrix once in forward and backward reads it back (no product
+    written in backward); the band path recomputes each block in backward. Two views and image-text."""
+    from contrastkit.losses import triton_stats
+
+    calls = []
+    write = triton_stats._write_product
+    monkeypatch.setattr(triton_stats, "_write_product", lambda out, x, y: (calls.append(out.shape), write(out, x, y)))
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    g = torch.Generator().manual_seed(21)
+    z = _features(g, 37, 24).to(DEVICE).requires_grad_()
+    for columns, b in ((False, z), (True, _features(g, 37, 24).to(DEVICE).requires_grad_())):
+        calls.clear()
+        stats = negative_stats_triton(z, b, 10.0, exclude=torch.arange(37, device=DEVICE)[:, None], columns=columns)
+        assert calls == [(37, 37)]  # forward: one product (the whole matrix, or its one band)
+        stats.sum().backward()
+        assert calls[1:] == ([] if forward == "dense" else [(37, 37)])

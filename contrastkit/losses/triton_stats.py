@@ -67,9 +67,14 @@ def _tiles(blocks):
 # band's dL + dL^T instead of the latency-bound two-view kernel.
 # "auto" (forward): the fused kernel for bf16/fp16 inputs, where it was measured; float32 (TF32) on cuBLAS's
 # products, since a fused product kernel becomes a default only with a GPU table that shows it faster.
+# The dense path (forward "dense"): where the whole float32 matrix fits DENSE_BYTES, cuBLAS writes it once in
+# forward and backward reads it back, no recompute: 2 products for two views, 3 for image-text (the floors).
+# "auto" takes it there (the model predicts it the fastest where it fits: a SimCLR batch of 2N <= 8192, a
+# CLIP GPU's 2048 local rows against 65536 gathered columns); it keeps 4 M K bytes from forward to backward.
 LOGITS = ("kernel", "cublas")
 FORWARD_LOGITS = "auto"
 BACKWARD_LOGITS = "cublas"
+DENSE_BYTES = 2**29
 
 
 def _write_product(out, x, y):
@@ -85,14 +90,18 @@ def _write_product(out, x, y):
 @launch.operator("contrastkit::negative_stats")
 def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, exclude: torch.Tensor | None,
                     with_mean: bool, columns: bool, tf32: bool, blocks: list[int] | None, forward_logits: str,
-                    backward_logits: str) -> torch.Tensor:
-    """b None: the candidates are a (two views on one process)."""
+                    backward_logits: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the statistics, the float32 logits kept for backward: the dense path, else empty); b None: the
+    candidates are a (two views on one process)."""
     b = a if b is None else b
     product = None
-    if forward_logits == "cublas":
+    if forward_logits in ("cublas", "dense"):
         def product(r0, r1, out):
             _write_product(out, a[r0:r1], b.T)
-    return torch.stack(forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks), product))
+    kept = a.new_empty((a.shape[0], b.shape[0]) if forward_logits == "dense" else (0, 0), dtype=torch.float32)
+    stats = forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks), product,
+                          kept if forward_logits == "dense" else None)
+    return torch.stack(stats), kept
 
 
 def _add_product(out, x, y, scale, accumulate):
@@ -108,13 +117,14 @@ def _add_product(out, x, y, scale, accumulate):
 
 
 def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles, from_cublas=False,
-                    symmetric=False):
+                    symmetric=False, kept=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
     every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
     products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
     ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32.
     from_cublas: the block's logits recomputed by cuBLAS into a float32 buffer that the d logits kernel reads
-    (the band design; the buffer, not d logits, is then what BAND_BYTES bounds). symmetric (two views, b is
+    (the band design; the buffer, not d logits, is then what BAND_BYTES bounds); kept: the whole matrix's
+    float32 logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
     a): d logits dL + dL^T, one product, dA is dz and dB empty."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
@@ -126,7 +136,7 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
     ds = a.new_empty((triton.cdiv(k, cols), splits, m), dtype=torch.float32)
     dl = a.new_empty((rows, cols))
-    logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas else None
+    logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas and kept is None else None
     step = scale * factor  # the products' scale, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
@@ -134,8 +144,8 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
         for j, c0 in enumerate(range(0, k, cols)):
             c1 = min(c0 + cols, k)
             block = dl[: r1 - r0, : c1 - c0]
-            products = None
-            if from_cublas:
+            products = None if kept is None else kept[r0:r1, c0:c1]
+            if logits is not None:
                 products = logits[: r1 - r0, : c1 - c0]
                 _write_product(products, a[r0:r1], b[c0:c1].T)
             write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j], r0, r1, c0, c1, splits, share,
@@ -152,23 +162,26 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
 
 @launch.operator("contrastkit::negative_stats_backward")
 def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor,
-                             exclude: torch.Tensor | None, stats: torch.Tensor, with_mean: bool, columns: bool,
-                             tf32: bool, blocks: list[int] | None, forward_logits: str,
+                             exclude: torch.Tensor | None, stats: torch.Tensor, kept: torch.Tensor, with_mean: bool,
+                             columns: bool, tf32: bool, blocks: list[int] | None, forward_logits: str,
                              backward_logits: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...)."""
+    """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...). kept: the
+    forward's logits (the dense path), else empty."""
     tiles = _tiles(blocks)
     factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
     grad = grad / factor
-    from_cublas = backward_logits == "cublas"
+    dense = forward_logits == "dense"
+    from_cublas = backward_logits == "cublas" or dense
+    kept = kept if dense else None
     if b is None and not columns:
         if from_cublas:  # the band design: dL + dL^T per band, one product
             dz, _, ds = _band_gradients(a, a, scale, factor, exclude, stats, grad, with_mean, False, tf32, tiles,
-                                        from_cublas=True, symmetric=True)
+                                        from_cublas=True, symmetric=True, kept=kept)
         else:
             dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
         return dz, a.new_empty(0), ds * factor
     da, db, ds = _band_gradients(a, a if b is None else b, scale, factor, exclude, stats, grad, with_mean, columns,
-                                 tf32, tiles, from_cublas)
+                                 tf32, tiles, from_cublas, kept=kept)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
@@ -176,15 +189,18 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
 def _setup_context(ctx, inputs, output):
     a, b, scale, exclude, *ctx.options = inputs
-    ctx.save_for_backward(a, b, scale, exclude, output)
+    stats, kept = output
+    ctx.mark_non_differentiable(kept)
+    ctx.save_for_backward(a, b, scale, exclude, stats, kept)
 
 
-def _backward(ctx, grad):
-    a, b, scale, exclude, stats = ctx.saved_tensors
+def _backward(ctx, grad, _):
+    a, b, scale, exclude, stats, kept = ctx.saved_tensors
     with_mean = ctx.options[0]
     with no_autocast(grad.device.type):  # backward() may be called inside the caller's autocast block
         grad = grad.to(torch.float32).contiguous()
-        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, exclude, stats, *ctx.options)
+        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, exclude, stats, kept,
+                                                                   *ctx.options)
         d_scale = ds.sum()
         if with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
@@ -195,9 +211,10 @@ _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits):
-    for name, where in (("forward_logits", forward_logits), ("backward_logits", backward_logits)):
-        if where not in LOGITS:
-            raise ValueError(f"negative_stats_triton: {name} must be one of {', '.join(LOGITS)}, got {where!r}")
+    for name, where, allowed in (("forward_logits", forward_logits, (*LOGITS, "dense")),
+                                 ("backward_logits", backward_logits, LOGITS)):
+        if where not in allowed:
+            raise ValueError(f"negative_stats_triton: {name} must be one of {', '.join(allowed)}, got {where!r}")
     for name, x in (("anchors", anchors), ("candidates", candidates)):
         if x.dtype == torch.float64:
             raise TypeError(f"negative_stats_triton: {name} are float64; the Triton kernels take float32, "
@@ -256,17 +273,22 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     candidates the very tensor anchors (two views): one gradient for it from one backward kernel.
     block_m, block_n, block_d: fixed tiles (powers of two >= 16, all three or none); None: autotuned on
     CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
-    "cublas", where each pass's logits come from (LOGITS; None: FORWARD_LOGITS, BACKWARD_LOGITS; the
-    forward's "auto": the kernel for bf16/fp16, cuBLAS for float32).
+    "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
+    whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
+    DENSE_BYTES, else the kernel for bf16/fp16 and cuBLAS for float32); None: FORWARD_LOGITS,
+    BACKWARD_LOGITS.
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
-    if forward_logits == "auto":
-        forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) else "cublas"
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
+    if forward_logits == "auto":
+        if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
+            forward_logits = "dense"
+        else:
+            forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)
@@ -276,4 +298,4 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         exclude = exclude.contiguous()
     tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
     return _negative_stats(anchors, None if candidates is anchors else candidates, scale, exclude, with_mean,
-                           columns, tf32, blocks, forward_logits, backward_logits)
+                           columns, tf32, blocks, forward_logits, backward_logits)[0]

@@ -95,18 +95,19 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_p
         tl.store(mean_ptr + out, w / l / scale, mask=inside)
 
 
-def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None):
+def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None, logits=None):
     """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each. blocks: fixed tiles (BLOCK_M, BLOCK_N,
     BLOCK_D), else the space's. The columns split over b's rows where a has few row tiles. product(r0, r1,
     out): where given, the band's products a[r0:r1] b^T written into out (cuBLAS: the band design), in bands
-    of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them."""
+    of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them; into the rows of
+    ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward)."""
     m, k = a.shape[0], b.shape[0]
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
     chunk = m
     if columns:  # the partials' buffer bounded: launches of at most COLUMN_PARTIAL_BYTES
         chunk = min(m, max(1, COLUMN_PARTIAL_BYTES // (k * 4)) * tile)
     band = None
-    if product is not None:  # the band's float32 products bounded too
+    if product is not None and logits is None:  # the band's float32 products bounded too
         chunk = min(chunk, max(1, LOGIT_BAND_BYTES // (k * 4 * tile)) * tile)
         band = a.new_empty((chunk, k), dtype=torch.float32)
     splits, share = launch.split(triton.cdiv(chunk, 64), k, a.device)
@@ -116,6 +117,8 @@ def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, p
     column_lse = None
     for r0 in range(0, m, chunk):
         r1 = min(r0 + chunk, m)
+        if logits is not None:
+            band = logits[r0:r1]
         if band is not None:
             product(r0, r1, band[: r1 - r0])
         launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
