@@ -172,16 +172,16 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     grad = grad / factor
     dense = forward_logits == "dense"
     from_cublas = backward_logits == "cublas" or dense
-    kept = kept if dense else None
+    logits = kept if dense else None
     if b is None and not columns:
         if from_cublas:  # the band design: dL + dL^T per band, one product
             dz, _, ds = _band_gradients(a, a, scale, factor, exclude, stats, grad, with_mean, False, tf32, tiles,
-                                        from_cublas=True, symmetric=True, kept=kept)
+                                        from_cublas=True, symmetric=True, kept=logits)
         else:
             dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
         return dz, a.new_empty(0), ds * factor
     da, db, ds = _band_gradients(a, a if b is None else b, scale, factor, exclude, stats, grad, with_mean, columns,
-                                 tf32, tiles, from_cublas, kept=kept)
+                                 tf32, tiles, from_cublas, kept=logits)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
