@@ -56,8 +56,8 @@ def run(kernel, grid, space_of, key, *args, blocks=None, restore=(), **kwargs):
     itemsize = args[0].element_size()
     if INTERPRETED:
         config = dict(blocks) if blocks else dict(space_of(kwargs["D"], itemsize)[0].kwargs)
-        if not is_fake(args[0]):  # runs on the host; nothing to run while tracing shapes
-            kernel[grid(config)](*args, **kwargs, **config)
+        if not is_fake(args[0]) and args[0].device.type != "meta":  # runs on the host; nothing to run while
+            kernel[grid(config)](*args, **kwargs, **config)          # tracing shapes or counting memory (meta)
         return
     if blocks is not None:
         wrap_triton(kernel)[grid(blocks)](*args, **kwargs, **blocks)
