@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# The one command a machine with a GPU runs (issue 23; DESIGN.md "GPU"):
+# The loss core's command on a machine with a GPU (issues 23, 40; DESIGN.md "GPU"), run after gpu_e2e.sh:
 #
-#     bash benchmarks/gpu_check.sh              # CUDA tests, then the benchmark, written under docs/gpu/<device>/
+#     bash benchmarks/gpu_check.sh              # PLAN=quick: fits one device call of ~6 minutes (below)
+#     PLAN=full bash benchmarks/gpu_check.sh    # every size, dtype and method (several calls: split with the variables)
 #     bash benchmarks/gpu_check.sh --dry-run    # no GPU: its Python parts on the CPU, tiny sizes, into a temp dir
 #
 # 1. The CUDA tests: tests/test_cuda.py (host syncs, autocast, TF32, compile, memory at a large batch), then the
-#    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot show).
-# 2. benchmarks/losses.py, in one process per dtype (bfloat16, float16 autocast; float32 with TF32 allowed), at
-#    D 512 and N 256 .. 262144: every objective in both settings (automatic backend, the Triton kernels forced),
-#    the cuBLAS floor of the same matrix (3 GEMMs, timed in the same process), open_clip's ClipLoss and Inf-CL.
-#    Each writes losses.md, losses.json and losses.png to docs/gpu/<device name>/<dtype>/.
-# 3. benchmarks/triton_kernels.py: each Triton kernel alone over its autotune space, against cuBLAS's rate
-#    (bf16, N 32768: kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
-# Environment: PYTHON (default python), SIZES, DIMS, REPEATS, MEM_LIMIT_GIB override the benchmark's defaults;
-# DTYPES (default "bfloat16 float16 float32"), METHODS (a comma list; default all), MEMORY=0 (times only) and
-# TESTS=0 (skip step 1), KERNELS=0 (skip step 3) split the run over several calls of a
-# time-limited machine. The benchmark saves its table after every size, so a run cut off keeps what it measured.
+#    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot
+#    show). quick: test_cuda.py and the kernels' D = 512 production tests (every logits source: kernel, band,
+#    dense) and the dense/band checks; full: every kernel test.
+# 2. benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
+#    -triton-band, -triton-dense, -triton-fused: each source forced), the cuBLAS floor of the same matrix (timed
+#    in the same process), open_clip's ClipLoss, lightly's NTXentLoss and Inf-CL. quick, in order of what the
+#    issues need: bf16 at N = 4096 and 32768 (the issue's targets), float32 with TF32 at 32768, and image-text
+#    at N = 1048576 (a million pairs on one GPU: the floor and the default path only, one timed round); full:
+#    bf16, fp16 and float32 at N = 256 .. 262144, every method. Each writes losses.md, losses.json and
+#    losses.png to docs/gpu/<device name>/<job>/, saving its table after every size, so a run cut off keeps
+#    what it measured; every stage prints its seconds, so the next plan can be sized from them.
+# 3. benchmarks/triton_kernels.py (full only): each Triton kernel alone over its autotune space, against
+#    cuBLAS's rate (kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
+# Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), KERNELS=0 (skip step 3),
+# and for full: SIZES, DIMS, REPEATS, MEM_LIMIT_GIB, DTYPES, METHODS, MEMORY=0 (times only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -31,6 +36,10 @@ esac
 # design); "-triton" alone: the defaults (triton_stats.FORWARD/BACKWARD_LOGITS, DENSE_BYTES).
 TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-triton,eqco-triton,cacr-triton,infonce-triton-band,dcl-triton-band,infonce-triton-dense,dcl-triton-dense,infonce-triton-fused,dcl-triton-fused,infonce-torch,lightly-ntxent"
 IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-triton-band,clip-dcl-triton-band,clip-triton-dense,clip-dcl-triton-dense,clip-triton-fused,clip-dcl-triton-fused,clip-torch,openclip,infcl"
+
+# quick: the objective of the examples (DCL) through every source, InfoNCE's default, the peers
+TWO_VIEW_QUICK="floor-2v,infonce-triton,dcl-triton,dcl-triton-band,dcl-triton-dense,dcl-triton-fused,infonce-torch,lightly-ntxent"
+IMAGE_TEXT_QUICK="floor-clip,clip-triton,clip-dcl-triton,clip-dcl-triton-band,clip-dcl-triton-dense,clip-dcl-triton-fused,openclip,infcl"
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu
@@ -53,30 +62,54 @@ fi
 mkdir -p "$OUT"
 echo "== gpu_check: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
 
-echo "== 1/3 CUDA tests"
+PLAN=${PLAN:-quick}
+case "$PLAN" in quick|full) ;; *) echo "error: PLAN must be quick or full, got '$PLAN'" >&2; exit 2 ;; esac
+stage_start=$SECONDS
+took() { echo "   ($((SECONDS - stage_start)) s)"; stage_start=$SECONDS; }
+
+echo "== 1/3 CUDA tests ($PLAN)"
 if [ "${TESTS:-1}" = 0 ]; then
   echo "(skipped: TESTS=0)"
 elif [ "$DRY" = 1 ]; then
   "$PY" -m pytest -q tests/test_cuda.py  # skipped without CUDA: checks that it collects
+elif [ "$PLAN" = quick ]; then
+  "$PY" -m pytest -q tests/test_cuda.py || true  # a failure is a finding: the benchmark still runs
+  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py -k "production or dense_keeps or two_views" || true
 else
-  "$PY" -m pytest -q tests/test_cuda.py
-  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py
+  "$PY" -m pytest -q tests/test_cuda.py || true
+  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py || true
 fi
+took
 
-echo "== 2/3 benchmark against the cuBLAS floor, open_clip and Inf-CL"
-for dtype in ${DTYPES:-bfloat16 float16 float32}; do
-  extra=()
-  [ "$dtype" = float32 ] && extra=(--tf32)
-  "$PY" benchmarks/losses.py --device "$DEVICE" --dtype "$dtype" "${extra[@]}" --sizes "$SIZES" --dims "$DIMS" \
-    --repeats "$REPEATS" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "${METHODS:-$TWO_VIEW,$IMAGE_TEXT}" \
-    --out "$OUT/$dtype${extra:+-tf32}"
-done
+bench() {  # bench NAME DTYPE SIZES REPEATS METHODS [extra losses.py arguments]
+  local name=$1 dtype=$2 sizes=$3 repeats=$4 methods=$5; shift 5
+  echo "-- $name: $dtype, N = $sizes, $repeats rounds"
+  "$PY" benchmarks/losses.py --device "$DEVICE" --dtype "$dtype" --sizes "$sizes" --dims "$DIMS" \
+    --repeats "$repeats" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "$methods" --out "$OUT/$name" "$@" || true
+  took
+}
+echo "== 2/3 benchmark against the cuBLAS floor, open_clip, lightly and Inf-CL ($PLAN)"
+if [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only methods are skipped, named)
+  MEMORY=--no-memory
+  small() { [ "$DRY" = 1 ] && echo 64 || echo "$1"; }
+  bench bfloat16 bfloat16 "$(small 4096,32768)" 3 "$TWO_VIEW_QUICK,$IMAGE_TEXT_QUICK"
+  bench float32-tf32 float32 "$(small 32768)" 2 \
+    "floor-2v,dcl-triton,infonce-torch,floor-clip,clip-dcl-triton,clip-torch,openclip" --tf32
+  bench image-text-1m bfloat16 "$(small 1048576)" 1 "floor-clip,clip-dcl-triton"
+else
+  for dtype in ${DTYPES:-bfloat16 float16 float32}; do
+    extra=()
+    [ "$dtype" = float32 ] && extra=(--tf32)
+    bench "$dtype${extra:+-tf32}" "$dtype" "$SIZES" "$REPEATS" "${METHODS:-$TWO_VIEW,$IMAGE_TEXT}" "${extra[@]}"
+  done
+fi
 echo "== 3/3 each kernel alone against cuBLAS's rate"
-if [ "${KERNELS:-1}" = 0 ]; then
-  echo "(skipped: KERNELS=0)"
+if [ "${KERNELS:-1}" = 0 ] || [ "$PLAN" = quick ]; then
+  echo "(skipped: KERNELS=0 or PLAN=quick)"
 elif [ "$DRY" = 1 ]; then
   TRITON_INTERPRET=1 "$PY" benchmarks/triton_kernels.py --n 48 --d 32 --repeats 1 --first --json "$OUT/kernels.json"
 else
   "$PY" benchmarks/triton_kernels.py --n 32768 --d 512 --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
 fi
-echo "== gpu_check done: $OUT/*/losses.{md,json,png}, $OUT/kernels.{json,log}; commit them (docs/gpu/) with the tables' conclusions"
+took
+echo "== gpu_check done: $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the tables' conclusions"

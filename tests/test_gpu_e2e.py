@@ -1,6 +1,7 @@
-"""benchmarks/gpu_e2e.sh, the end-to-end GPU check, proven on the CPU before a GPU machine is lent: its
---dry-run runs every entry point (recipes, open_clip_train, transformers' scripts, SentenceTransformerTrainer)
-under the harness at tiny sizes, and the report has a row per entry point with the harness's timings."""
+"""The GPU scripts, proven on the CPU before a GPU machine is lent. benchmarks/gpu_e2e.sh's --dry-run runs
+every entry point (recipes, open_clip_train, transformers' scripts, SentenceTransformerTrainer) under the
+harness at tiny sizes, and the report has a row per entry point with the harness's timings;
+benchmarks/gpu_check.sh's --dry-run runs its quick plan's jobs at N = 64 (every method it names is known)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,17 @@ def test_compare_names_a_difference(tmp_path):
     save_file({**weights, "b": torch.tensor([0.0, 0.25])}, str(tmp_path / "b" / "model.safetensors"))
     result = e2e_report.compare(tmp_path / "a", tmp_path / "b")
     assert not result["bit_identical"] and result["max_abs_diff"] == 0.25
+
+
+@pytest.mark.slow
+def test_gpu_check_quick_plan_dry_run(tmp_path):
+    """gpu_check.sh's default plan on the CPU: each job (bf16 at the issue's sizes, float32 with TF32, image-text
+    at a million pairs, here all at N = 64) runs and writes its table; the CUDA-only methods are named and
+    skipped, so a misspelt one fails here, not in a lease."""
+    env = {**os.environ, "TESTS": "0", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tables = sorted(p.parent.name for p in tmp_path.rglob("losses.json"))
+    assert tables == ["bfloat16", "float32-tf32", "image-text-1m"], tables
+    assert done.stdout.count("skipped CUDA only") >= 10
