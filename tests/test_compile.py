@@ -33,10 +33,10 @@ def _value_and_grads(call, inputs):
     return loss.detach(), torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
-def _check(name, setting, compiler, **options):
+def _check(name, setting, compiler, dtype=torch.float32, **options):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(hash((name, setting)) % 2**31)
-    inputs = [torch.randn(24, 16, generator=g) for _ in range(3)] + [torch.tensor(14.0)]
+    inputs = [torch.randn(24, 16, generator=g).to(dtype) for _ in range(3)] + [torch.tensor(14.0)]
     fn = build_loss(name, **options)
 
     def call(*x):
@@ -70,3 +70,11 @@ def test_triton_backend_stays_in_the_graph(setting):
     """The Triton kernels are custom ops: a compiled call keeps them in one graph (on CPU, under the
     interpreter, as opaque custom ops; on CUDA as triton_op, which inductor can see into)."""
     _check("dcl", setting, "aot_eager", backend="triton")
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_triton_backend_with_bf16_features_compiles(setting):
+    """bf16 features: the Triton path's unit vectors made in bf16 and the positives' cosines in float32
+    (functional.unit_rows_in, row_cosines: autograd Functions with loops over chunks of rows) trace into the
+    same fullgraph, equal to eager."""
+    _check("dcl", setting, "aot_eager", dtype=torch.bfloat16, backend="triton")

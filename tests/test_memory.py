@@ -223,3 +223,26 @@ def test_dense_keeps_its_matrix_and_the_band_path_none(monkeypatch, setting):
         fn = build_loss("dcl", backend="triton")
         kept[forward] = count(_setting_call(fn, setting), _features(n, d))[0]
     assert kept["dense"] - kept["cublas"] == 4 * rows * rows, {k: v / MiB for k, v in kept.items()}
+
+
+TRITON_CALLS = {"two_views": (lambda fn, z: fn(z[0], z[1]), 2),
+                "image_text": (lambda fn, z: fn.cross_modal(z[0], z[1], logit_scale=14.0), 2),
+                "query_key": (lambda fn, z: fn.query_key(z[0], z[1]), 2),
+                "queue": (lambda fn, z: fn.query_key(z[0], z[1], z[2].detach()), 3)}
+
+
+@pytest.mark.parametrize("name", ["dcl", "cacr"])
+@pytest.mark.parametrize("setting", TRITON_CALLS)
+def test_triton_path_keeps_at_most_two_rows_a_row(monkeypatch, name, setting):
+    """The Triton path (band form, N = 16384, D = 512 bf16) keeps from forward to backward at most 2 rows of
+    the inputs' dtype and 64 bytes per input row: its unit vectors in bf16 and their inverse norms, no float32
+    copy (was 3 KiB a row: a float32 and a bf16 copy); the positives' cosines come from the features as given."""
+    from contrastkit.losses import triton_stats
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
+    n, d = 16384, 512
+    call, inputs = TRITON_CALLS[setting]
+    z = _features(n, d, inputs)
+    kept, saved, _ = count(lambda *x: call(build_loss(name, backend="triton"), x), z)
+    rows = inputs * n
+    assert kept <= rows * (2 * 2 * d + ROW_BYTES) and saved <= rows * (2 * 2 * d + ROW_BYTES), (kept / rows, saved / rows)

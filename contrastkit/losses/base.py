@@ -17,7 +17,7 @@ from torch import nn
 
 from contrastkit.distributed import gather_with_grad, world
 from contrastkit.losses.chunked import host_checks_allowed, negative_stats, no_autocast
-from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows
+from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines, unit_rows_in
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -289,14 +289,15 @@ class ContrastiveLoss(Objective):
             x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
             # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
             # their size kept for backward); the others take unit vectors, one copy normalised once.
-            raw = self._resolve_backend(x, low) == "torch"
-            u = x if raw else self._unit(x, dtype)
+            backend = self._resolve_backend(x, low)
+            raw = backend == "torch"
+            u = x if raw else self._units(x, dtype, low, backend)
             anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
                 all_x, start = self._gather(x.transpose(0, 1).reshape(n, v * d))
                 total = all_x.shape[0]
                 all_u = all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
-                all_u = all_u if raw else self._unit(all_u, dtype)
+                all_u = all_u if raw else self._units(all_u, dtype, low, backend)
             else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
                 all_u, start, total = anchors, 0, n
             if total < 2:
@@ -313,11 +314,19 @@ class ContrastiveLoss(Objective):
                 terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
                                             partners=partners)
                 return self._reduce(terms, output_dict, views)
-            # [n, V, V]: u_a . u_b, with u in one operand only, so that backward makes one [V, n, D] gradient
-            # (not two summed): the transpose gives the other operand's half of it.
-            half = torch.einsum("and,bnd->nab", u, u.detach())
-            gram = half + half.transpose(1, 2) - half.detach()
-            pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
+            if self._low_units(backend, low):  # the positives' cosines in float32 from the views as given
+                cos = {}
+                for a in range(v):
+                    for b in range(a + 1, v):
+                        cos[a, b] = cos[b, a] = row_cosines(zs[a], zs[b], self.normalize)
+                pos = torch.stack([torch.stack([cos[a, w] for w in range(v) if w != a], dim=1) for a in range(v)])
+                pos = pos.reshape(v * n, v - 1)
+            else:
+                # [n, V, V]: u_a . u_b, with u in one operand only, so that backward makes one [V, n, D]
+                # gradient (not two summed): the transpose gives the other operand's half of it.
+                half = torch.einsum("and,bnd->nab", u, u.detach())
+                gram = half + half.transpose(1, 2) - half.detach()
+                pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
             terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low)
             return self._reduce(terms, output_dict, views)
 
@@ -347,10 +356,15 @@ class ContrastiveLoss(Objective):
         low = _low_precision(*features.values())
         with no_autocast(query.device.type):
             dtype = _compute_dtype(*features.values())
-            q, k = self._unit(query, dtype), self._unit(keys, dtype)
-            pos = torch.einsum("nd,npd->np", q, k)
+            backend = self._resolve_backend(query, low, dtype)
+            q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
+            if self._low_units(backend, low):  # float32 cosines from the features as given
+                pos = torch.stack([row_cosines(query, keys[:, j], self.normalize) for j in range(keys.shape[1])], 1)
+            else:
+                pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
-                terms = self.negative_terms(pos, q, self._unit(queue, dtype), None, queue.shape[0], low=low)
+                terms = self.negative_terms(pos, q, self._units(queue, dtype, low, backend), None, queue.shape[0],
+                                            low=low)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
             c = p if negatives is None else p + negatives.shape[1]  # each sample's candidates: keys, then extras
@@ -361,9 +375,9 @@ class ContrastiveLoss(Objective):
                     raw = torch.cat([keys, negatives] if same else [keys.to(dtype), negatives.to(dtype)], dim=1)
                 all_raw, start = self._gather(raw.reshape(n, -1))
                 total = all_raw.shape[0]
-                all_k = self._unit(all_raw.reshape(total * c, -1), dtype)
+                all_k = self._units(all_raw.reshape(total * c, -1), dtype, low, backend)
             else:
-                units = k if negatives is None else torch.cat([k, self._unit(negatives, dtype)], dim=1)
+                units = k if negatives is None else torch.cat([k, self._units(negatives, dtype, low, backend)], dim=1)
                 all_k, start, total = units.reshape(n * c, -1), 0, n
             if total * c - p < 1:
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
@@ -395,14 +409,17 @@ class ContrastiveLoss(Objective):
                 a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
                 pos = None
             else:
-                a, b = self._unit(image, dtype), self._unit(text, dtype)
-                pos = (a * b).sum(-1, keepdim=True)
+                a, b = self._units(image, dtype, low, backend), self._units(text, dtype, low, backend)
+                if self._low_units(backend, low):  # float32 cosines from the features as given
+                    pos = row_cosines(image, text, self.normalize)[:, None]
+                else:
+                    pos = (a * b).sum(-1, keepdim=True)
             if self.gather_distributed:
                 same = image.dtype == text.dtype
                 both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
                 all_a, all_b = both.split(a.shape[1], dim=1)
                 if not raw:
-                    all_a, all_b = self._unit(all_a, dtype), self._unit(all_b, dtype)
+                    all_a, all_b = self._units(all_a, dtype, low, backend), self._units(all_b, dtype, low, backend)
             else:
                 all_a, all_b, start = a, b, 0
             total = all_a.shape[0]
@@ -434,6 +451,20 @@ class ContrastiveLoss(Objective):
             return self._reduce(terms, output_dict, features)
 
     # ------------------------------------------------------------------ helpers
+
+    def _low_units(self, backend: str, low: torch.dtype | None) -> bool:
+        """Whether this call's unit vectors are made in ``low`` (bf16/fp16): the Triton backend's products take
+        them so, and then no float32 copy of them is kept for backward (functional.unit_rows_in), and the
+        positives' cosines come in float32 from the features as given (functional.row_cosines)."""
+        return backend == "triton" and low is not None
+
+    def _units(self, x: torch.Tensor, dtype: torch.dtype, low: torch.dtype | None, backend: str) -> torch.Tensor:
+        """The unit vectors (or, with normalize=False, the features) the backend takes: in ``low`` where
+        _low_units, else in the compute dtype."""
+        if self._low_units(backend, low):
+            assert low is not None
+            return unit_rows_in(x, low) if self.normalize else x.to(low)
+        return self._unit(x, dtype)
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every process's rows of x and this process's offset. The settings gather the raw features, in

@@ -61,6 +61,106 @@ class _NormalizeRows(torch.autograd.Function):
             return torch.addcmul(grad, y, along, value=-1.0).mul_(inv)
 
 
+# Rows per pass of the low-precision helpers below: their float32 work stays within 2^22 elements (16 MiB).
+_LOW_CHUNK_ELEMENTS = 2**22
+
+
+def _row_chunks(rows: int, d: int):
+    step = max(1, _LOW_CHUNK_ELEMENTS // max(d, 1))
+    return ((r0, min(r0 + step, rows)) for r0 in range(0, rows, step))
+
+
+class _UnitRowsIn(torch.autograd.Function):
+    """The unit rows of x (F.normalize's) written in ``dtype`` (bfloat16/float16: what the Triton kernels and
+    cuBLAS take), their inverse norms in float32; only those two are kept for backward, so no float32 copy of
+    the features lives between forward and backward. The float32 work goes in chunks of rows."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        out = x.new_empty(x.shape, dtype=dtype)
+        inv = x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
+        flat_x, flat_out, flat_inv = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1]), inv.view(-1, 1)
+        for r0, r1 in _row_chunks(flat_x.shape[0], flat_x.shape[1]):
+            part = flat_x[r0:r1].float()
+            norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True)
+            flat_inv[r0:r1] = torch.where(norm >= _NORM_EPS, 1.0 / norm.clamp_min(_NORM_EPS), -1.0 / _NORM_EPS)
+            flat_out[r0:r1] = part * flat_inv[r0:r1].abs()
+        ctx.save_for_backward(out, inv)
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        y, inv = ctx.saved_tensors  # inv < 0 marks a clamped row (divided by a constant: grad * inv alone)
+        with no_autocast(grad.device.type):
+            dx = grad.new_empty(grad.shape, dtype=ctx.x_dtype)
+            flat_g, flat_y, flat_dx = grad.reshape(-1, grad.shape[-1]), y.view(-1, y.shape[-1]), dx.view(-1, y.shape[-1])
+            flat_inv = inv.view(-1, 1)
+            for r0, r1 in _row_chunks(flat_g.shape[0], flat_g.shape[1]):
+                g, u, i = flat_g[r0:r1].float(), flat_y[r0:r1].float(), flat_inv[r0:r1]
+                along = torch.linalg.vecdot(g, u, dim=-1).unsqueeze(-1) * (i > 0)
+                flat_dx[r0:r1] = torch.addcmul(g, u, along, value=-1.0).mul_(i.abs())
+            return dx, None
+
+
+def unit_rows_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``F.normalize(x, dim=-1)`` written in ``dtype``, keeping for backward that low-precision result and a
+    float32 number per row only (see _UnitRowsIn). The gradient is F.normalize's, from the rounded rows."""
+    return _UnitRowsIn.apply(x, dtype)
+
+
+class _RowCosines(torch.autograd.Function):
+    """cos(a_i, b_i) per row in float32 from features in any dtype (the products exact, the sums float32),
+    keeping only the features as given for backward (the caller's tensors: nothing new), chunked. With
+    ``normalize`` False the plain dot products."""
+
+    @staticmethod
+    def forward(ctx, a, b, normalize):
+        out = a.new_empty(a.shape[:-1], dtype=torch.float32)
+        flat_a, flat_b, flat_out = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), out.view(-1)
+        for r0, r1 in _row_chunks(flat_a.shape[0], flat_a.shape[1]):
+            x, y = flat_a[r0:r1].float(), flat_b[r0:r1].float()
+            dot = torch.linalg.vecdot(x, y, dim=-1)
+            if normalize:
+                dot = dot / (torch.linalg.vector_norm(x, dim=-1).clamp_min(_NORM_EPS)
+                             * torch.linalg.vector_norm(y, dim=-1).clamp_min(_NORM_EPS))
+            flat_out[r0:r1] = dot
+        ctx.save_for_backward(a, b)
+        ctx.normalize = normalize
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        with no_autocast(grad.device.type):
+            da, db = torch.empty_like(a), torch.empty_like(b)
+            flat = [t.reshape(-1, t.shape[-1]) for t in (a, b)]
+            flat_d = [t.view(-1, t.shape[-1]) for t in (da, db)]
+            flat_g = grad.reshape(-1, 1)
+            for r0, r1 in _row_chunks(flat[0].shape[0], flat[0].shape[1]):
+                x, y, g = flat[0][r0:r1].float(), flat[1][r0:r1].float(), flat_g[r0:r1].float()
+                if not ctx.normalize:
+                    flat_d[0][r0:r1], flat_d[1][r0:r1] = g * y, g * x
+                    continue
+                nx = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+                ny = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+                ix, iy = 1.0 / nx.clamp_min(_NORM_EPS), 1.0 / ny.clamp_min(_NORM_EPS)
+                u, v = x * ix, y * iy
+                cos = torch.linalg.vecdot(u, v, dim=-1).unsqueeze(-1)
+                # d cos / d x = (v - cos u) / ||x|| (a clamped row: v / eps, F.normalize's constant divisor)
+                flat_d[0][r0:r1] = g * torch.where(nx >= _NORM_EPS, v - cos * u, v) * ix
+                flat_d[1][r0:r1] = g * torch.where(ny >= _NORM_EPS, u - cos * v, u) * iy
+            return da, db, None
+
+
+def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """cos(a_i, b_i) (with ``normalize`` False: a_i . b_i) over the last dimension, in float32, exactly as the
+    float32 unit vectors would give it, from features in any dtype, keeping nothing new for backward."""
+    return _RowCosines.apply(a, b, normalize)
+
+
 class NonFiniteError(ValueError):
     """An input of a loss (scores, features, logit scale) holds inf or NaN: what a diverging run produces."""
 
