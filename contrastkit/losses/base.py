@@ -50,8 +50,8 @@ def triton_available() -> bool:
 
 # backend="auto" takes the Triton kernels on CUDA up to this many candidates: the largest matrix measured (two
 # views at N = 32768, docs/gpu/NVIDIA-H100-80GB-HBM3). Beyond, the torch kernel, whose memory is proven
-# (<= 1 GiB at N = 262144, D = 512 bf16: tests/test_memory.py, 663 MiB on the H100); the Triton path keeps a
-# normalised float32 copy of the features (1 GiB there), not yet counted.
+# (<= 1 GiB at N = 262144, D = 512 bf16: tests/test_memory.py, 663 MiB on the H100); the Triton path keeps its
+# bf16 unit vectors (512 MiB there) and makes their gradient beside them, plus its band buffers: over 1 GiB.
 TRITON_AUTO_MAX_CANDIDATES = 2**16
 
 
