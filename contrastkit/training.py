@@ -11,12 +11,16 @@ previous one. A save that fails (disk full), a resume with nothing to resume fro
 and a run that diverged end in a ``RunError`` naming the path, the cause and the newest good checkpoint.
 
 On several machines: collectives give up after ``--ddp-timeout`` seconds, and a lost peer (a dead or
-cut-off host, a killed process) ends each surviving process with one ``RunError`` line (``stops_on_lost_peer``).
+cut-off host, a killed process) ends each surviving process with one ``RunError`` line (``guarded``).
 At start-up the main process writes a marker into ``--out-dir`` that every process looks for: where a machine
 does not see it (its own disk), ``--save-on-each-node`` has that machine write complete checkpoints of its own
 (without the flag it is an error). A resume loads the newest checkpoint complete on every machine;
 ``--resume auto`` (and every torchrun restart) starts fresh where there is none yet, so a requeued command
 carries on.
+
+A preempted job loses nothing: SIGTERM and ``--requeue-signal`` only set a flag, and ``StepBoundary``, which
+every recipe calls after each step, has every process stop at the same step with a complete checkpoint of it and
+exit status ``STOPPED`` (75), the SLURM job requeued first with ``--requeue-on-signal``.
 
 >>> log = MetricsLog("runs/clip-dcl")
 >>> log.log(step=10, loss=3.2)
@@ -35,6 +39,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
+import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +161,9 @@ def check_report_to(report_to: str) -> None:
             raise ValueError(f"--report-to {name} needs the {package} package: pip install {package}")
 
 
+STOPPED = 75  # sysexits.h's EX_TEMPFAIL, "a temporary failure: try again later": the run stopped to be requeued
+REQUEUE_SIGNALS = ("USR1", "USR2", "HUP", "TERM")  # --requeue-signal's choices (TERM: SIGTERM alone)
+
 RESUME_HELP = ("continue from the newest complete checkpoint in --out-dir, which must exist (a new --lr is "
                "applied); --resume auto: continue if there is one, else start (a requeued job's command)")
 
@@ -171,6 +181,11 @@ class RunOptions:
                                  "the run stops with an error naming the lost peer")
     save_on_each_node: bool = arg(False, "several machines whose --out-dir is not one shared folder: each machine "
                                          "writes complete checkpoints to its own (needed for --resume there)")
+    requeue_signal: str = arg("USR1", "the signal that, like SIGTERM, stops the run at the next step boundary with a "
+                                      f"complete checkpoint and exit status {STOPPED} (SLURM: sbatch "
+                                      "--signal=USR1@120; TERM: SIGTERM alone)", choices=REQUEUE_SIGNALS)
+    requeue_on_signal: bool = arg(False, "in a SLURM job, the first process requeues it (scontrol requeue "
+                                         "$SLURM_JOB_ID) once a signal's checkpoint is complete")
 
     def check_run(self) -> None:
         positive("keep_checkpoints", self.keep_checkpoints)
@@ -185,7 +200,8 @@ def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
     logging under ``out_dir/logs``, collectives that time out after ``ddp_timeout`` seconds, and checkpoints
     written on each machine that does not share ``out_dir`` with the main process (``save_on_each_node``
     allows it; without it such a machine is an error). Checkpoints: ``Checkpoints`` (not accelerate's
-    ``total_limit``, which deletes the old checkpoint before the new one is written)."""
+    ``total_limit``, which deletes the old checkpoint before the new one is written). From here on SIGTERM and
+    ``requeue_signal`` only set a flag, which the recipe's ``StepBoundary`` acts on."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
@@ -195,6 +211,7 @@ def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
                               kwargs_handlers=[timeout], **kwargs)
     check_launch(accelerator)
     project.save_on_each_node = own_out_dir(accelerator, out_dir, run.save_on_each_node)
+    catch_stop_signals(run.requeue_signal)
     return accelerator
 
 
@@ -577,11 +594,12 @@ def lost_peer(err: BaseException) -> str | None:
     return re.sub(r"\[/[^\]]*:\d+\]\s*", "", first).split(". ")[0].strip()
 
 
-def stops_on_lost_peer(train):
+def guarded(train):
     """For a recipe's ``train(cfg, ...)``: a collective that fails because another process is gone (its host
     died, was killed or cut off: a connection reset, or no answer within ``cfg.ddp_timeout`` seconds) ends the
     run on this process with one RunError line that names the peer, the timeout and this machine's newest
-    complete checkpoint, to resume from once every host is back."""
+    complete checkpoint, to resume from once every host is back. However the run ends, the stop signals get
+    their handlers back."""
 
     @functools.wraps(train)
     def run(cfg, *args, **kwargs):
@@ -599,5 +617,150 @@ def stops_on_lost_peer(train):
                            f"collectives wait --ddp-timeout {cfg.ddp_timeout} s. The newest complete checkpoint "
                            f"here is {_named(newest_good(cfg.out_dir))}: once every host is back, start the job "
                            "again with --resume auto") from None
+        finally:
+            release_stop_signals()
 
     return run
+
+
+# --- stopping on a signal: a preempted job loses nothing --------------------------------------------------------
+
+_seen: list[int] = []  # the stop signals this process received since catch_stop_signals, in order
+_previous: dict[int, object] = {}  # the handlers catch_stop_signals replaced
+
+
+def _note(signum, frame) -> None:
+    """The handler of the stop signals: it only notes the signal (no checkpoint is written from a handler);
+    the run acts on it at its next step boundary. A second signal is noted too, and changes nothing."""
+    _seen.append(signum)
+
+
+def stop_signals(requeue_signal: str) -> list[signal.Signals]:
+    """SIGTERM and the --requeue-signal one."""
+    return sorted({signal.SIGTERM, getattr(signal, f"SIG{requeue_signal}")})
+
+
+def catch_stop_signals(requeue_signal: str) -> None:
+    """From now on SIGTERM and ``requeue_signal`` set a flag (``release_stop_signals`` puts the handlers back).
+    Python runs handlers in the main thread only: called from another thread, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _seen.clear()
+    for number in stop_signals(requeue_signal):
+        if number not in _previous:
+            _previous[number] = signal.signal(number, _note)
+
+
+def release_stop_signals() -> None:
+    for number, handler in _previous.items():
+        signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+    _previous.clear()
+
+
+def quiet_worker(worker_id: int) -> None:
+    """A DataLoader's ``worker_init_fn``: a SIGTERM that a scheduler sends to every process of a job (SLURM
+    signals the whole step) does not end the worker, so the run can stop at its next step boundary (torch's
+    worker dies on it, and its loader then raises in the main process); the SIGTERM with which the loader itself
+    ends its worker (it comes from the main process) still ends it. The other stop signals are noted and ignored
+    (the handler the worker inherits)."""
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for every thread of the worker: sigwaitinfo takes it
+
+    def wait() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait, daemon=True, name="contrastkit-sigterm").start()
+
+
+class Stopped(SystemExit):
+    """The run stopped on a signal at a step boundary, its checkpoint complete: a SystemExit with status
+    ``STOPPED`` (75), so a script ends with it and no traceback, and an in-process caller can catch it."""
+
+    def __init__(self, step: int, checkpoint: Path, signal_name: str):
+        super().__init__(STOPPED)
+        self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+
+
+def requeue_slurm_job() -> str:
+    """``scontrol requeue`` of this SLURM job (an array job's own task: ``<array job>_<task>``, as SLURM names
+    it); what happened, in words."""
+    job = os.environ.get("SLURM_JOB_ID")
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        job = f"{array}_{task}"
+    if not job:
+        return "nothing requeued: --requeue-on-signal, but this is not a SLURM job (no SLURM_JOB_ID)"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue {job} failed ({_first_line(err)}): submit the job again"
+    if done.returncode:
+        why = (done.stderr or done.stdout).strip().splitlines()[:1] or [f"exit status {done.returncode}"]
+        return f"scontrol requeue {job} failed ({why[0]}): submit the job again"
+    return f"SLURM job {job} requeued (scontrol requeue {job})"
+
+
+class StepBoundary:
+    """What every recipe calls after each optimizer step (``boundary()``, once ``state.step`` counts it): where
+    a stop signal (SIGTERM, ``--requeue-signal``) seen by any process becomes a stop of every process at the same
+    step, with one complete checkpoint of that step (``Checkpoints.save``: the COMPLETE marker, then the
+    rotation; after the divergence check, so it holds finite weights), one line naming it, and exit status
+    ``STOPPED`` (raised as ``Stopped``). With ``--requeue-on-signal`` in a SLURM job, the main process requeues
+    the job first.
+
+    The agreement costs no host sync of the device: each process's flag is a CPU tensor all-reduced (MAX) over a
+    gloo group of its own, started without waiting at one boundary (``async_op``) and read at the next, by which
+    time it is done; so a signal is acted on at most one step after the step in which it came, and the last
+    step's boundary waits for its reduction. One process: the flag is read at once."""
+
+    def __init__(self, accelerator, run: RunOptions, checkpoints: "Checkpoints", state: TrainState, total: int,
+                 divergence: "Divergence | None" = None, model=None):
+        self.accelerator, self.run, self.checkpoints = accelerator, run, checkpoints
+        self.state, self.total = state, total
+        self.divergence, self.model = divergence, model
+        self.group = self.pending = None
+        if accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=run.ddp_timeout))
+
+    def __call__(self) -> None:
+        seen = self._agree(last=self.state.step >= self.total)
+        if seen:
+            self._stop(signal.Signals(seen).name)
+
+    def _agree(self, last: bool) -> int:
+        """The stop signal some process saw (its number; 0: none), the same on every process."""
+        mine = _seen[0] if _seen else 0
+        if self.group is None:
+            return mine
+        import torch.distributed as dist
+
+        if self.pending is not None:
+            work, flag = self.pending
+            self.pending = None
+            work.wait()  # started a step ago: done by now
+            if int(flag):
+                return int(flag)
+        flag = torch.tensor(mine, dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if last:  # no later boundary to read it at
+            work.wait()
+            return int(flag)
+        self.pending = (work, flag)
+        return 0
+
+    def _stop(self, name: str) -> None:
+        step, acc = self.state.step, self.accelerator
+        if self.divergence is not None:
+            self.divergence.check(step, self.model)
+        path = self.checkpoints.save(step)
+        requeued = ""
+        if self.run.requeue_on_signal and acc.is_main_process:
+            requeued = f"; {requeue_slurm_job()}"
+        acc.print(f"stopped on {name} at step {step}: checkpoint {path} is complete; exit status {STOPPED} (stopped "
+                  f"to be requeued: the same command with --resume auto carries on from it){requeued}", flush=True)
+        acc.end_training()
+        raise Stopped(step, path, name)

@@ -35,3 +35,14 @@ def accelerate_launch(processes: int, machines: int = 1, machine_rank: int = 0, 
             command += ["--machine_rank", str(machine_rank), "--main_process_ip", main_ip]
         env = {"ACCELERATE_USE_CPU": "1", **env}
     return command, {**os.environ, "OMP_NUM_THREADS": "1", **env}
+
+
+def rank_environments(processes: int, port: int | None = None, **env) -> list[dict]:
+    """The environment of each of ``processes`` processes started directly, one per rank, as ``srun`` starts the
+    tasks of a SLURM job step (no launcher between: a signal to a task reaches the training process, and its exit
+    status is the task's): torch's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), the CPU with gloo
+    (ACCELERATE_USE_CPU=1), one intra-op thread, ``env`` on top."""
+    port = port or free_port()
+    common = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "WORLD_SIZE": str(processes),
+              "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env}
+    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(processes)]

@@ -123,9 +123,11 @@ def check(tokens: list[str], folder: Path) -> None:
         if not args or not re.match(r"^[A-Z_][A-Z0-9_]*=", args[0]):
             raise DocError(f"export {args}: only NAME=value")
         return
-    if program == "srun":  # SLURM's launcher around one command: `srun bash -c '<command>'`
+    if program == "srun":  # SLURM's launcher around one command: `srun [--option=value ...] bash -c '<command>'`
+        while args and re.match(r"^--[a-z-]+=\S+$", args[0]):
+            args = args[1:]
         if args[:2] != ["bash", "-c"] or len(args) != 3:
-            raise DocError("srun: only `srun bash -c '<command>'` is used here")
+            raise DocError("srun: only `srun [--option=value ...] bash -c '<command>'` is used here")
         # SLURM's variables ($SLURM_NODEID, $((SLURM_NNODES * 8)), ...) as a sample value, for the parsers
         command = re.sub(r"\$\(\([^)]*\)\)|\$\{?[A-Z_][A-Z0-9_]*\}?", "2", args[2])
         return check(shlex.split(command), folder)

@@ -24,7 +24,7 @@ import torch
 from contrastkit.adapters.open_clip import CLIP_LOSSES, DEFAULT_MODEL, build_clip_loss, check_model, create_clip
 from contrastkit.cli import arg, existing, positive
 from contrastkit.data.shards import IMAGE_KEYS, ShardPositions, ShardStream, is_shards, plan_epochs
-from contrastkit.training import RunOptions, stops_on_lost_peer
+from contrastkit.training import RunOptions, guarded
 
 
 @dataclass
@@ -93,7 +93,7 @@ class ClipTrainConfig(RunOptions):
         build_clip_loss(self.loss, **self.loss_options)  # unknown loss or option
 
 
-@stops_on_lost_peer
+@guarded
 def train(cfg: ClipTrainConfig) -> dict:
     """Train, evaluate zero-shot, write metrics/plot/summary under cfg.out_dir; returns the summary."""
     from accelerate.utils import set_seed
@@ -102,8 +102,8 @@ def train(cfg: ClipTrainConfig) -> dict:
     from contrastkit.data.image_text import load_image_text, make_shapes_clip
     from contrastkit.evaluation.zeroshot import evaluate_zeroshot
     from contrastkit.losses.base import NonFiniteError
-    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, StepBatches, TrainState, grad_norm,
-                                      lr_schedule, make_accelerator, start_trackers)
+    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, StepBatches, StepBoundary, TrainState,
+                                      grad_norm, lr_schedule, make_accelerator, quiet_worker, start_trackers)
 
     cfg.check()  # everything that can fail on bad input fails here, before any training
     out_dir = Path(cfg.out_dir)
@@ -151,6 +151,7 @@ def train(cfg: ClipTrainConfig) -> dict:
     checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, asdict(cfg), ClipTrainConfig.FIXED)
     resumed = checkpoints.resume(state, optimizer, scheduler, cfg.resume)
     divergence = Divergence(accelerator, out_dir)
+    boundary = StepBoundary(accelerator, cfg, checkpoints, state, cfg.steps, divergence, model)
     log = MetricsLog(out_dir, enabled=main, resume_step=state.step if resumed else None, accelerator=accelerator)
     start_trackers(accelerator, f"clip-{cfg.loss}", asdict(cfg))
     raw = accelerator.unwrap_model(model)
@@ -172,7 +173,7 @@ def train(cfg: ClipTrainConfig) -> dict:
     if positions is None:
         sampler = StepBatches(len(dataset), cfg.batch_size, rank, world, cfg.seed, state.step, cfg.steps)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.workers,
-                                             pin_memory=device.type == "cuda")
+                                             pin_memory=device.type == "cuda", worker_init_fn=quiet_worker)
     else:
         image_keys = IMAGE_KEYS if cfg.img_key == "filepath" else cfg.img_key.split(";")
         stream = ShardStream(urls, preprocess, tokenizer, local_batch=cfg.batch_size // world,
@@ -182,7 +183,7 @@ def train(cfg: ClipTrainConfig) -> dict:
                              caption_key=cfg.caption_key or "txt", max_bad_fraction=cfg.max_bad_fraction,
                              positions=positions.latest)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.workers,
-                                             pin_memory=device.type == "cuda")
+                                             pin_memory=device.type == "cuda", worker_init_fn=quiet_worker)
     bar = tqdm(total=cfg.steps, initial=state.step, desc=f"clip {cfg.loss}", disable=not (main and cfg.progress))
     started = time.time()
     model.train()
@@ -222,6 +223,7 @@ def train(cfg: ClipTrainConfig) -> dict:
         if cfg.save_every and state.step % cfg.save_every == 0:
             divergence.check(state.step, model)
             checkpoints.save(state.step)
+        boundary()  # a stop signal: a checkpoint of this step, then exit status 75
     if cfg.steps == 0:  # the untrained baseline: its initial model as checkpoint_0
         checkpoints.save(0)
     bar.close()

@@ -39,7 +39,7 @@ import torch
 
 from contrastkit.adapters.hf_clip import CLIP_LOSSES, ClipObjective
 from contrastkit.cli import arg, check_device, default_device, existing, positive
-from contrastkit.training import RunOptions, stops_on_lost_peer
+from contrastkit.training import RunOptions, guarded
 
 CAPTIONS = ("mix", "transcript", "intent")
 SPECIALS = ("[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]")  # [PAD] = 1: the CLAP text model's pad_token_id
@@ -326,7 +326,7 @@ def _pooled(output):
 # ----------------------------------------------------------------------------- training
 
 
-@stops_on_lost_peer
+@guarded
 def train(cfg: ClapTrainConfig) -> dict:
     """Train, evaluate zero-shot intent (trained and at initialisation), write metrics/plot/summary and the
     final model (``out_dir/model``: ClapModel.from_pretrained, with its tokenizer and feature extractor)."""
@@ -336,8 +336,8 @@ def train(cfg: ClapTrainConfig) -> dict:
 
     from contrastkit.adapters import hf_clip
     from contrastkit.losses.base import NonFiniteError
-    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, TrainState, grad_norm, lr_schedule,
-                                      make_accelerator, start_trackers)
+    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, StepBoundary, TrainState, grad_norm,
+                                      lr_schedule, make_accelerator, start_trackers)
 
     cfg.check()
     out_dir = Path(cfg.out_dir)
@@ -374,6 +374,7 @@ def train(cfg: ClapTrainConfig) -> dict:
     checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, asdict(cfg), ClapTrainConfig.FIXED)
     resumed = checkpoints.resume(state, optimizer, scheduler, cfg.resume)
     divergence = Divergence(accelerator, out_dir)
+    boundary = StepBoundary(accelerator, cfg, checkpoints, state, cfg.steps, divergence, model)
     log = MetricsLog(out_dir, enabled=main, resume_step=state.step if resumed else None, accelerator=accelerator)
     start_trackers(accelerator, f"clap-{cfg.loss}", asdict(cfg))
     raw = accelerator.unwrap_model(model)
@@ -424,6 +425,7 @@ def train(cfg: ClapTrainConfig) -> dict:
         if cfg.save_every and state.step % cfg.save_every == 0:
             divergence.check(state.step, model)
             checkpoints.save(state.step)
+        boundary()  # a stop signal: a checkpoint of this step, then exit status 75
     bar.close()
     last = evaluate()
     summary = {"loss_name": cfg.loss, "steps": state.step, "batch_size": cfg.batch_size, "processes": world,

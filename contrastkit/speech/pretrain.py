@@ -38,7 +38,7 @@ from contrastkit.data import speech as data
 from contrastkit.losses import build_loss
 from contrastkit.speech import models
 from contrastkit.speech.pretext import evaluate_pretext
-from contrastkit.training import RunOptions, stops_on_lost_peer
+from contrastkit.training import RunOptions, guarded
 
 
 BACKENDS = ("hf", "fairseq2")
@@ -196,7 +196,7 @@ def forward_loss(model, batch: torch.Tensor, cfg: PretrainConfig, step: int, ran
     return loss.aggregate, parts, int(out.num_targets)
 
 
-@stops_on_lost_peer
+@guarded
 def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int | None = None) -> dict:
     """Train, checkpoint, export the upstream to ``out_dir/upstream``; returns the summary.
 
@@ -206,8 +206,8 @@ def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int
     from tqdm import tqdm
 
     from contrastkit.losses.base import NonFiniteError
-    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, TrainState, lr_schedule, make_accelerator,
-                                      start_trackers)
+    from contrastkit.training import (Checkpoints, Divergence, MetricsLog, StepBoundary, TrainState, lr_schedule,
+                                      make_accelerator, start_trackers)
 
     cfg.check()
     out_dir = Path(cfg.out_dir)
@@ -227,6 +227,7 @@ def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int
     checkpoints = Checkpoints(accelerator, out_dir, cfg.keep_checkpoints, dataclasses.asdict(cfg), PretrainConfig.FIXED)
     checkpoint = checkpoints.resume(state, optimizer, scheduler, cfg.resume if resume is None else resume)
     divergence = Divergence(accelerator, out_dir)
+    boundary = StepBoundary(accelerator, cfg, checkpoints, state, cfg.steps, divergence, model)
     log = MetricsLog(out_dir, enabled=accelerator.is_main_process,
                      resume_step=state.step if checkpoint is not None else None, accelerator=accelerator)
     if accelerator.is_main_process:
@@ -276,6 +277,7 @@ def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int
         if state.step % cfg.save_every == 0 or state.step == cfg.steps:
             divergence.check(state.step, model)
             checkpoints.save(state.step)
+        boundary()  # a stop signal: a checkpoint of this step, then exit status 75
         if stop_at is not None and state.step >= stop_at:
             bar.close()
             accelerator.end_training()

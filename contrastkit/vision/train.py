@@ -26,9 +26,9 @@ from contrastkit.cli import arg, existing, positive
 from contrastkit.evaluation.knn import extract_features, knn_accuracy
 from contrastkit.losses import available_losses, build_loss, objective_options
 from contrastkit.losses.base import NonFiniteError
-from contrastkit.training import (Checkpoints, Divergence, MetricsLog, RunOptions, StepBatches, TrainState,
-                                  grad_norm, latest_checkpoint, lr_schedule, make_accelerator, start_trackers,
-                                  stops_on_lost_peer)
+from contrastkit.training import (Checkpoints, Divergence, MetricsLog, RunOptions, StepBatches, StepBoundary,
+                                  TrainState, grad_norm, guarded, latest_checkpoint, lr_schedule, make_accelerator,
+                                  quiet_worker, start_trackers)
 from contrastkit.vision.augment import MultiViewDataset, plain_transform, simclr_augment
 from contrastkit.vision.methods import METHODS, ContrastiveModel, check_setup, cosine_momentum
 from contrastkit.vision.models import BACKBONES, build_backbone, projection_head, use_torch_sync_batchnorm
@@ -133,7 +133,7 @@ def knn_eval(backbone, train_images, test_images, cfg: VisionConfig) -> float:
                         num_classes=len(train_images.classes))
 
 
-@stops_on_lost_peer
+@guarded
 def train(cfg: VisionConfig) -> dict:
     """Train, log, checkpoint and kNN-evaluate; returns the summary (also written to summary.json)."""
     from accelerate.utils import set_seed
@@ -165,6 +165,7 @@ def train(cfg: VisionConfig) -> dict:
     checkpoints = Checkpoints(accelerator, out, cfg.keep_checkpoints, asdict(cfg), VisionConfig.FIXED)
     resumed = checkpoints.resume(state, optimizer, scheduler, cfg.resume)
     divergence = Divergence(accelerator, out)
+    boundary = StepBoundary(accelerator, cfg, checkpoints, state, total, divergence, model)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -177,7 +178,8 @@ def train(cfg: VisionConfig) -> dict:
     views = MultiViewDataset(train_images, simclr_augment(cfg.image_size, cfg.crop_min, blur=cfg.blur, hue=cfg.hue,
                                                             grayscale=cfg.grayscale),
                              cfg.views, cfg.seed)
-    loader = DataLoader(views, batch_sampler=batches, num_workers=cfg.workers, pin_memory=device.type == "cuda")
+    loader = DataLoader(views, batch_sampler=batches, num_workers=cfg.workers, pin_memory=device.type == "cuda",
+                        worker_init_fn=quiet_worker)
     core = accelerator.unwrap_model(model)
     knn = None
     started = time.time()
@@ -215,6 +217,7 @@ def train(cfg: VisionConfig) -> dict:
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < total:
             divergence.check(state.step, model)
             checkpoints.save(state.step)
+        boundary()  # a stop signal: a checkpoint of this step, then exit status 75
     bar.close()
     seconds = time.time() - started
 
