@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import atexit
 import functools
 import json
 import math
@@ -40,8 +41,11 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,7 +204,8 @@ def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
     logging under ``out_dir/logs``, collectives that time out after ``ddp_timeout`` seconds, and checkpoints
     written on each machine that does not share ``out_dir`` with the main process (``save_on_each_node``
     allows it; without it such a machine is an error). Checkpoints: ``Checkpoints`` (not accelerate's
-    ``total_limit``, which deletes the old checkpoint before the new one is written). From here on SIGTERM and
+    ``total_limit``, which deletes the old checkpoint before the new one is written). The processes that write
+    checkpoints hold ``out_dir/LOCK`` (``RunLock``): another run there is an error. From here on SIGTERM and
     ``requeue_signal`` only set a flag, which the recipe's ``StepBoundary`` acts on."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
@@ -211,6 +216,7 @@ def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
                               kwargs_handlers=[timeout], **kwargs)
     check_launch(accelerator)
     project.save_on_each_node = own_out_dir(accelerator, out_dir, run.save_on_each_node)
+    lock_out_dir(accelerator, out_dir, run.resume == "auto" or (restarted() > 0 and not run.resume))
     catch_stop_signals(run.requeue_signal)
     return accelerator
 
@@ -599,7 +605,7 @@ def guarded(train):
     died, was killed or cut off: a connection reset, or no answer within ``cfg.ddp_timeout`` seconds) ends the
     run on this process with one RunError line that names the peer, the timeout and this machine's newest
     complete checkpoint, to resume from once every host is back. However the run ends, the stop signals get
-    their handlers back."""
+    their handlers back and the ``out_dir``'s lock is released."""
 
     @functools.wraps(train)
     def run(cfg, *args, **kwargs):
@@ -619,8 +625,211 @@ def guarded(train):
                            "again with --resume auto") from None
         finally:
             release_stop_signals()
+            release_locks()
 
     return run
+
+
+# --- one run at a time in an out_dir -----------------------------------------------------------------------------
+
+LOCK = "LOCK"
+
+
+def lock_beat() -> float:
+    """Seconds between two heartbeats of a lock's holder (CONTRASTKIT_LOCK_BEAT, default 10; the tests shorten it);
+    a holder on another host is taken for gone after three beats without one."""
+    return float(os.environ.get("CONTRASTKIT_LOCK_BEAT", "10"))
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: /proc/<pid>/stat's 22nd field), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class RunLock:
+    """``out_dir/LOCK``, held by a running job's process that writes checkpoints there, so that a second run into
+    the same ``out_dir`` (a job submitted twice, a requeue while the old job still drains) cannot rotate away the
+    first one's checkpoints. The file (JSON) names its holder: host, boot, pid, the process's start, the time,
+    the SLURM job and the command; it is made whole and then linked into place (no half-written lock), and its
+    holder touches it every ``lock_beat()`` seconds (its heartbeat).
+
+    ``acquire`` takes a lock that is absent, or whose holder is gone: a process on this host that ended (or a pid
+    now another process's, or a boot ago), this very process (a run that ended without releasing it), or, with
+    ``watch`` (``--resume auto``: a requeued job, often on another node), a holder on another host whose heartbeat
+    stopped for three beats. Otherwise it returns the sentence that names the holder."""
+
+    held: list["RunLock"] = []  # the locks this process holds, released by ``guarded`` and at exit
+
+    def __init__(self, out_dir: str | Path):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / LOCK
+        self.token = secrets.token_hex(8)
+        self.stop = threading.Event()
+        pid = os.getpid()
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        self.content = {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid,
+                        "process_start": _process_start(pid), "started": started,
+                        "slurm_job": os.environ.get("SLURM_JOB_ID"), "command": " ".join(sys.argv)[:500],
+                        "token": self.token}
+
+    def _create(self) -> bool:
+        """Make the lock whole beside it, then link it into place (fails where one exists)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.out_dir / f".{LOCK}.{self.token}"
+        tmp.write_text(json.dumps(self.content, indent=1) + "\n")
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a filesystem without hard links
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(tmp.read_text())
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _holder(self) -> tuple[dict, int] | None:
+        """(the lock's content, its mtime in ns), or None where there is no lock."""
+        try:
+            text, mtime = self.path.read_text(), self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            holder = {}
+        return (holder if isinstance(holder, dict) else {}), mtime
+
+    def _gone(self, holder: dict, mtime: int, watch: bool) -> str | None:
+        """Why the holder is gone (a phrase), or None where it may be running."""
+        here = holder.get("host") == self.content["host"]
+        if here and holder.get("boot") and holder.get("boot") != self.content["boot"]:
+            return "this host has restarted since"
+        pid = holder.get("pid")
+        if here and isinstance(pid, int):
+            if pid == os.getpid():
+                return "it was this process's own, from a run that has ended"
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return "its process has ended"
+            except PermissionError:
+                pass
+            start = _process_start(pid)
+            if start is not None and holder.get("process_start") not in (None, start):
+                return "its process has ended (the pid is now another process's)"
+            return None
+        if not watch:
+            return None
+        beats = 3
+        time.sleep(beats * lock_beat())
+        now = self._holder()
+        if now is None or now[1] != mtime:  # released meanwhile (the caller tries again), or alive
+            return None
+        return f"no heartbeat for {beats * lock_beat():g} s"
+
+    def describe(self, holder: dict) -> str:
+        here = holder.get("host") == self.content["host"]
+        who = f"process {holder.get('pid', '?')} on {'this host' if here else 'host ' + str(holder.get('host', '?'))}"
+        job = f", SLURM job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+        return f"{who}{job}, started {holder.get('started', 'at an unknown time')}"
+
+    def acquire(self, watch: bool = False) -> str | None:
+        """Hold the lock (None), or the sentence that says who holds it."""
+        for _ in range(5):
+            if self._create():
+                break
+            found = self._holder()
+            if found is None:
+                continue  # released meanwhile
+            holder, mtime = found
+            why = self._gone(holder, mtime, watch)
+            if why is None:
+                if self._holder() is None:
+                    continue
+                here = holder.get("host") == self.content["host"]
+                advice = ("let that run finish, stop it, or give another --out-dir" if here else
+                          f"if that run has ended (its machine was lost), remove {self.path}, or start with --resume "
+                          f"auto, which takes the lock over once it sees no heartbeat for {3 * lock_beat():g} s; "
+                          "else give another --out-dir")
+                return (f"--out-dir {self.out_dir} is in use by another run: {self.describe(holder)} holds "
+                        f"{self.path}{' and its heartbeat goes on' if watch and not here else ''}; a second run there "
+                        f"would rotate away its checkpoints: {advice}")
+            stale = self.out_dir / f".{LOCK}.stale.{self.token}"
+            try:
+                os.rename(self.path, stale)
+            except FileNotFoundError:
+                continue
+            taken = json.loads(stale.read_text() or "{}") if stale.stat().st_size else {}
+            if taken.get("token") != holder.get("token"):  # another run replaced it meanwhile: put it back
+                try:
+                    os.link(stale, self.path)
+                except FileExistsError:
+                    pass
+                stale.unlink(missing_ok=True)
+                continue
+            stale.unlink(missing_ok=True)
+            print(f"{self.path}: took over the lock of {self.describe(holder)}: {why}", flush=True)
+        else:
+            return f"--out-dir {self.out_dir}: could not take {self.path} (other runs keep taking it)"
+        RunLock.held.append(self)
+        threading.Thread(target=self._beat, daemon=True, name="contrastkit-lock").start()
+        return None
+
+    def _beat(self) -> None:
+        while not self.stop.wait(lock_beat()):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        self.stop.set()
+        found = self._holder()
+        if found is not None and found[0].get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+        if self in RunLock.held:
+            RunLock.held.remove(self)
+
+
+def release_locks() -> None:
+    for lock in list(RunLock.held):
+        lock.release()
+
+
+atexit.register(release_locks)
+
+
+def lock_out_dir(accelerator, out_dir: str | Path, watch: bool) -> None:
+    """Every process that writes checkpoints into its ``out_dir`` takes its ``RunLock`` (``watch``: --resume auto);
+    a RunError (exit 2) on every process where one could not, naming the holder."""
+    own = accelerator.project_configuration.save_on_each_node
+    writer = accelerator.is_main_process or (own and accelerator.is_local_main_process)
+    problem = RunLock(out_dir).acquire(watch) if writer else None
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        everyone = [None] * accelerator.num_processes
+        dist.all_gather_object(everyone, problem)
+        problem = next((p for p in everyone if p), None)
+    if problem:
+        release_locks()
+        raise RunError(problem, status=2)
 
 
 # --- stopping on a signal: a preempted job loses nothing --------------------------------------------------------

@@ -1,13 +1,17 @@
 """Faults in runs (issue 29, items 3-5): a diverging run stops with one ``error:`` line and leaves only
 finite checkpoints; --resume with nothing to resume from, a damaged checkpoint, a changed setting the
 checkpoint fixes and a save that fails (a file-size limit standing in for a full disk) each end in one line
-naming the path, the cause and the newest good checkpoint; a new --lr is applied on resume and recorded."""
+naming the path, the cause and the newest good checkpoint; a new --lr is applied on resume and recorded.
+Issue 42: a second run into a locked --out-dir is one line naming the holder; a stale lock is taken over."""
 
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +185,80 @@ def test_clip_resume_applies_a_new_learning_rate(clip_data, tmp_path, capsys, mo
     assert b[2] == a[2] and b[3] == pytest.approx(50 * a[3], rel=1e-9) and b[4] == pytest.approx(50 * a[4], rel=1e-9)
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["config"]["lr"] == 5e-2 and summary["resumes"][0]["changed"] == {"lr": {"was": 1e-3, "now": 5e-2}}
+
+
+def write_lock(out_dir: Path, **holder) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "LOCK").write_text(json.dumps({"started": "2026-11-26T09:00:00+00:00", "token": "theirs", **holder}))
+    return out_dir / "LOCK"
+
+
+def test_a_second_run_into_a_locked_out_dir_is_one_line_and_touches_nothing(tmp_path, capsys, monkeypatch):
+    """Run A (its own process) stalls in step 2, holding out_dir/LOCK; run B into the same out_dir ends in one
+    error line naming A (this host, its pid, its start), exit status 2, with --resume auto too (A is alive);
+    A then finishes with its checkpoints, and its lock goes with it."""
+    hold = tmp_path / "hold"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOLD_AT": "step:2", "HOLD_FILE": str(hold)}
+    script = [str(ROOT / "tests/scripts/signalled_run.py"), str(ROOT / "recipes/vision/train.py")]
+    a = subprocess.Popen([sys.executable, *script, *VISION, "--steps", "4", "--out-dir", str(tmp_path / "run")],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not Path(f"{hold}.held.0").exists():
+        assert a.poll() is None and time.time() < deadline, a.communicate()
+        time.sleep(0.05)
+    for extra in ([], ["--resume", "auto"]):
+        code, _, err = vision(tmp_path / "run", "--steps", "4", *extra, capsys=capsys, monkeypatch=monkeypatch)
+        line = one_line(err)
+        holder = json.loads((tmp_path / "run" / "LOCK").read_text())
+        assert holder["pid"] == a.pid and holder["host"] == socket.gethostname()
+        assert code == 2 and line.startswith(f"error: --out-dir {tmp_path / 'run'} is in use by another run: process "
+                                             f"{a.pid} on this host, started {holder['started']} holds "
+                                             f"{tmp_path / 'run' / 'LOCK'}"), line
+        assert "let that run finish, stop it, or give another --out-dir" in line
+    hold.write_text("go")
+    out, err = a.communicate(timeout=240)
+    assert a.returncode == 0, err[-3000:]
+    assert finite_checkpoints(tmp_path / "run") == ["checkpoint_3", "checkpoint_4"]
+    assert not (tmp_path / "run" / "LOCK").exists()
+
+
+def test_a_stale_lock_is_taken_over_and_another_hosts_is_reported(tmp_path, capsys, monkeypatch):
+    """A lock whose process on this host has ended is taken over (said in one line). One from another host is
+    reported (exit 2): this host cannot see that process; --resume auto takes it over once its heartbeat has
+    stopped for three beats (CONTRASTKIT_LOCK_BEAT, shortened here), and not while it goes on."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    write_lock(tmp_path / "a", host=socket.gethostname(), boot=boot, pid=int(ended.stdout))
+    code, out, err = vision(tmp_path / "a", "--steps", "2", capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 0, err[-3000:]
+    assert (f"{tmp_path / 'a' / 'LOCK'}: took over the lock of process {int(ended.stdout)} on this host, started "
+            "2026-11-26T09:00:00+00:00: its process has ended") in out
+    assert not (tmp_path / "a" / "LOCK").exists()
+
+    monkeypatch.setenv("CONTRASTKIT_LOCK_BEAT", "0.1")
+    lock = write_lock(tmp_path / "b", host="gpu-node-17", pid=4242, slurm_job="777")
+    code, _, err = vision(tmp_path / "b", "--steps", "2", capsys=capsys, monkeypatch=monkeypatch)
+    line = one_line(err)
+    assert code == 2 and "is in use by another run: process 4242 on host gpu-node-17, SLURM job 777, started" in line
+    assert f"if that run has ended (its machine was lost), remove {lock}, or start with --resume auto" in line
+
+    stop = threading.Event()
+
+    def beat():  # the other host's run, alive
+        while not stop.wait(0.05):
+            os.utime(lock)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        code, _, err = vision(tmp_path / "b", "--steps", "2", "--resume", "auto", capsys=capsys,
+                              monkeypatch=monkeypatch)
+    finally:
+        stop.set()
+        beating.join()
+    assert code == 2 and "and its heartbeat goes on" in one_line(err)
+
+    code, out, err = vision(tmp_path / "b", "--steps", "2", "--resume", "auto", capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 0, err[-3000:]
+    assert "took over the lock of process 4242 on host gpu-node-17, SLURM job 777" in out
+    assert "no heartbeat for 0.3 s" in out and not lock.exists()
