@@ -507,6 +507,13 @@ class Checkpoints:
         if self.lr_key in changed:
             set_peak_lr(optimizer, scheduler, self.config[self.lr_key])
         for key, (old, new) in changed.items():
+            if key == "loss_options":
+                shown = {k: (old.get(k, "unset"), new.get(k, "unset")) for k in sorted({*old, *new})
+                         if old.get(k) != new.get(k)}
+                for option, (was, now) in shown.items():
+                    self.accelerator.print(f"--resume: --loss-option {option}={now} (the checkpoint's run had {was}), "
+                                           f"applied from step {state.step}")
+                continue
             self.accelerator.print(f"--resume: --{key.replace('_', '-')} {new} (the checkpoint's run had {old}), "
                                    f"applied from step {state.step}")
         state.resumes.append({"step": state.step, "checkpoint": str(path),
@@ -523,12 +530,21 @@ class Checkpoints:
         saved = json.loads(saved_file.read_text())
         changed = {k: (saved[k], v) for k, v in self.config.items() if k in saved and saved[k] != v and k != "resume"}
         for key in changed:
+            old, new = changed[key]
+            if key == "loss_options" and _without_memory(old) == _without_memory(new):
+                continue  # only the loss's memory options changed: the objective is the same
             if key in self.fixed:
-                old, new = changed[key]
                 raise RunError(f"--resume: {path} was trained with --{key.replace('_', '-')} {old}, this command "
                                f"asks for {new}; the checkpoint fixes it: resume with --{key.replace('_', '-')} "
                                f"{old}, or train with {new} from scratch in another --out-dir", status=2)
         return changed
+
+
+MEMORY_OPTIONS = ("chunk_size", "backend")  # loss options that change memory and speed, not the objective
+
+
+def _without_memory(options) -> dict:
+    return {k: v for k, v in (options or {}).items() if k not in MEMORY_OPTIONS}
 
 
 class Divergence:
@@ -600,18 +616,77 @@ def lost_peer(err: BaseException) -> str | None:
     return re.sub(r"\[/[^\]]*:\d+\]\s*", "", first).split(". ")[0].strip()
 
 
+def _accepts_chunk_size(loss: str) -> bool:
+    from contrastkit.losses import build_loss
+
+    try:
+        build_loss(loss, chunk_size=1)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def out_of_memory(cfg, err: BaseException, where: str = "the device") -> RunError:
+    """The one line of a run that ran out of memory: the step (the one being trained, from the run's
+    StepBoundary), the batch each process holds, the newest complete checkpoint, and the settings that lower
+    the memory here, said as what a resume may change (the loss's block size, --max-seconds where the checkpoint
+    does not fix it, bf16) and what needs a new run (what the checkpoint fixes: the batch size)."""
+    boundary = StepBoundary.active
+    when = f"step {boundary.state.step + 1}" if boundary is not None else "before the first step"
+    world = boundary.accelerator.num_processes if boundary is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    batch = getattr(cfg, "batch_size", None)
+    held = ""
+    if batch:
+        local = batch // world if getattr(cfg, "GLOBAL_BATCH", True) else batch
+        spread = (f"--batch-size {batch} over {world} processes" if getattr(cfg, "GLOBAL_BATCH", True) and world > 1
+                  else f"--batch-size {batch}{'' if getattr(cfg, 'GLOBAL_BATCH', True) else ' per process'}")
+        held = f" with {local} samples per process ({spread})"
+    cause = ". ".join(_first_line(err).split(": ", 1)[-1].split(". ")[:2]).rstrip(".")
+    fixed = getattr(cfg, "FIXED", ())
+    resume, anew = [], []  # what a resume may change, what needs a new run
+    loss = getattr(cfg, "loss", None)
+    if loss and _accepts_chunk_size(loss):
+        chunk = (getattr(cfg, "loss_options", None) or {}).get("chunk_size")
+        now = f", now {chunk}" if chunk else ""
+        resume.append(f"a smaller block of the loss, --loss-option chunk_size=N (anchors per block{now}; the same "
+                      "objective)")
+    if getattr(cfg, "max_seconds", None):
+        (anew if "max_seconds" in fixed else resume).append(f"shorter clips (--max-seconds below {cfg.max_seconds})")
+    mixed = (boundary.accelerator.mixed_precision if boundary is not None
+             else os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    if where == "the device" and mixed == "no":
+        resume.append("bf16 (accelerate launch --mixed_precision bf16)")
+    if batch:
+        (anew if "batch_size" in fixed else resume).append("a smaller --batch-size")
+    checkpoint = newest_good(cfg.out_dir)
+    if checkpoint is None:
+        advice = f"start again with {' or '.join(resume + anew)}"
+    else:
+        advice = "; or ".join(
+            ([f"resume from it (the same command with --resume auto) with {' or '.join(resume)}"] if resume else [])
+            + ([f"start a new run in another --out-dir (the checkpoint fixes it) with {' or '.join(anew)}"]
+               if anew else []))
+    return RunError(f"{when}: out of memory on {where}{held} ({cause}); the run stopped. The newest complete "
+                    f"checkpoint is {_named(checkpoint)}. To use less memory, {advice}")
+
+
 def guarded(train):
     """For a recipe's ``train(cfg, ...)``: a collective that fails because another process is gone (its host
     died, was killed or cut off: a connection reset, or no answer within ``cfg.ddp_timeout`` seconds) ends the
     run on this process with one RunError line that names the peer, the timeout and this machine's newest
-    complete checkpoint, to resume from once every host is back. However the run ends, the stop signals get
+    complete checkpoint, to resume from once every host is back; running out of memory is one line too
+    (``out_of_memory``). However the run ends, the stop signals get
     their handlers back and the ``out_dir``'s lock is released."""
 
     @functools.wraps(train)
     def run(cfg, *args, **kwargs):
         try:
             return train(cfg, *args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise out_of_memory(cfg, err) from None
         except RuntimeError as err:
+            if "can't allocate memory" in str(err):  # the CPU's allocator
+                raise out_of_memory(cfg, err, "the host") from None
             cause = lost_peer(err)
             if cause is None:
                 raise
@@ -626,6 +701,7 @@ def guarded(train):
         finally:
             release_stop_signals()
             release_locks()
+            StepBoundary.active = None
 
     return run
 
@@ -924,8 +1000,11 @@ class StepBoundary:
     time it is done; so a signal is acted on at most one step after the step in which it came, and the last
     step's boundary waits for its reduction. One process: the flag is read at once."""
 
+    active: "StepBoundary | None" = None  # the running loop's (its step names an out-of-memory error's)
+
     def __init__(self, accelerator, run: RunOptions, checkpoints: "Checkpoints", state: TrainState, total: int,
                  divergence: "Divergence | None" = None, model=None):
+        StepBoundary.active = self
         self.accelerator, self.run, self.checkpoints = accelerator, run, checkpoints
         self.state, self.total = state, total
         self.divergence, self.model = divergence, model

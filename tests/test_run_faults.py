@@ -262,3 +262,46 @@ def test_a_stale_lock_is_taken_over_and_another_hosts_is_reported(tmp_path, caps
     assert code == 0, err[-3000:]
     assert "took over the lock of process 4242 on host gpu-node-17, SLURM job 777" in out
     assert "no heartbeat for 0.3 s" in out and not lock.exists()
+
+
+@pytest.mark.parametrize("recipe", ["vision", "clip"])
+def test_out_of_memory_in_the_loss_is_one_line_with_what_lowers_it(recipe, clip_data, tmp_path, capsys, monkeypatch):
+    """A device out of memory (torch.OutOfMemoryError, simulated) in the loss of step 3: one error line with the
+    step, the batch each process holds, the newest complete checkpoint and what lowers the memory; a resume
+    with a smaller loss block (the same objective) is allowed, said, and carries on."""
+    from contrastkit.losses.base import ContrastiveLoss
+
+    entry = "forward" if recipe == "vision" else "cross_modal"  # the CLIP adapter's call of the loss
+    calls, original = [0], getattr(ContrastiveLoss, entry)
+
+    def loss(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.19 GiB of which 1.20 GiB is free. Including non-PyTorch memory, this "
+                                         "process has 77.98 GiB memory in use.")
+        return original(self, *args, **kwargs)
+
+    if recipe == "vision":
+        script, argv = "recipes/vision/train.py", [*VISION, "--steps", "4", "--out-dir", str(tmp_path)]
+    else:
+        script = "recipes/clip/train.py"
+        argv = ["--data-dir", str(clip_data), "--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8",
+                "--steps", "4", "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "1",
+                "--no-progress", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(ContrastiveLoss, entry, loss)
+    code, _, err = run_script(script, argv, capsys, monkeypatch)
+    line = one_line(err)
+    assert code == 1 and line.startswith("error: step 3: out of memory on the device with 8 samples per process "
+                                         "(--batch-size 8) (CUDA out of memory. Tried to allocate 20.00 GiB); the "
+                                         "run stopped."), line
+    assert f"The newest complete checkpoint is {tmp_path / 'checkpoints' / 'checkpoint_2'}." in line
+    assert ("resume from it (the same command with --resume auto) with a smaller block of the loss, --loss-option "
+            "chunk_size=N (anchors per block; the same objective) or bf16 (accelerate launch --mixed_precision bf16)"
+            "; or start a new run in another --out-dir (the checkpoint fixes it) with a smaller --batch-size") in line
+
+    monkeypatch.setattr(ContrastiveLoss, entry, original)
+    code, out, err = run_script(script, [*argv, "--resume", "auto", "--loss-option", "chunk_size=4"], capsys,
+                                monkeypatch)
+    assert code == 0, err[-3000:]
+    assert "--resume: --loss-option chunk_size=4 (the checkpoint's run had unset), applied from step 2" in out + err

@@ -49,6 +49,7 @@ SPEECH_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
 class PretrainConfig(RunOptions):
     # What a checkpoint fixes: a resume refuses a change to one of these (training.Checkpoints).
     FIXED = ("backend", "loss", "temperature", "loss_options", "data", "batch_size", "gumbel", "conformer", "seed")
+    GLOBAL_BATCH = False  # --batch-size is per process here (training.out_of_memory)
 
     backend: str = arg("hf", "wav2vec 2.0 implementation", choices=BACKENDS)
     loss: str = arg("dcl", "the objective", choices=SPEECH_LOSSES)
