@@ -305,3 +305,56 @@ def test_out_of_memory_in_the_loss_is_one_line_with_what_lowers_it(recipe, clip_
                                 monkeypatch)
     assert code == 0, err[-3000:]
     assert "--resume: --loss-option chunk_size=4 (the checkpoint's run had unset), applied from step 2" in out + err
+
+
+def last_line(out: str) -> str:
+    return [line for line in out.splitlines() if line.strip()][-1]
+
+
+def test_the_last_line_says_what_the_run_skipped(clip_data, tmp_path, capsys, monkeypatch):
+    """A corrupt image in the CLIP recipe's data, an unreadable file in the vision recipe's image folder and in the
+    wav2vec 2.0 recipe's audio folder: each run goes on, and its last line says what it skipped (before, only
+    summary.json counted the first, and a warning at start-up the others)."""
+    from PIL import Image
+
+    root = next(p for p in clip_data.iterdir() if (p / "train.csv").is_file())
+    rows = (root / "train.csv").read_text().splitlines()
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    rows[3] = f"{broken}\ta broken image"
+    (tmp_path / "pairs.tsv").write_text("\n".join(rows[:17]) + "\n")  # 16 pairs: both steps read every one
+    code, out, err = run_script("recipes/clip/train.py", [
+        "--data", str(tmp_path / "pairs.tsv"), "--zeroshot", str(root / "zeroshot"), "--batch-size", "8", "--steps",
+        "2", "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--no-progress",
+        "--out-dir", str(tmp_path / "clip")], capsys, monkeypatch)
+    assert code == 0, err[-3000:]
+    assert last_line(out).startswith("zero-shot top-1") and last_line(out).endswith(
+        "; skipped 1 unusable sample(s): an image that did not decode, or no image or caption (each replaced by the "
+        "next; summary.json's bad_samples)"), out
+
+    for split, count in (("train", 8), ("val", 4)):
+        for c, colour in enumerate(("red", "blue")):
+            folder = tmp_path / "images" / split / colour
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (32, 32), (255 * (c == 0), i * 20, 255 * (c == 1))).save(folder / f"{i}.png")
+    (tmp_path / "images" / "train" / "red" / "bad.png").write_bytes(b"not a png")
+    code, out, err = vision(tmp_path / "vision", "--data", str(tmp_path / "images"), "--steps", "2", capsys=capsys,
+                            monkeypatch=monkeypatch)
+    assert code == 0, err[-3000:]
+    assert last_line(out) == ("skipped 1 unreadable image file(s) of the image folders (the warning above names "
+                              "some; summary.json's skipped_images)"), out
+
+    from contrastkit.data.speech import default_speech_data
+
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    for wav in sorted((default_speech_data(small=True) / "fsc" / "wavs").rglob("*.wav"))[:40]:
+        (audio / wav.name).write_bytes(wav.read_bytes())
+    (audio / "broken.wav").write_bytes(b"RIFF not audio")
+    code, out, err = run_script("recipes/wav2vec2/train.py", [
+        "--data", str(audio), "--steps", "2", "--batch-size", "4", "--max-seconds", "1", "--save-every", "2",
+        "--log-every", "1", "--no-pretext-eval", "--out-dir", str(tmp_path / "speech")], capsys, monkeypatch)
+    assert code == 0, err[-3000:]
+    assert last_line(out) == ("skipped 1 audio file(s) that could not be read (the warning above names one; "
+                              "summary.json's skipped_audio)"), out

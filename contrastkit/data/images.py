@@ -111,6 +111,7 @@ class ImageFolderImages(Dataset):
             if not good:
                 empty.append(name)
             self.samples += [(p, label) for p in good]
+        self.skipped = len(bad)  # unreadable files left out (the recipe's last line says so)
         if empty:
             raise ValueError(f"image folder {str(self.root)!r}: class folder(s) {empty} contain no readable image "
                              f"(extensions {', '.join(IMAGE_EXTENSIONS)}); remove them or add images")

@@ -214,7 +214,8 @@ def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int
     out_dir = Path(cfg.out_dir)
     accelerator = make_accelerator(out_dir, cfg, cpu=not torch.cuda.is_available())
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    waves, _ = data.load_waveforms(pretraining_records(cfg.data))
+    utterances = pretraining_records(cfg.data)
+    waves, kept = data.load_waveforms(utterances)
     if len(waves) < cfg.batch_size * world:
         raise ValueError(f"{len(waves)} utterances cannot fill a batch of {cfg.batch_size} x {world} processes")
 
@@ -292,7 +293,7 @@ def pretrain(cfg: PretrainConfig, resume: bool | str | None = None, stop_at: int
         summary = {"backend": cfg.backend, "loss": cfg.loss, "steps": cfg.steps, "processes": world,
                    "final_loss_per_frame": records[-1]["loss"] if records else math.nan,
                    "upstream": str(out_dir / "upstream"), "config": dataclasses.asdict(cfg),
-                   "resumes": state.resumes}
+                   "resumes": state.resumes, "skipped_audio": len(utterances) - len(kept)}
         if heldout:
             summary["pretext"] = pretext_comparison(accelerator.unwrap_model(model), heldout, cfg, trained=pretext)
         log.plot(["loss", "contrastive_per_frame", "perplexity", "lr"], title=f"wav2vec 2.0 {cfg.backend} {cfg.loss}")

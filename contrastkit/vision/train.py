@@ -234,8 +234,8 @@ def train(cfg: VisionConfig) -> dict:
         summary = {"method": cfg.method, "loss": cfg.loss, "batch_size": cfg.batch_size, "queue_size": cfg.queue_size,
                    "steps": state.step, "samples_seen": state.step * cfg.batch_size, "processes": world,
                    "final_loss": losses[-1] if losses else None, "knn_top1": knn, "knn_k": cfg.knn_k,
-                   "train_seconds": seconds,
-                   "config": asdict(cfg), "resumes": state.resumes}
+                   "train_seconds": seconds, "config": asdict(cfg), "resumes": state.resumes,
+                   "skipped_images": getattr(train_images, "skipped", 0) + getattr(test_images, "skipped", 0)}
         log.summary(summary)
         accelerator.print(json.dumps(summary))
     accelerator.wait_for_everyone()

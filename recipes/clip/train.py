@@ -16,9 +16,13 @@ def main(argv=None):
     with one_line_errors(DataError):  # bad shards found while streaming: bad input, exit 2
         summary = train(cfg)
     if "zeroshot_top1" in summary:
+        bad = summary.get("bad_samples")  # the last line says what the run left out
+        skipped = (f"; skipped {bad} unusable sample(s): an image that did not decode, or no image or caption (each "
+                   "replaced by the next; summary.json's bad_samples)") if bad else ""
         print(f"zero-shot top-1 {summary['zeroshot_top1']:.3f} (top-5 {summary['zeroshot_top5']:.3f}, chance "
               f"{summary['zeroshot_chance']:.3f}) on {summary['zeroshot_num_images']} held-out images; "
-              f"loss {summary['loss_name']}, {summary['steps']} steps; report in {summary['config']['out_dir']}")
+              f"loss {summary['loss_name']}, {summary['steps']} steps; report in {summary['config']['out_dir']}"
+              f"{skipped}")
 
 
 if __name__ == "__main__":

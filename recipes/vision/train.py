@@ -16,7 +16,11 @@ from contrastkit.vision.train import VisionConfig, train
 def main(argv=None):
     cfg = parse(VisionConfig, description=__doc__, argv=argv)
     with one_line_errors():
-        return train(cfg)
+        summary = train(cfg)
+    if summary.get("skipped_images"):  # the last line says what the run left out
+        print(f"skipped {summary['skipped_images']} unreadable image file(s) of the image folders (the warning above "
+              "names some; summary.json's skipped_images)")
+    return summary
 
 
 if __name__ == "__main__":

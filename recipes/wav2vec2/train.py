@@ -17,6 +17,9 @@ def main(argv=None):
         summary = pretrain(cfg)
     if summary:
         print(summary)
+    if summary.get("skipped_audio"):  # the last line says what the run left out
+        print(f"skipped {summary['skipped_audio']} audio file(s) that could not be read (the warning above names one; "
+              "summary.json's skipped_audio)")
 
 
 if __name__ == "__main__":
