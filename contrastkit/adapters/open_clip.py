@@ -18,6 +18,10 @@ itself; the model's scale stays in the graph with a zero gradient. UniGrad is no
 single embedding space with a stop-gradient or momentum target and a running correlation of it, and
 the paper defines no image-text form.
 
+SigLIP is a baseline here, not a contrastkit objective: ``build_siglip_loss`` is open_clip's own SigLipLoss,
+built as ``open_clip.create_loss`` builds it for ``--siglip``, and ``SIGLIP_MODEL_OPTIONS`` is the
+initialisation open_clip_train gives a model trained with ``--siglip`` (logit scale ln 10, logit bias -10).
+
 Supported open_clip: 3.x (3.3 has ``create_loss``; 4.x trains through CLIPTask).
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +44,9 @@ from contrastkit.losses import build_loss
 
 SUPPORTED_OPEN_CLIP = (3,)  # major versions
 CLIP_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
+SIGLIP = "siglip"  # open_clip's own sigmoid loss: the baseline the recipe and the suite compare against
+# open_clip_train's model options under --siglip (open_clip_train/main.py, 3.3): in place of CLIP's ln(1/0.07)
+SIGLIP_MODEL_OPTIONS = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}
 CONFIG_DIR = Path(__file__).parent / "open_clip_configs"  # small model configs that ship with contrastkit
 DEFAULT_MODEL = "contrastkit-tiny"  # the recipes' default: 32 px images, open_clip's built-in tokenizer
 
@@ -172,6 +180,20 @@ class ContrastkitClipLoss(nn.Module):
                 pos = (anchor * others[cols]).sum(-1, keepdim=True)
                 terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale, 2 * n))
             return Terms(*(torch.cat(pair) for pair in zip(*terms))).loss.mean()
+
+
+def build_siglip_loss(*, rank: int = 0, world_size: int = 1, dist_impl: str | None = None, **unknown):
+    """open_clip's SigLipLoss, unchanged, with the arguments ``open_clip.create_loss(args)`` gives it under
+    ``--siglip`` (rank, world_size, dist_impl from --loss-dist-impl: bidir, shift, reduce or gather). Its call
+    needs the model's ``logit_bias``: create the model with ``SIGLIP_MODEL_OPTIONS``. Built directly rather
+    than through ``create_loss``, which ``patch`` may have replaced."""
+    from open_clip.loss import SigLipLoss
+
+    if unknown:
+        raise ValueError(f"siglip (open_clip's SigLipLoss) takes only the option dist_impl, got {sorted(unknown)}")
+    if dist_impl not in (None, "bidir", "shift", "reduce", "gather"):
+        raise ValueError(f"siglip: dist_impl must be one of bidir, shift, reduce, gather; got {dist_impl!r}")
+    return SigLipLoss(rank=rank, world_size=world_size, dist_impl=dist_impl)
 
 
 def build_clip_loss(name: str, **options) -> ContrastkitClipLoss:
