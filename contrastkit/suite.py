@@ -2,11 +2,13 @@
 that fits, and write one report (JSON, Markdown, plots).
 
 A *cell* is (domain, objective, seed, variant); the objective "untrained" is the domain's recipe run with
---steps 0, the floor each objective is compared with. Each cell runs the domain's recipe and eval scripts as
-subprocesses, exactly the commands a person would type, and stores its numbers and commands in ``cell.json``;
-a cell whose ``cell.json`` holds the same commands is not run again, so an interrupted suite picks up where it
-stopped (and the recipes' own ``--resume`` continues an interrupted training run), while a cell whose settings
-changed since is run again from scratch.
+--steps 0, the floor each objective is compared with. Besides contrastkit's objectives, a domain may offer
+another library's loss as a baseline (``BASELINES``: "siglip", open_clip's SigLipLoss, in image_text); the
+other domains plan no cell for it, and every objective is compared with it as with InfoNCE. Each cell runs
+the domain's recipe and eval scripts as subprocesses, exactly the commands a person would type, and stores its
+numbers and commands in ``cell.json``; a cell whose ``cell.json`` holds the same commands is not run again, so
+an interrupted suite picks up where it stopped (and the recipes' own ``--resume`` continues an interrupted
+training run), while a cell whose settings changed since is run again from scratch.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ PAPER_REFERENCES = {
                    "(DCL paper, appendix Table 7)"},
 }
 
+# Baselines that are another library's loss, not a contrastkit objective, and the domains whose recipe offers them
+BASELINES = {"siglip": ("image_text",)}  # open_clip's SigLipLoss (the CLIP recipe's --loss siglip)
 RESUME = ("--resume", "auto")  # every training command: an interrupted cell continues its run, a new one starts
 UNTRAINED = "untrained"  # the baseline row: each domain's recipe run with --steps 0 (its initial model)
 SPEECH_EVALS = {"evals": ["speaker_id", "intent"],
@@ -105,11 +109,14 @@ class SuiteArgs:
 
     config: str | None = arg(None, "YAML or TOML file; keys: output_dir, objectives, seeds, domains, sweep")
     output_dir: str | None = arg(None, "overrides the config's output_dir")
-    objectives: list[str] | None = arg(None, "overrides the config's objectives", choices=available_losses())
+    objectives: list[str] | None = arg(None, "overrides the config's objectives (siglip: image_text only)",
+                                       choices=[*available_losses(), *BASELINES])
     seeds: list[int] | None = arg(None, "overrides the config's seeds")
     domains: list[str] | None = arg(None, "a subset of the domains to run", choices=DOMAINS)
     sweep: bool = arg(True, "run the batch-size sweep (--no-sweep skips it)")
     baseline: bool = arg(True, "evaluate each domain's untrained model too (--no-baseline skips it)")
+    reuse: str | None = arg(None, "an earlier report.json (e.g. docs/suite_default/report.json): its cells stand "
+                                  "for this suite's where their recorded commands match, and are not run again")
     print_config: bool = arg(False, "print the resolved config and exit")
     progress: bool = arg(True, "show progress")
 
@@ -135,6 +142,8 @@ class SuiteArgs:
 
     def check(self) -> None:
         self.resolve()
+        if self.reuse:
+            load_reused(self.reuse)
 
 
 def load_config(path: str | Path | None) -> dict:
@@ -174,15 +183,22 @@ def _rows(config: dict) -> list[str]:
     return ([UNTRAINED] if config.get("baseline", True) else []) + list(config["objectives"])
 
 
+def offers(domain: str, objective: str) -> bool:
+    """Whether ``domain``'s recipe trains with ``objective`` (every contrastkit objective; a baseline only where
+    BASELINES says)."""
+    return objective not in BASELINES or domain in BASELINES[objective]
+
+
 def plan(config: dict) -> list[Cell]:
-    """Every cell of the suite: each domain x (untrained and each objective) x seed, plus the batch-size sweep.
-    An untrained cell runs the domain's recipe with --steps 0 and evaluates what it saves."""
+    """Every cell of the suite: each domain x (untrained and each objective it offers) x seed, plus the
+    batch-size sweep. An untrained cell runs the domain's recipe with --steps 0 and evaluates what it saves."""
     cells = [Cell(domain, objective, seed, overrides={"steps": 0} if objective == UNTRAINED else {})
-             for domain in config["domains"] for objective in _rows(config) for seed in config["seeds"]]
+             for domain in config["domains"] for objective in _rows(config) if offers(domain, objective)
+             for seed in config["seeds"]]
     sweep = config.get("sweep") or {}
     if sweep.get("domain") in config["domains"]:
         for batch in sweep.get("batch_sizes", []):
-            for objective in sweep.get("objectives", config["objectives"]):
+            for objective in [o for o in sweep.get("objectives", config["objectives"]) if offers(sweep["domain"], o)]:
                 for seed in sweep.get("seeds", config["seeds"]):
                     cells.append(Cell(sweep["domain"], objective, seed, f"bs{batch}", {"batch-size": batch}))
     return cells
@@ -218,8 +234,10 @@ def _run(argv: list[str], log_path: Path) -> None:
         raise RuntimeError(f"command failed ({done.returncode}): {shlex.join(argv)}\n{tail}")
 
 
-def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
-    """Train (unless a checkpoint is given) and evaluate one cell; the result is cached in cell.json."""
+def run_cell(cell: Cell, config: dict, out_dir: Path, reuse: tuple[dict, ...] = ()) -> dict:
+    """Train (unless a checkpoint is given) and evaluate one cell; the result is cached in cell.json. A cell of
+    ``reuse`` (an earlier report's cells) with this cell's name and commands stands for it when its folder
+    holds no cell.json: it is written there, marked ``reused_from``, and nothing runs."""
     cell_dir = out_dir / "cells" / cell.name
     result_path = cell_dir / "cell.json"
     settings = config["domains"][cell.domain]
@@ -229,6 +247,12 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
     commands = [(name, argv + _flags(options.get(name, {})), output)  # (name, argv, output) each
                 for name, argv, output in COMMANDS[cell.domain](cell, settings, cell_dir)]
     recorded = [shlex.join(shown + argv) for _, argv, _ in commands]
+    if not result_path.exists():
+        earlier = next((r for r in reuse if _name(r) == cell.name and _same_commands(r["commands"], recorded, cell)),
+                       None)
+        if earlier is not None:
+            cell_dir.mkdir(parents=True, exist_ok=True)
+            result_path.write_text(json.dumps(earlier, indent=2) + "\n")
     if result_path.exists():
         cached = json.loads(result_path.read_text())
         if _same_commands(cached["commands"], recorded, cell):
@@ -251,6 +275,22 @@ def run_cell(cell: Cell, config: dict, out_dir: Path) -> dict:
     return result
 
 
+def _name(result: dict) -> str:
+    """A cell.json's cell name (domain[-variant]/objective/seedN)."""
+    return Cell(result["domain"], result["objective"], result["seed"], result.get("variant", "")).name
+
+
+def load_reused(path: str | Path) -> tuple[dict, ...]:
+    """The cells of an earlier report.json, each marked with where it came from (for ``run_suite(reuse=...)``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--reuse: {path} does not exist")
+    cells = json.loads(path.read_text()).get("cells")
+    if not isinstance(cells, list):
+        raise ValueError(f"--reuse: {path} is not a suite report (no 'cells' list)")
+    return tuple({**c, "reused_from": c.get("reused_from", str(path))} for c in cells)
+
+
 def _same_commands(cached: list[str], planned: list[str], cell: Cell) -> bool:
     """The same commands, up to where the output folder lies (a moved folder keeps its cells) and --resume
     (cells recorded before ``RESUME`` have a bare one where their training run had been interrupted)."""
@@ -263,8 +303,9 @@ def _same_commands(cached: list[str], planned: list[str], cell: Cell) -> bool:
     return key(cached) == key(planned)
 
 
-def run_suite(config: dict, *, progress: bool = True) -> dict:
-    """Run every cell not yet done, then write report.json, report.md and the plots to output_dir."""
+def run_suite(config: dict, *, progress: bool = True, reuse: tuple[dict, ...] = ()) -> dict:
+    """Run every cell not yet done, then write report.json, report.md and the plots to output_dir. ``reuse``:
+    an earlier report's cells (``load_reused``), taken for the cells whose recorded commands they match."""
     from tqdm.auto import tqdm
 
     out_dir = Path(config["output_dir"])
@@ -275,7 +316,7 @@ def run_suite(config: dict, *, progress: bool = True) -> dict:
     cells = [c for c in plan(config) if c.domain not in skipped]
     for cell in tqdm(cells, desc="suite", unit="cell", disable=not progress):
         try:
-            results.append(run_cell(cell, config, out_dir))
+            results.append(run_cell(cell, config, out_dir, reuse))
         except RuntimeError as err:
             failures[cell.name] = str(err)
     report = build_report(config, results, skipped, failures)
@@ -292,7 +333,8 @@ def _stats(values: list[float]) -> dict:
 
 def _verdicts(config: dict, results: list[dict]) -> list[dict]:
     """Paired over seeds, per column of the table: every objective against the untrained model (did training
-    help?), then against InfoNCE (per sweep batch size too)."""
+    help?), then contrastkit's objectives against InfoNCE (per sweep batch size too), then every trained
+    objective against each baseline of BASELINES that ran (InfoNCE included)."""
     rows = []
     for domain, key, title in COLUMNS:
         rows += [{"objective": r["objective"], "seed": r["seed"], "column": title, "value": r["metrics"][key]}
@@ -301,8 +343,13 @@ def _verdicts(config: dict, results: list[dict]) -> list[dict]:
               "value": r["metrics"].get("knn_top1")} for r in results if r["variant"].startswith("bs")]
     options = {"name_key": "objective", "metric": "value", "group_key": "column", "scale": 100, "digits": 1}
     trained = [r for r in rows if r["objective"] != UNTRAINED]
-    return (grouped_verdicts(rows, reference=UNTRAINED, **options)
-            + grouped_verdicts(trained, reference="infonce", **options))
+    verdicts = (grouped_verdicts(rows, reference=UNTRAINED, **options)
+                + grouped_verdicts([r for r in trained if r["objective"] not in BASELINES], reference="infonce",
+                                   **options))
+    for baseline in BASELINES:
+        verdicts += grouped_verdicts([r for r in trained if r["objective"] == baseline or r["objective"] not in
+                                      BASELINES], reference=baseline, **options)
+    return verdicts
 
 
 def build_report(config: dict, results: list[dict], skipped: dict, failures: dict) -> dict:
@@ -375,14 +422,26 @@ def markdown(report: dict) -> str:
         lines.append(f"- **skipped** {why}")
     for name, error in report["failures"].items():
         lines.append(f"- **failed** {name}: {error.splitlines()[0]}")
+    reused: dict = {}
+    for cell in report["cells"]:
+        if cell.get("reused_from"):
+            reused.setdefault(cell["reused_from"], []).append(_name(cell))
+    for source, names in reused.items():
+        lines.append(f"- {len(names)} cells taken from {source} (the same commands, not run again): "
+                     + ", ".join(names))
     if report["sweep"]:
         batches = sorted({b for per in report["sweep"].values() for b in per})
         lines += ["", "## kNN accuracy vs batch size", "", "| objective | " + " | ".join(f"batch {b}" for b in batches)
                   + " |", "|---" * (len(batches) + 1) + "|"]
         for objective, per in report["sweep"].items():
             lines.append(f"| {objective} | " + " | ".join(_fmt(per.get(b)) for b in batches) + " |")
+    baselines = [b for b in BASELINES if b in config["objectives"]]
+    for baseline in baselines:
+        lines.append(f"- {baseline}: a baseline (another library's loss), trained in "
+                     f"{', '.join(BASELINES[baseline])} only")
     if report.get("verdicts"):
-        lines += ["", "## Paired verdicts: against the untrained model, then against InfoNCE", "",
+        lines += ["", "## Paired verdicts: against the untrained model, then against InfoNCE"
+                  + "".join(f", then against {b}" for b in baselines), "",
                   "Points of accuracy, same seeds; resolved = the 95 % interval of the difference excludes 0.", ""]
         lines += [f"- {v['text']}" for v in report["verdicts"]]
     if report["references"]:

@@ -255,3 +255,62 @@ def test_speech_columns_with_the_untrained_row(tmp_path, domain):
         assert all(c.startswith(".venv-legacy/bin/python ") for c in cells["dcl"]["commands"])
         assert "--backend fairseq2" in cells["dcl"]["commands"][0]
     assert [v["text"].split(" = ")[0] for v in report["verdicts"]] == [f"column intent{suffix}: dcl - untrained"]
+
+
+def test_siglip_is_an_image_text_baseline_compared_with_every_objective(tmp_path):
+    """siglip (open_clip's SigLipLoss through the CLIP recipe's --loss siglip) is planned in image_text only,
+    its cells run the recipe with --loss siglip and the unchanged zero-shot eval, and the verdicts pair every
+    trained objective with it (InfoNCE included), as they do with InfoNCE."""
+    from contrastkit.cli import parse
+    from contrastkit.suite import SuiteArgs, build_report
+
+    args = parse(SuiteArgs, argv=["--objectives", "infonce", "dcl", "siglip", "--domains", "vision", "image_text",
+                                  "--seeds", "0", "1", "2"], config_flag=False)
+    config = args.resolve()
+    cells = plan(config)
+    assert {c.domain for c in cells if c.objective == "siglip"} == {"image_text"}
+    assert [c.objective for c in cells if c.variant] == ["infonce", "dcl"] * 2  # the vision sweep: none either
+    (cell,) = [c for c in cells if c.objective == "siglip" and c.seed == 0]
+    from contrastkit.suite import image_text_commands
+
+    (_, train, _), (_, zeroshot, _) = image_text_commands(cell, config["domains"]["image_text"], tmp_path)
+    assert train[train.index("--loss") + 1] == "siglip"
+    assert zeroshot[0] == "eval/zeroshot.py" and "--loss" not in zeroshot
+
+    config["domains"] = {"image_text": config["domains"]["image_text"]}
+    top1 = {"untrained": (0.10, 0.14, 0.14), "infonce": (0.36, 0.26, 0.26), "dcl": (0.40, 0.28, 0.28),
+            "siglip": (0.30, 0.25, 0.20)}
+    results = [{"domain": "image_text", "objective": o, "seed": s, "variant": "", "metrics": {"zeroshot_top1": v}}
+               for o, values in top1.items() for s, v in enumerate(values)]
+    report = build_report(config, results, {}, {})
+    names = [v["text"].split(": ")[1].split(" = ")[0] for v in report["verdicts"]]
+    assert names == ["infonce - untrained", "dcl - untrained", "siglip - untrained", "dcl - infonce",
+                     "infonce - siglip", "dcl - siglip"]
+    text = markdown(report)
+    # infonce - siglip per seed: +6, +1, +6 points (sd 2.89); dcl - siglip: +10, +3, +8
+    assert "- column image zero-shot top-1: infonce - siglip = +4.3 ± 7.2 (95 % CI, 3 seeds): not resolved" in text
+    assert "then against InfoNCE, then against siglip" in text
+    assert "- siglip: a baseline (another library's loss), trained in image_text only" in text
+
+
+def test_reuse_takes_an_earlier_reports_cells_where_the_commands_match(tiny_suite, tmp_path):
+    """--reuse report.json: a cell of the earlier report with this cell's commands is not run again (no log),
+    its cell.json is written marked with its source, and the report says so; a cell whose settings differ runs."""
+    from contrastkit.suite import load_reused
+
+    config, report = tiny_suite
+    reuse = load_reused(Path(config["output_dir"]) / "report.json")
+    again = run_suite({**config, "output_dir": str(tmp_path / "new")}, progress=False, reuse=reuse)
+    assert again["table"] == report["table"]
+    assert not list((tmp_path / "new").rglob("log.txt"))
+    assert all(c["reused_from"].endswith("report.json") for c in again["cells"])
+    assert "2 cells taken from " in markdown(again)
+
+    changed = copy.deepcopy(config)
+    changed.update(output_dir=str(tmp_path / "changed"))
+    changed["domains"]["vision"]["train"]["steps"] = 4
+    cells = {c["objective"]: c for c in run_suite(changed, progress=False, reuse=reuse)["cells"]}
+    assert "reused_from" in cells["untrained"] and "reused_from" not in cells["dcl"]  # --steps 0 either way
+    assert (tmp_path / "changed" / "cells" / "vision" / "dcl" / "seed0" / "log.txt").exists()
+    with pytest.raises(FileNotFoundError, match="--reuse: .* does not exist"):
+        load_reused(tmp_path / "nope.json")

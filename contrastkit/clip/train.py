@@ -7,7 +7,9 @@ open_clip adapter's with local_loss and gather_with_grad, so P processes equal o
 batch; AdamW with warmup + cosine; the CLIP logit scale clamped to ln(100) as open_clip does; zero-shot
 evaluation on a held-out ImageNet-layout folder; metrics JSONL, a plot, a summary JSON and the trackers of
 ``--report-to``; accelerate checkpoints that hold the step (the data position follows from it), so a
-resumed run continues exactly. A loss, logit scale or gradient that becomes non-finite stops the run with
+resumed run continues exactly. ``--loss siglip`` is the baseline: open_clip's own SigLipLoss, and the model
+gets open_clip_train's --siglip initialisation (logit scale ln 10, a learnable logit bias at -10); the
+optimizer, schedule, clamp and evaluation are the same as for every other loss. A loss, logit scale or gradient that becomes non-finite stops the run with
 one line (training.Divergence); --resume with a new --lr applies it, with a new model, loss or batch refuses.
 """
 
@@ -21,10 +23,13 @@ from pathlib import Path
 
 import torch
 
-from contrastkit.adapters.open_clip import CLIP_LOSSES, DEFAULT_MODEL, build_clip_loss, check_model, create_clip
+from contrastkit.adapters.open_clip import (CLIP_LOSSES, DEFAULT_MODEL, SIGLIP, SIGLIP_MODEL_OPTIONS, build_clip_loss,
+                                            build_siglip_loss, check_model, create_clip)
 from contrastkit.cli import arg, existing, positive
 from contrastkit.data.shards import IMAGE_KEYS, ShardPositions, ShardStream, is_shards, plan_epochs
 from contrastkit.training import RunOptions, guarded
+
+RECIPE_LOSSES = (*CLIP_LOSSES, SIGLIP)  # contrastkit's objectives, then open_clip's SigLIP as a baseline
 
 
 @dataclass
@@ -33,8 +38,10 @@ class ClipTrainConfig(RunOptions):
     FIXED = ("loss", "loss_options", "model", "data", "num_train", "img_key", "caption_key", "csv_separator",
              "batch_size", "weight_decay", "seed")
 
-    loss: str = arg("dcl", "the objective", choices=CLIP_LOSSES)
-    loss_options: dict = arg(help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), chunk_size=512",
+    loss: str = arg("dcl", "the objective (siglip: open_clip's SigLipLoss with its bias, a baseline)",
+                    choices=RECIPE_LOSSES)
+    loss_options: dict = arg(help="a loss option, e.g. sigma=0.5 (dclw), alpha=256 (eqco), chunk_size=512, "
+                                  "dist_impl=gather (siglip)",
                              factory=dict, aliases=["--loss-option"])
     model: str = arg(DEFAULT_MODEL, "any open_clip config name (random initialisation, nothing downloaded)")
     data: str | None = arg(None, "webdataset shards as img2dataset writes them ('/data/{00000..00331}.tar', "
@@ -90,7 +97,15 @@ class ClipTrainConfig(RunOptions):
         existing("zeroshot", self.zeroshot, "zero-shot folder")
         self.check_run()
         check_model(self.model)
-        build_clip_loss(self.loss, **self.loss_options)  # unknown loss or option
+        make_loss(self.loss, self.loss_options)  # unknown loss or option
+
+
+def make_loss(name: str, options: dict, rank: int = 0, world_size: int = 1):
+    """The recipe's loss: contrastkit's through the open_clip adapter (each process's anchors against every
+    process's features, with gradient), or open_clip's SigLipLoss for ``siglip``."""
+    if name == SIGLIP:
+        return build_siglip_loss(rank=rank, world_size=world_size, **options)
+    return build_clip_loss(name, local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
 
 
 @guarded
@@ -111,12 +126,14 @@ def train(cfg: ClipTrainConfig) -> dict:
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     device = accelerator.device
-    loss_fn = build_clip_loss(cfg.loss, local_loss=True, gather_with_grad=True, rank=rank, world_size=world,
-                              **cfg.loss_options)
+    loss_fn = make_loss(cfg.loss, cfg.loss_options, rank, world)
     set_seed(cfg.seed)
     sharded = getattr(accelerator, "is_fsdp2", False)
-    # fully_shard takes no scalar parameter: under FSDP2 the logit scale is open_clip's 1-element one
-    model, preprocess, tokenizer = create_clip(cfg.model, **({"nonscalar_logit_scale": True} if sharded else {}))
+    # fully_shard takes no scalar parameter: under FSDP2 the logit scale (and bias) are open_clip's 1-element ones
+    model_options = {"nonscalar_logit_scale": True} if sharded else {}
+    if cfg.loss == SIGLIP:  # no random draw: the towers are initialised as for every other loss of the same seed
+        model_options.update(SIGLIP_MODEL_OPTIONS)
+    model, preprocess, tokenizer = create_clip(cfg.model, **model_options)
     zeroshot = cfg.zeroshot
     if cfg.data is None:
         with accelerator.main_process_first():
@@ -212,7 +229,11 @@ def train(cfg: ClipTrainConfig) -> dict:
             # The global loss is the mean of the processes' local losses (equal local batches).
             global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()
             scale = raw.logit_scale.full_tensor() if sharded else raw.logit_scale  # FSDP2: a DTensor
-            log.log(state.step, loss=global_loss, logit_scale=scale.exp().item(),
+            extra = {}
+            if getattr(raw, "logit_bias", None) is not None:  # siglip
+                bias = raw.logit_bias.full_tensor() if sharded else raw.logit_bias
+                extra["logit_bias"] = bias.item()
+            log.log(state.step, loss=global_loss, logit_scale=scale.exp().item(), **extra,
                     lr=scheduler.get_last_lr()[0], bad_samples=bad_samples())
             bar.set_postfix(loss=f"{global_loss:.3f}")
         if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.steps:

@@ -104,7 +104,8 @@ def load_clip_checkpoint(model, path: str | Path) -> None:
     """Load weights into an open_clip model from an accelerate checkpoint folder (model.safetensors), a
     .safetensors file, or a torch file (open_clip_train's epoch_N.pt with "state_dict", DDP's "module."
     prefixes removed), read with ``weights_only=True`` as open_clip does: a file that would run code when
-    unpickled is refused (ValueError). Missing or unexpected keys are an error naming them."""
+    unpickled is refused (ValueError). Missing or unexpected keys are an error naming them, except a SigLIP
+    run's ``logit_bias`` for a model without one (zero-shot does not use it)."""
     path = Path(path)
     if path.is_dir():
         path = path / "model.safetensors"
@@ -128,6 +129,10 @@ def load_clip_checkpoint(model, path: str | Path) -> None:
     if not isinstance(state, dict):
         raise ValueError(f"{path}: expected a state dict (or open_clip_train's checkpoint), got {type(state).__name__}")
     state = {k.removeprefix("module."): v for k, v in state.items()}
+    if getattr(model, "logit_bias", None) is None:
+        # a SigLIP-trained checkpoint (--loss siglip): its logit bias shifts every image-text logit alike and
+        # plays no part in zero-shot's argmax over cosine similarities, so a model built without one reads it
+        state.pop("logit_bias", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path} does not fit this model: missing {list(missing)[:5]}, unexpected "
