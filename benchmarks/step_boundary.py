@@ -5,6 +5,9 @@
 - ``blocking``: the same reduction waited for at once (what "agree at every boundary" costs without the lag);
 - ``none``: no agreement (the call's floor: reading the local flag).
 
+Each is timed on the wall clock (which counts the waits, and on a loaded machine the time the process was
+descheduled) and on its thread's CPU clock (what the training thread itself spends).
+
 None of them touches a GPU: the flag is a CPU tensor on a gloo group, so a CUDA run's queue is never drained by it.
 
     python benchmarks/step_boundary.py --processes 2 --steps 2000 --work-ms 2
@@ -39,12 +42,12 @@ def worker(rank: int, world: int, port: int, steps: int, work_ms: float, out) ->
     state = SimpleNamespace(step=0)
     boundary = StepBoundary(SimpleNamespace(num_processes=world), SimpleNamespace(ddp_timeout=60), None, state,
                             total=10**9)
-    results = {}
+    results, cpu = {}, {}
     for mode in ("none", "blocking", "async"):
-        times = []
+        times, spent = [], []
         for _ in range(steps):
             busy(work_ms)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             if mode == "async":
                 boundary._agree(last=False)
             elif mode == "blocking":
@@ -54,12 +57,14 @@ def worker(rank: int, world: int, port: int, steps: int, work_ms: float, out) ->
             else:
                 int(0)
             times.append(time.perf_counter() - start)
+            spent.append(time.thread_time() - start_cpu)
         dist.barrier()
-        results[mode] = times
+        results[mode], cpu[mode] = times, spent
     if boundary.pending is not None:
         boundary.pending[0].wait()
     if rank == 0:
-        out.put({mode: (statistics.median(t) * 1e6, sum(t) / len(t) * 1e6) for mode, t in results.items()})
+        out.put({mode: (statistics.median(t) * 1e6, sum(t) / len(t) * 1e6, statistics.median(cpu[mode]) * 1e6)
+                 for mode, t in results.items()})
     dist.destroy_process_group()
 
 
@@ -73,10 +78,10 @@ def main() -> None:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(args.processes, args.port, args.steps, args.work_ms, queue), nprocs=args.processes)
     result = queue.get()
-    print(f"{args.processes} processes, {args.steps} steps of {args.work_ms} ms: time in the boundary call, "
-          "process 0, microseconds (median / mean)")
+    print(f"{args.processes} processes, {args.steps} steps of {args.work_ms} ms: the boundary call on process 0, "
+          "microseconds: wall median / wall mean / its thread's CPU time, median")
     for mode in ("none", "async", "blocking"):
-        print(f"  {mode:9s} {result[mode][0]:8.1f} / {result[mode][1]:8.1f}")
+        print(f"  {mode:9s} {result[mode][0]:8.1f} / {result[mode][1]:8.1f} / {result[mode][2]:8.1f}")
 
 
 if __name__ == "__main__":
