@@ -19,7 +19,7 @@ from launch import free_port
 open_clip = pytest.importorskip("open_clip")
 
 from contrastkit.adapters.open_clip import (CLIP_LOSSES, active_objective, build_clip_loss,  # noqa: E402
-                                            check_open_clip_version, patch)
+                                            check_open_clip_version, patch, uses_tasks)
 from contrastkit.losses import functional  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,14 +97,54 @@ def test_logit_bias_cancels_in_softmax_losses():
         assert torch.autograd.grad(with_bias, bias)[0].item() == 0.0
 
 
+@pytest.mark.parametrize("name", CLIP_LOSSES)
+def test_called_the_open_clip_4_way_compiles_whole_and_keeps_no_state(name):
+    """open_clip 4's tasks call ``loss(**model_out, output_dict=True)`` (logit_bias among the keys for some models)
+    inside the graph that --torchcompile-strategy task|step captures: the loss is one graph (fullgraph, no host
+    read), equals eager with its gradients, and a call changes none of its attributes."""
+    import copy
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    model_out = {"image_features": torch.randn(8, 16, generator=g), "text_features": torch.randn(8, 16, generator=g),
+                 "logit_scale": torch.tensor(14.0), "logit_bias": torch.tensor(-2.0)}
+    loss_fn = build_clip_loss(name, chunk_size=3)  # several blocks and a ragged last one
+
+    def run(fn):
+        leaves = {k: v.clone().requires_grad_() for k, v in model_out.items()}
+        out = fn(**leaves, output_dict=True)
+        return out, torch.autograd.grad(out["contrastive_loss"], list(leaves.values()), allow_unused=True)
+
+    def state():  # every attribute of the loss and of the objective inside it
+        return [{k: v for k, v in vars(m).items() if k != "_modules"} for m in loss_fn.modules()]
+
+    def same(a, b):
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    before = copy.deepcopy(state())
+    want, want_grads = run(loss_fn)
+    assert all(same(a, b) for a, b in zip(state(), before, strict=True))
+    got, got_grads = run(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"))
+    assert set(got) == {"contrastive_loss"}
+    torch.testing.assert_close(got["contrastive_loss"], want["contrastive_loss"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_bad_names_and_versions():
     with pytest.raises(ValueError, match="unknown loss 'nope'"):
         build_clip_loss("nope")
     with pytest.raises(ValueError, match="unigrad has no image-text form"):
         build_clip_loss("unigrad")
-    with pytest.raises(RuntimeError, match="supports open_clip_torch 3.x, found 4.0.0"):
-        check_open_clip_version("4.0.0")
-    assert check_open_clip_version().startswith("3.")
+    for version in ("2.32.0", "4.3.0", "5.0.0"):
+        with pytest.raises(RuntimeError, match=f"supports open_clip_torch >=3.0,<4.3 .*found {version}"):
+            check_open_clip_version(version)
+    assert check_open_clip_version().startswith("3.") and not uses_tasks()
+    assert check_open_clip_version("4.2.0.dev0") == "4.2.0.dev0" and uses_tasks("4.2.0.dev0")
     with pytest.raises(ValueError, match="must be \\[N, D\\]"):
         build_clip_loss("dcl")(torch.randn(4), torch.randn(4), 10.0)
 

@@ -5,9 +5,10 @@ Three ways in:
 - ``build_clip_loss("dcl", local_loss=..., gather_with_grad=..., rank=..., world_size=...)``: a module
   called exactly like ``open_clip.ClipLoss`` (image_features, text_features, logit_scale, logit_bias=None,
   output_dict=False), with the same distributed options.
-- ``patch("dcl")``: from then on ``open_clip.create_loss(args)`` returns that loss (also the copy that
-  ``open_clip_train.main`` imported by name), for people who keep their own training code; it returns
-  the handle every adapter returns (``undo()``, a ``with`` block).
+- ``patch("dcl")``: from then on ``open_clip.create_loss(args)`` returns that loss, and on open_clip 4
+  ``open_clip.create_task(args, model)`` gives CLIPTask (CLAPTask for audio-text) that loss in place of its
+  ClipLoss (also the copies that ``open_clip_train.main`` imported by name), for people who keep their own
+  training code; it returns the handle every adapter returns (``undo()``, a ``with`` block).
 - ``python -m contrastkit.adapters.open_clip --loss dcl <open_clip_train arguments>``: runs open_clip's own
   trainer with the loss swapped, on GPUs or on several CPU processes (torchrun with gloo).
 
@@ -22,7 +23,11 @@ SigLIP is a baseline here, not a contrastkit objective: ``build_siglip_loss`` is
 built as ``open_clip.create_loss`` builds it for ``--siglip``, and ``SIGLIP_MODEL_OPTIONS`` is the
 initialisation open_clip_train gives a model trained with ``--siglip`` (logit scale ln 10, logit bias -10).
 
-Supported open_clip: 3.x (3.3 has ``create_loss``; 4.x trains through CLIPTask).
+Supported open_clip: ``SUPPORTED_OPEN_CLIP``, 3.x (open_clip_train calls ``create_loss``) and 4.x up to 4.2
+(open_clip_train calls ``create_task``; tested on the main branch's 4.2.0.dev0 at commit
+89fb801f1e6087880e951fc8354b8a2077b79c6d). On 4.x the task calls the loss as ``loss(**model_out,
+output_dict=True)`` and sums the keys ending in ``_loss``: the loss returns ``contrastive_loss``, and holds no
+state that changes between calls, so ``--torchcompile`` (any ``--torchcompile-strategy``) can trace it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from contrastkit.adapters.patching import Patch
 from contrastkit.cli import key_value
 from contrastkit.losses import build_loss
 
-SUPPORTED_OPEN_CLIP = (3,)  # major versions
+SUPPORTED_OPEN_CLIP = ((3, 0), (4, 3))  # versions from 3.0 up to, not including, 4.3
+TASK_API = (4, 0)  # from here open_clip_train builds a task (create_task) rather than a loss (create_loss)
 CLIP_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
 SIGLIP = "siglip"  # open_clip's own sigmoid loss: the baseline the recipe and the suite compare against
 # open_clip_train's model options under --siglip (open_clip_train/main.py, 3.3): in place of CLIP's ln(1/0.07)
@@ -81,17 +87,33 @@ def create_clip(name: str, **model_options):
     return model, preprocess, open_clip.get_tokenizer(name)
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    import re
+
+    found = re.match(r"(\d+)(?:\.(\d+))?", version)
+    if found is None:
+        raise RuntimeError(f"open_clip version {version!r} is not a version number")
+    return int(found.group(1)), int(found.group(2) or 0)
+
+
 def check_open_clip_version(version: str | None = None) -> str:
-    """The installed open_clip version, or a clear error when it is one this adapter does not support."""
+    """The installed open_clip version, or a clear error when it is one this adapter does not support
+    (``SUPPORTED_OPEN_CLIP``: >=3.0, <4.3)."""
     if version is None:
         import open_clip
 
         version = open_clip.__version__
-    major = int(version.split(".")[0])
-    if major not in SUPPORTED_OPEN_CLIP:
-        raise RuntimeError(f"contrastkit's open_clip adapter supports open_clip_torch 3.x, found {version}"
-                           + (" (4.x trains through CLIPTask, not create_loss)" if major >= 4 else ""))
+    low, high = SUPPORTED_OPEN_CLIP
+    if not low <= _major_minor(version) < high:
+        raise RuntimeError(f"contrastkit's open_clip adapter supports open_clip_torch >={low[0]}.{low[1]},"
+                           f"<{high[0]}.{high[1]} (3.x through create_loss, 4.0-4.2 through create_task), "
+                           f"found {version}")
     return version
+
+
+def uses_tasks(version: str | None = None) -> bool:
+    """Whether this open_clip's trainer builds a task (4.x: ``create_task``) rather than a loss (3.x)."""
+    return _major_minor(check_open_clip_version(version)) >= TASK_API
 
 
 class ContrastkitClipLoss(nn.Module):
@@ -203,37 +225,72 @@ def build_clip_loss(name: str, **options) -> ContrastkitClipLoss:
     return ContrastkitClipLoss(name, **options)
 
 
+def _other_training(args) -> str | None:
+    """What an open_clip_train run trains instead of plain CLIP (the patch replaces ClipLoss only), or None."""
+    model = str(getattr(args, "model", "")).lower()
+    if getattr(args, "distill", False):
+        return "distillation"
+    if getattr(args, "siglip", False):
+        return "SigLIP"
+    return next((kind for kind in ("CoCa", "GenLIP", "GenLAP") if kind.lower() in model), None)
+
+
 def patch(name: str = "dcl", **loss_options) -> Patch:
     """Make ``open_clip.create_loss(args)`` return the contrastkit loss ``name`` built from args' distributed
-    options (also in ``open_clip_train.main``, which imported it by name). Returns the handle of every
-    adapter (adapters/patching.py): ``undo()``, or a ``with`` block; ``active_objective()`` tells the loss.
+    options, and on open_clip 4 ``open_clip.create_task(args, model)`` put that loss in the CLIPTask (or, for a
+    CLAP model, CLAPTask) it builds (also in ``open_clip_train.main``, which imported them by name). Returns
+    the handle of every adapter (adapters/patching.py): ``undo()``, or a ``with`` block; ``active_objective()``
+    tells the loss.
 
-    Only plain CLIP training is patched: CoCa, distillation and SigLIP runs get a clear error.
+    Only plain CLIP (and CLAP) training is patched: CoCa, GenLIP, distillation and SigLIP runs get a clear error.
     """
-    check_open_clip_version()
+    tasks = uses_tasks()
     import open_clip
     import open_clip.factory
 
     objective = build_clip_loss(name, **loss_options)  # fail now on a bad name or option, not at the first step
 
-    def create_loss(args):
-        model = str(getattr(args, "model", ""))
-        if getattr(args, "distill", False) or "coca" in model.lower() or getattr(args, "siglip", False):
-            raise ValueError(f"contrastkit --loss {name} replaces ClipLoss only; this run uses "
-                             f"{'distillation' if getattr(args, 'distill', False) else 'SigLIP' if getattr(args, 'siglip', False) else 'CoCa'}")
+    def refuse_other(args):
+        other = _other_training(args)
+        if other is not None:
+            raise ValueError(f"contrastkit --loss {name} replaces ClipLoss only; this run uses {other}")
+
+    def loss_for(args, where: str):
         loss = build_clip_loss(name, local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
                                cache_labels=True, rank=args.rank, world_size=args.world_size,
                                use_horovod=getattr(args, "horovod", False), **loss_options)
-        logging.info(f"contrastkit loss {name} replaces open_clip's ClipLoss (local_loss={args.local_loss}, "
+        logging.info(f"contrastkit loss {name} replaces open_clip's ClipLoss{where} (local_loss={args.local_loss}, "
                      f"gather_with_grad={args.gather_with_grad}, options {loss_options})")
         return loss
 
+    def create_loss(args):
+        refuse_other(args)
+        return loss_for(args, "")
+
     modules = [open_clip, open_clip.factory]
+    for m in modules:  # an earlier patch's functions are not the originals
+        patching.remove(m)
+    replacements = {"create_loss": create_loss}
+    if tasks:
+        original_create_task = open_clip.factory.create_task
+
+        def create_task(args, model, *more, **options):
+            refuse_other(args)
+            task = original_create_task(args, model, *more, **options)
+            from open_clip.task import CLAPTask, CLIPTask
+
+            if type(task) not in (CLIPTask, CLAPTask):
+                raise ValueError(f"contrastkit --loss {name} replaces the ClipLoss of CLIPTask and CLAPTask only; "
+                                 f"this run's task is {type(task).__name__}")
+            task.loss = loss_for(args, f" in {type(task).__name__}")  # built by the task, never called
+            return task
+
+        replacements["create_task"] = create_task
     if "open_clip_train.main" in sys.modules:
         modules.append(sys.modules["open_clip_train.main"])
     handle = Patch(objective)
     for m in modules:
-        patching.replace_attribute(handle, m, "create_loss", create_loss)
+        patching.replace_attributes(handle, m, {k: v for k, v in replacements.items() if hasattr(m, k)})
     return handle
 
 

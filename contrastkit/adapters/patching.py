@@ -8,8 +8,8 @@ the old). ``Patch`` is the handle that every adapter's ``patch`` returns: ``undo
 
 Two ways to change a target:
 
-- ``replace_attribute``: an attribute swapped, and swapped back (open_clip's ``create_loss``, fairseq2's
-  ``compute_contrastive_loss``).
+- ``replace_attribute`` / ``replace_attributes``: attributes swapped, and swapped back (open_clip's
+  ``create_loss`` and ``create_task``, fairseq2's ``compute_contrastive_loss``).
 - ``wrap_call``: code run around the model's call, outside its ``forward``. On a class it overrides the
   class's ``__call__``; on an instance it registers forward pre- and post-hooks. Neither touches
   ``forward``, so wrappers that others put on an instance's ``forward`` (accelerate's autocast and
@@ -104,6 +104,25 @@ def replace_attribute(handle: Patch, owner, name: str, value) -> None:
             setattr(owner, name, before)
 
     setattr(owner, name, value)
+    handle.add(owner, restore)
+
+
+def replace_attributes(handle: Patch, owner, values: dict) -> None:
+    """``replace_attribute`` for several names of one owner at once (one record: one patch per target), all
+    restored together by ``handle.undo()``."""
+    remove(owner)
+    missing = object()
+    before = {name: _own(owner).get(name, missing) for name in values}
+
+    def restore():
+        for name, value in before.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    for name, value in values.items():
+        setattr(owner, name, value)
     handle.add(owner, restore)
 
 
