@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from launch import end_process_group
 
 from contrastkit.losses import build_loss
 from contrastkit.losses.base import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking
@@ -230,7 +231,7 @@ def _run(rank, world, sizes, init_file, out_dir):
             (weight * loss).backward()
             results[name, setting] = (float(loss) * weight, [t.grad for t in leaves], list(ratios))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_two_processes_blockwise_equal_one_process_dense(tmp_path):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from launch import free_port
+from launch import end_process_group, free_port
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -191,7 +191,7 @@ def _run(rank, world, init_file, out_dir):
             loss.backward()
             results[(local_loss, gwg, name)] = (loss.item(), a.grad, b.grad, scale.grad)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_two_processes_reproduce_open_clip_modes_and_equal_one_process(tmp_path):

@@ -26,7 +26,7 @@ from contrastkit.data.image_text import load_image_text, make_shapes_clip  # noq
 from contrastkit.evaluation.zeroshot import evaluate_zeroshot  # noqa: E402
 from contrastkit.cli import RunError  # noqa: E402
 from contrastkit.training import check_launch  # noqa: E402
-from launch import accelerate_launch  # noqa: E402
+from launch import accelerate_launch, end_process_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--loss", "dclw", "--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8", "--steps", "3",
@@ -122,7 +122,7 @@ def _worker(rank, world, init_file, data_dir, out_dir):
     zero_shot = evaluate_zeroshot(model, tokenizer, preprocess, Path(data_dir) / "zeroshot", device="cpu")
     model.reshard()
     torch.save({"loss": loss, "grads": grads, "top1": zero_shot["top1"]}, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_fully_shard_equals_unsharded(shapes, tmp_path):

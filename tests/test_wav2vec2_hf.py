@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from launch import end_process_group
 
 from contrastkit.adapters import hf_wav2vec2
 from contrastkit.losses import functional as K
@@ -292,7 +293,7 @@ def _worker(rank, world, init_file, out_dir):
         # DDP averages the gradients over the processes
         results[loss] = _grads(model, x, mask, neg, 2 * rank, 2 * rank + 2, loss, ddp=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def test_two_processes_match_one(tmp_path):
