@@ -34,11 +34,15 @@ DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 # cuBLAS wrote (the band design: elementwise, no product inside).
 _FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64"}
 _DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "dl_ptr": "x"}
-KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False)),
-           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True)),
-           "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False)),
-           "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False)),
-           "two-view-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True)),
+# NORMALIZE: the losses' calls (the features as given, scaled by their inverse norms in the kernels).
+KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, NORMALIZE=True)),
+           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, NORMALIZE=True)),
+           "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False,
+                                                                  NORMALIZE=True)),
+           "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False,
+                                                                       NORMALIZE=True)),
+           "two-view-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
+                                                                        NORMALIZE=True)),
            "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
 BAND = ("fwd-band", "dlogits-band", "two-view-band")  # no product inside: no tensor-core instruction expected
 

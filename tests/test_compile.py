@@ -74,7 +74,7 @@ def test_triton_backend_stays_in_the_graph(setting):
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_triton_backend_with_bf16_features_compiles(setting):
-    """bf16 features: the Triton path's unit vectors made in bf16 and the positives' cosines in float32
-    (functional.unit_rows_in, row_cosines: autograd Functions with loops over chunks of rows) trace into the
-    same fullgraph, equal to eager."""
+    """bf16 features: the Triton path's inverse norms and the positives' cosines in float32
+    (functional.inverse_norms, row_cosines: loops over chunks of rows, the second an autograd Function) trace
+    into the same fullgraph, equal to eager."""
     _check("dcl", setting, "aot_eager", dtype=torch.bfloat16, backend="triton")

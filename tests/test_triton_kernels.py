@@ -14,13 +14,20 @@ pytestmark = pytest.mark.legacy  # the kernels under triton 3.5.1 / torch 2.9.1 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_band_dlogits_equal_torch():
+@pytest.mark.parametrize("normalize", [False, True])
+def test_band_dlogits_equal_torch(normalize):
     """Rows 5:30 of dL' for image-text (rows' and columns' terms, the diagonal excluded) written to a band
-    buffer, and the rows' d scale terms, against the dense formula."""
+    buffer, and the rows' d scale terms, against the dense formula. normalize: the features as given (rows of
+    norms 0.2 to 5) with their inverse norms: the logits are the unit vectors', dL' is written times
+    inv_a inv_b and the d scale terms sum dL' times the cosines."""
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(37, 24, generator=g), torch.randn(37, 24, generator=g)
+    if normalize:
+        a, b = (x * torch.empty(37, 1).uniform_(0.2, 5.0, generator=g) for x in (a, b))
+    inv_a, inv_b = (1.0 / x.double().norm(dim=1) if normalize else torch.ones(37, dtype=torch.float64) for x in (a, b))
     scale = torch.tensor(3.0)
-    logits = scale * a.double() @ b.double().T
+    cos = (a.double() * inv_a[:, None]) @ (b.double() * inv_b[:, None]).T
+    logits = scale * cos
     masked = logits - torch.diag(torch.full((37,), float("inf"), dtype=torch.float64))
     stats = torch.stack([masked.logsumexp(1), masked.logsumexp(0)]).float()
     grad = torch.rand(2, 37, generator=g)
@@ -28,12 +35,14 @@ def test_band_dlogits_equal_torch():
             + torch.exp(masked - stats[1, None, :].double()) * grad[1, None, :])
     splits, share = launch.split(2, 37, torch.device(DEVICE))
     band = torch.full((40, 37), float("nan"), device=DEVICE)  # the block: rows 5:30, columns 3:35
-    ds = torch.zeros(splits, 37, device=DEVICE)
+    ds = torch.zeros(splits, 25, device=DEVICE)  # the block's rows
     exclude = torch.arange(37, device=DEVICE)[:, None]
     to = [t.to(DEVICE) for t in (a, b, scale, stats, grad)]
+    norms = (inv_a.float().to(DEVICE), inv_b.float().to(DEVICE)) if normalize else None
     dlogits.write_dlogits(*to[:3], exclude, *to[3:], band, ds, 5, 30, 3, 35, splits, share, False, True, False,
-                          dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16))
-    torch.testing.assert_close(band[:25, :32].double().cpu(), want[5:30, 3:35], rtol=1e-5, atol=1e-6)
+                          dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16), inverse_norms=norms)
+    written = want * inv_a[:, None] * inv_b[None, :]
+    torch.testing.assert_close(band[:25, :32].double().cpu(), written[5:30, 3:35], rtol=1e-5, atol=1e-6)
     assert torch.isnan(band[25:]).all() and torch.isnan(band[:, 32:]).all()  # nothing past the block
-    want_ds = (want[5:30, 3:35] * logits[5:30, 3:35] / 3.0).sum(1)
-    torch.testing.assert_close(ds.sum(0)[5:30].double().cpu(), want_ds, rtol=1e-5, atol=1e-5)
+    want_ds = (want[5:30, 3:35] * cos[5:30, 3:35]).sum(1)
+    torch.testing.assert_close(ds.sum(0).double().cpu(), want_ds, rtol=1e-5, atol=1e-5)

@@ -15,9 +15,9 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from contrastkit.distributed import gather_with_grad, world
+from contrastkit.distributed import gather_with_grad
 from contrastkit.losses.chunked import host_checks_allowed, negative_stats, no_autocast
-from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines, unit_rows_in
+from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -48,19 +48,14 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# backend="auto" takes the Triton kernels on CUDA up to this many candidates: the largest matrix measured (two
-# views at N = 32768, docs/gpu/NVIDIA-H100-80GB-HBM3). Beyond, the torch kernel, whose memory is proven
-# (<= 1 GiB at N = 262144, D = 512 bf16: tests/test_memory.py, 663 MiB on the H100); the Triton path keeps its
-# bf16 unit vectors (512 MiB there) and makes their gradient beside them, plus its band buffers: over 1 GiB.
-TRITON_AUTO_MAX_CANDIDATES = 2**16
-
-
 def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
-                   low: torch.dtype | None = None, candidates: int = 0, float64: bool = False) -> str:
+                   low: torch.dtype | None = None, float64: bool = False) -> str:
     """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
     for "auto": on CUDA, triton installed, products in bf16/fp16 (``low``, see _low_precision) or float32
-    (not ``float64``: the kernels compute in float32) and at most TRITON_AUTO_MAX_CANDIDATES candidates, the
-    Triton kernels; everywhere else (the CPU, float64, larger matrices) the blockwise torch kernel. Measured
+    (not ``float64``: the kernels compute in float32), the Triton kernels, at every size: they take the
+    features as given and their inverse norms, so their memory stays within 1 GiB at N = 262144, D = 512 bf16
+    (tests/test_memory.py counts it, the operators' own buffers included); everywhere else (the CPU, float64)
+    the blockwise torch kernel. Measured
     on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
     for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 (TF32 where torch's setting allows
     it) takes the band design's elementwise kernels on cuBLAS's products (triton_stats.FORWARD_LOGITS), which
@@ -68,8 +63,7 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     chunk_size asks for the torch kernel's blocks."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
-    if (requested == "auto" and chunk_size is None and device_type == "cuda" and not float64
-            and candidates <= TRITON_AUTO_MAX_CANDIDATES):
+    if requested == "auto" and chunk_size is None and device_type == "cuda" and not float64:
         return "triton" if triton_available() else "torch"
     return "triton" if requested == "triton" else "torch"
 
@@ -222,8 +216,8 @@ class ContrastiveLoss(Objective):
       the batch; a positive number: blocks of that many anchors, none kept; 0: the dense reference (one
       product, autograd through logsumexp). All three give the same values and gradients.
     - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
-      "auto" is the one measured faster (see choose_backend): on CUDA with bf16/fp16 products the Triton
-      kernels (up to TRITON_AUTO_MAX_CANDIDATES), elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with host-checked
+      "auto" is the one measured faster (see choose_backend): on CUDA the Triton kernels (bf16/fp16 products,
+      or float32 with TF32 where allowed), elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with host-checked
       fast paths, on CUDA cuBLAS products in GPU-sized blocks (DEVICE_BLOCK_ELEMENTS) on the exact path, no
       value read on the host. In the
       two-view and image-text settings the torch kernel takes the features as given and normalises them
@@ -314,7 +308,7 @@ class ContrastiveLoss(Objective):
                 terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
                                             partners=partners)
                 return self._reduce(terms, output_dict, views)
-            if self._low_units(backend, low):  # the positives' cosines in float32 from the views as given
+            if backend == "triton":  # the positives' cosines in float32 from the views as given
                 cos = {}
                 for a in range(v):
                     for b in range(a + 1, v):
@@ -358,7 +352,7 @@ class ContrastiveLoss(Objective):
             dtype = _compute_dtype(*features.values())
             backend = self._resolve_backend(query, low, dtype)
             q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
-            if self._low_units(backend, low):  # float32 cosines from the features as given
+            if backend == "triton":  # float32 cosines from the features as given
                 pos = torch.stack([row_cosines(query, keys[:, j], self.normalize) for j in range(keys.shape[1])], 1)
             else:
                 pos = torch.einsum("nd,npd->np", q, k)
@@ -410,7 +404,7 @@ class ContrastiveLoss(Objective):
                 pos = None
             else:
                 a, b = self._units(image, dtype, low, backend), self._units(text, dtype, low, backend)
-                if self._low_units(backend, low):  # float32 cosines from the features as given
+                if backend == "triton":  # float32 cosines from the features as given
                     pos = row_cosines(image, text, self.normalize)[:, None]
                 else:
                     pos = (a * b).sum(-1, keepdim=True)
@@ -452,18 +446,14 @@ class ContrastiveLoss(Objective):
 
     # ------------------------------------------------------------------ helpers
 
-    def _low_units(self, backend: str, low: torch.dtype | None) -> bool:
-        """Whether this call's unit vectors are made in ``low`` (bf16/fp16): the Triton backend's products take
-        them so, and then no float32 copy of them is kept for backward (functional.unit_rows_in), and the
-        positives' cosines come in float32 from the features as given (functional.row_cosines)."""
-        return backend == "triton" and low is not None
-
     def _units(self, x: torch.Tensor, dtype: torch.dtype, low: torch.dtype | None, backend: str) -> torch.Tensor:
-        """The unit vectors (or, with normalize=False, the features) the backend takes: in ``low`` where
-        _low_units, else in the compute dtype."""
-        if self._low_units(backend, low):
-            assert low is not None
-            return unit_rows_in(x, low) if self.normalize else x.to(low)
+        """The rows the backend takes: on the Triton backend the features as given, in ``low`` (bf16/fp16) or
+        the compute dtype, which its kernels normalise through their inverse norms (nothing of the features'
+        size made or kept for backward beyond them: issue 40's memory); elsewhere the unit vectors (with
+        normalize=False, the features) in the compute dtype. The Triton backend's positives are then
+        functional.row_cosines of the features as given (float32 sums)."""
+        if backend == "triton":
+            return x.to(low or dtype)
         return self._unit(x, dtype)
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -480,13 +470,10 @@ class ContrastiveLoss(Objective):
     def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None,
                          dtype: torch.dtype | None = None) -> str:
         """The backend of this call (choose_backend), "triton" checked against the features and the install.
-        features: this process's anchors (any leading shape), times the processes where they are gathered;
-        dtype: the call's compute dtype where it is not the features' own (another input in float64)."""
-        candidates = 0
-        if self.backend == "auto" and features.device.type == "cuda":
-            candidates = features.numel() // features.shape[-1] * (world()[1] if self.gather_distributed else 1)
+        features: this process's anchors; dtype: the call's compute dtype where it is not the features' own
+        (another input in float64)."""
         float64 = (dtype or features.dtype) == torch.float64
-        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, candidates, float64)
+        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, float64)
         if backend == "triton":
             if float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
@@ -510,7 +497,7 @@ class ContrastiveLoss(Objective):
                 anchors = anchors.to(low)
                 candidates = anchors if same else candidates.to(low)
             return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
-                                         columns=columns)
+                                         columns=columns, normalize=self.normalize)
         block, keep = blocking(anchors.device.type, candidates.shape[0], self.chunk_size)
         # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
         # sample's views) are symmetric.

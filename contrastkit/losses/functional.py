@@ -61,7 +61,7 @@ class _NormalizeRows(torch.autograd.Function):
             return torch.addcmul(grad, y, along, value=-1.0).mul_(inv)
 
 
-# Rows per pass of the low-precision helpers below: their float32 work stays within 2^22 elements (16 MiB).
+# Rows per pass of the row helpers below: their float32 work stays within 2^22 elements (16 MiB).
 _LOW_CHUNK_ELEMENTS = 2**22
 
 
@@ -70,44 +70,26 @@ def _row_chunks(rows: int, d: int):
     return ((r0, min(r0 + step, rows)) for r0 in range(0, rows, step))
 
 
-class _UnitRowsIn(torch.autograd.Function):
-    """The unit rows of x (F.normalize's) written in ``dtype`` (bfloat16/float16: what the Triton kernels and
-    cuBLAS take), their inverse norms in float32; only those two are kept for backward, so no float32 copy of
-    the features lives between forward and backward. The float32 work goes in chunks of rows."""
-
-    @staticmethod
-    def forward(ctx, x, dtype):
-        out = x.new_empty(x.shape, dtype=dtype)
-        inv = x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
-        flat_x, flat_out, flat_inv = x.reshape(-1, x.shape[-1]), out.view(-1, x.shape[-1]), inv.view(-1, 1)
-        for r0, r1 in _row_chunks(flat_x.shape[0], flat_x.shape[1]):
-            part = flat_x[r0:r1].float()
-            norm = torch.linalg.vector_norm(part, dim=-1, keepdim=True)
-            flat_inv[r0:r1] = torch.where(norm >= _NORM_EPS, 1.0 / norm.clamp_min(_NORM_EPS), -1.0 / _NORM_EPS)
-            flat_out[r0:r1] = part * flat_inv[r0:r1].abs()
-        ctx.save_for_backward(out, inv)
-        ctx.x_dtype = x.dtype
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        y, inv = ctx.saved_tensors  # inv < 0 marks a clamped row (divided by a constant: grad * inv alone)
-        with no_autocast(grad.device.type):
-            dx = grad.new_empty(grad.shape, dtype=ctx.x_dtype)
-            flat_g, flat_y, flat_dx = grad.reshape(-1, grad.shape[-1]), y.view(-1, y.shape[-1]), dx.view(-1, y.shape[-1])
-            flat_inv = inv.view(-1, 1)
-            for r0, r1 in _row_chunks(flat_g.shape[0], flat_g.shape[1]):
-                g, u, i = flat_g[r0:r1].float(), flat_y[r0:r1].float(), flat_inv[r0:r1]
-                along = torch.linalg.vecdot(g, u, dim=-1).unsqueeze(-1) * (i > 0)
-                flat_dx[r0:r1] = torch.addcmul(g, u, along, value=-1.0).mul_(i.abs())
-            return dx, None
+def inverse_norms(x: torch.Tensor) -> torch.Tensor:
+    """1 / max(||x_i||, eps) per row of x [rows, D] (F.normalize's divisor), float32, computed in chunks of rows
+    (no float32 copy of x), no gradient: the Triton kernels scale the products of the features as given by
+    them, so that no unit vectors are made (issue 40)."""
+    out = x.new_empty(x.shape[0], dtype=torch.float32)
+    with torch.no_grad():
+        for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
+            out[r0:r1] = 1.0 / torch.linalg.vector_norm(x[r0:r1].float(), dim=-1).clamp_min(_NORM_EPS)
+    return out
 
 
-def unit_rows_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``F.normalize(x, dim=-1)`` written in ``dtype``, keeping for backward that low-precision result and a
-    float32 number per row only (see _UnitRowsIn). The gradient is F.normalize's, from the rounded rows."""
-    return _UnitRowsIn.apply(x, dtype)
+def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor) -> None:
+    """out = d loss / d x from pre = inv * (d loss / d unit vector) (float32, [rows, D]): F.normalize's
+    backward, pre - inv^2 (x . pre) x, the projection dropped for a row whose norm was clamped to eps (a
+    constant divisor). out may be pre itself; the float32 work goes in chunks of rows."""
+    clamped = 1.0 / torch.tensor(_NORM_EPS, dtype=torch.float32, device=inv.device)  # inverse_norms' bits there
+    for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
+        p, v, i = pre[r0:r1].float(), x[r0:r1].float(), inv[r0:r1, None]
+        along = torch.linalg.vecdot(p, v, dim=-1)[:, None] * i * i * (i < clamped)
+        out[r0:r1] = torch.addcmul(p, v, along, value=-1.0)
 
 
 class _RowCosines(torch.autograd.Function):

@@ -41,9 +41,11 @@ gradients' float32 sums where there are several blocks (dB: K D 4 bytes; dA: a b
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
+from contrastkit.losses.functional import inverse_norms, normalization_backward
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
@@ -88,19 +90,21 @@ def _write_product(out, x, y):
 
 
 @launch.operator("contrastkit::negative_stats")
-def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, exclude: torch.Tensor | None,
-                    with_mean: bool, columns: bool, tf32: bool, blocks: list[int] | None, forward_logits: str,
+def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, inv_a: torch.Tensor | None,
+                    inv_b: torch.Tensor | None, exclude: torch.Tensor | None, with_mean: bool, columns: bool,
+                    tf32: bool, blocks: list[int] | None, forward_logits: str,
                     backward_logits: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(the statistics, the float32 logits kept for backward: the dense path, else empty); b None: the
-    candidates are a (two views on one process)."""
-    b = a if b is None else b
+    candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
+    features as given (the kernels normalise), else None."""
+    b, inv_b = (a, inv_a) if b is None else (b, inv_b)
     product = None
     if forward_logits in ("cublas", "dense"):
         def product(r0, r1, out):
             _write_product(out, a[r0:r1], b.T)
     kept = a.new_empty((a.shape[0], b.shape[0]) if forward_logits == "dense" else (0, 0), dtype=torch.float32)
     stats = forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks), product,
-                          kept if forward_logits == "dense" else None)
+                          kept if forward_logits == "dense" else None, None if inv_a is None else (inv_a, inv_b))
     return torch.stack(stats), kept
 
 
@@ -117,7 +121,7 @@ def _add_product(out, x, y, scale, accumulate):
 
 
 def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles, from_cublas=False,
-                    symmetric=False, kept=None):
+                    symmetric=False, kept=None, norms=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
     every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
     products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
@@ -125,16 +129,22 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
     from_cublas: the block's logits recomputed by cuBLAS into a float32 buffer that the d logits kernel reads
     (the band design; the buffer, not d logits, is then what BAND_BYTES bounds); kept: the whole matrix's
     float32 logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
-    a): d logits dL + dL^T, one product, dA is dz and dB empty."""
+    a): d logits dL + dL^T, one product, dA is dz and dB empty. norms: (a's, b's) inverse norms where a and b
+    are the features as given: the products give the unit vectors' gradients times the inverse norms, in
+    float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
+    a band's rows as the band completes, b's once every band has added to them."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(b, memory_format=torch.contiguous_format)
-    half = a.dtype != torch.float32
-    da_sum = a.new_empty((rows, d), dtype=torch.float32) if half and cols < k else None
-    db_sum = torch.empty_like(db, dtype=torch.float32) if half and rows < m and not symmetric else db
+    f32_sums = a.dtype != torch.float32 or norms is not None  # the sums that need a float32 buffer of their own
+    da_sum = a.new_empty((rows, d), dtype=torch.float32) if f32_sums and (cols < k or norms) else None
+    db_sum = db
+    if not symmetric and f32_sums and (rows < m or norms):
+        db_sum = db if db.dtype == torch.float32 else torch.empty_like(db, dtype=torch.float32)
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
-    ds = a.new_empty((triton.cdiv(k, cols), splits, m), dtype=torch.float32)
+    ds = a.new_empty((triton.cdiv(k, cols), splits, rows), dtype=torch.float32)
+    ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas and kept is None else None
     step = scale * factor  # the products' scale, once
@@ -148,26 +158,34 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
             if logits is not None:
                 products = logits[: r1 - r0, : c1 - c0]
                 _write_product(products, a[r0:r1], b[c0:c1].T)
-            write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j], r0, r1, c0, c1, splits, share,
-                          with_mean, columns, tf32, tiles, products, symmetric)
+            write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits,
+                          share, with_mean, columns, tf32, tiles, products, symmetric, norms)
             _add_product(da_band, block, b[c0:c1], step, c0 > 0)
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
-        if da_sum is not None:
+        ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
+        if norms is not None:
+            normalization_backward(da_band, a[r0:r1], norms[0][r0:r1], da[r0:r1])
+        elif da_sum is not None:
             da[r0:r1].copy_(da_band)
-    if db_sum is not db:
+    if norms is not None and not symmetric:
+        normalization_backward(db_sum, b, norms[1], db)
+    elif db_sum is not db:
         db.copy_(db_sum)
-    return da, db, ds.sum((0, 1))
+    return da, db, ds_rows
 
 
 @launch.operator("contrastkit::negative_stats_backward")
 def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor,
-                             exclude: torch.Tensor | None, stats: torch.Tensor, kept: torch.Tensor, with_mean: bool,
-                             columns: bool, tf32: bool, blocks: list[int] | None, forward_logits: str,
+                             inv_a: torch.Tensor | None, inv_b: torch.Tensor | None, exclude: torch.Tensor | None,
+                             stats: torch.Tensor, kept: torch.Tensor, with_mean: bool, columns: bool, tf32: bool,
+                             blocks: list[int] | None, forward_logits: str,
                              backward_logits: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...). kept: the
-    forward's logits (the dense path), else empty."""
+    forward's logits (the dense path), else empty; inv_a, inv_b: as the forward's (the gradients are then the
+    features' own)."""
     tiles = _tiles(blocks)
+    norms = None if inv_a is None else (inv_a, inv_a if b is None else inv_b)
     factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
     grad = grad / factor
     dense = forward_logits == "dense"
@@ -176,35 +194,35 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     if b is None and not columns:
         if from_cublas:  # the band design: dL + dL^T per band, one product
             dz, _, ds = _band_gradients(a, a, scale, factor, exclude, stats, grad, with_mean, False, tf32, tiles,
-                                        from_cublas=True, symmetric=True, kept=logits)
+                                        from_cublas=True, symmetric=True, kept=logits, norms=norms)
         else:
             dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
         return dz, a.new_empty(0), ds * factor
     da, db, ds = _band_gradients(a, a if b is None else b, scale, factor, exclude, stats, grad, with_mean, columns,
-                                 tf32, tiles, from_cublas, kept=logits)
+                                 tf32, tiles, from_cublas, kept=logits, norms=norms)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, scale, exclude, *ctx.options = inputs
+    a, b, scale, inv_a, inv_b, exclude, *ctx.options = inputs
     stats, kept = output
     ctx.mark_non_differentiable(kept)
-    ctx.save_for_backward(a, b, scale, exclude, stats, kept)
+    ctx.save_for_backward(a, b, scale, inv_a, inv_b, exclude, stats, kept)
 
 
 def _backward(ctx, grad, _):
-    a, b, scale, exclude, stats, kept = ctx.saved_tensors
+    a, b, scale, inv_a, inv_b, exclude, stats, kept = ctx.saved_tensors
     with_mean = ctx.options[0]
     with no_autocast(grad.device.type):  # backward() may be called inside the caller's autocast block
         grad = grad.to(torch.float32).contiguous()
-        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, exclude, stats, kept,
-                                                                   *ctx.options)
+        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, inv_a, inv_b, exclude, stats,
+                                                                   kept, *ctx.options)
         d_scale = ds.sum()
         if with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
-    return da, None if b is None else db, d_scale, None, None, None, None, None, None, None
+    return da, None if b is None else db, d_scale, None, None, None, None, None, None, None, None, None
 
 
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -262,7 +280,8 @@ def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forw
 def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale, *,
                           exclude: torch.Tensor | None = None, with_mean: bool = False, columns: bool = False,
                           block_m: int | None = None, block_n: int | None = None, block_d: int | None = None,
-                          forward_logits: str | None = None, backward_logits: str | None = None) -> torch.Tensor:
+                          forward_logits: str | None = None, backward_logits: str | None = None,
+                          normalize: bool = False) -> torch.Tensor:
     """chunked.negative_stats on Triton kernels: [S, M] float32 statistics of the logits scale * a @ b.T.
 
     anchors [M, D] and candidates [K, D] (float32, bfloat16 or float16; float64 raises TypeError); scale a
@@ -276,7 +295,9 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
     whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
     DENSE_BYTES, else the kernel for bf16/fp16 and cuBLAS for float32); None: FORWARD_LOGITS,
-    BACKWARD_LOGITS.
+    BACKWARD_LOGITS. normalize: the logits are those of the unit vectors, scale cos(a_i, b_k): the kernels
+    take the features as given with their float32 inverse norms (functional.inverse_norms), so no unit
+    vectors are made or kept, and the gradients are the features' own (F.normalize's backward per band).
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
@@ -297,5 +318,11 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     if exclude is not None:
         exclude = exclude.contiguous()
     tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
-    return _negative_stats(anchors, None if candidates is anchors else candidates, scale, exclude, with_mean,
+    same = candidates is anchors
+    if normalize and same and not columns and backward_logits == "kernel":  # the first design's two-view kernel
+        anchors = candidates = F.normalize(anchors.float(), dim=-1)  # takes unit vectors (float32: not rounded)
+        normalize = False
+    inv_a = inverse_norms(anchors) if normalize else None
+    inv_b = None if same or not normalize else inverse_norms(candidates)
+    return _negative_stats(anchors, None if same else candidates, scale, inv_a, inv_b, exclude, with_mean,
                            columns, tf32, blocks, forward_logits, backward_logits)[0]

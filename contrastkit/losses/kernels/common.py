@@ -66,6 +66,24 @@ def resident(x_ptr, rows, n_x, D: tl.constexpr, s_xr, s_xd, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def inverse_norms(inv_ptr, index, n, NORMALIZE: tl.constexpr):
+    """The inverse norms (float32) of the rows ``index`` where NORMALIZE: the kernels then take the features as
+    given and scale their products to cosines (issue 40: no unit vectors made), else nothing."""
+    inv = None
+    if NORMALIZE:
+        inv = tl.load(inv_ptr + index, mask=index < n, other=0.0)
+    return inv
+
+
+@triton.jit
+def scaled(tile, inv_rows, inv_cols, NORMALIZE: tl.constexpr):
+    """tile * inv_rows[:, None] * inv_cols[None, :] where NORMALIZE, else the tile."""
+    if NORMALIZE:
+        tile = tile * inv_rows[:, None] * inv_cols[None, :]
+    return tile
+
+
+@triton.jit
 def valid(ex_ptr, anchors, cands, M, K, E: tl.constexpr, ANCHORS_ON_ROWS: tl.constexpr):
     """The tile's pairs inside the matrix and not excluded (exclude [M, E] column indices, contiguous), the
     anchors on the tile's rows or on its columns."""

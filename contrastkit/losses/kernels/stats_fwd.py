@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import EXCLUDED, dots, resident, tile_exp, valid
+from contrastkit.losses.kernels.common import EXCLUDED, dots, inverse_norms, resident, scaled, tile_exp, valid
 
 COLUMN_PARTIAL_BYTES = 2**27
 LOGIT_BAND_BYTES = 2**28  # the band design's float32 products of a band of rows and every column
@@ -40,15 +40,17 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 
 
 @triton.jit
-def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, K, R0, R1, SPLIT, s_am,
-              s_ad, s_bk, s_bd, s_pr, D: tl.constexpr, E: tl.constexpr, WITH_MEAN: tl.constexpr,
-              COLUMNS: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, K, R0,
+              R1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_part, D: tl.constexpr, E: tl.constexpr, WITH_MEAN: tl.constexpr,
+              COLUMNS: tl.constexpr, FROM_LOGITS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0), rows < R1), columns [SPLIT s, SPLIT (s + 1))
     of split s = program_id(1): online maximum m, sum l of exp(L - m) and (WITH_MEAN) sum w of exp(L - m) L;
-    the split's lse and mean to row s of the [splits, M] outputs. COLUMNS (no mean): each column's lse over
+    the split's lse and mean to row s, column row - R0, of the launch's [splits, R1 - R0] partials (row
+    stride s_part). COLUMNS (no mean): each column's lse over
     the tile's rows to row t of cpart [tiles, K]. FROM_LOGITS: the products a.b read from p [R1 - R0, K]
-    float32 (the band's, cuBLAS's), not computed here."""
+    float32 (the band's, cuBLAS's), not computed here. NORMALIZE: a and b are the features as given and the
+    logits scale (a.b) inv_a inv_b (common.scaled)."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, K)
@@ -56,6 +58,7 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_p
     a = None
     if not FROM_LOGITS:
         a = resident(a_ptr, rows, R1, D, s_am, s_ad, BLOCK_D)
+    inv_a = inverse_norms(inv_a_ptr, rows, R1, NORMALIZE)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     w = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -63,10 +66,11 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_p
         cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         if FROM_LOGITS:
             s = tl.load(p_ptr + (rows - R0)[:, None] * s_pr + cols[None, :],
-                        mask=(rows[:, None] < R1) & (cols[None, :] < end), other=0.0) * scale
+                        mask=(rows[:, None] < R1) & (cols[None, :] < end), other=0.0)
         else:
             s = dots(a_ptr, b_ptr, a, rows, cols, R1, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
-                     PRECISION, UPCAST) * scale
+                     PRECISION, UPCAST)
+        s = scaled(s, inv_a, inverse_norms(inv_b_ptr, cols, K, NORMALIZE), NORMALIZE) * scale
         ok = valid(ex_ptr, rows, cols, R1, end, E, True)
         s = tl.where(ok, s, EXCLUDED)
         if COLUMNS:  # the rows' and the columns' terms from one exp per logit (common.tile_exp)
@@ -89,18 +93,20 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_p
                 w = w * rescale + tl.sum(tl.where(ok, p * s, 0.0), axis=1)
             m = m_new
     inside = rows < R1
-    out = tl.program_id(1) * M + rows
+    out = tl.program_id(1) * s_part + rows - R0
     tl.store(lse_ptr + out, m + tl.log(l), mask=inside)
     if WITH_MEAN:
         tl.store(mean_ptr + out, w / l / scale, mask=inside)
 
 
-def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None, logits=None):
+def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None, logits=None,
+                  inverse_norms=None):
     """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each. blocks: fixed tiles (BLOCK_M, BLOCK_N,
     BLOCK_D), else the space's. The columns split over b's rows where a has few row tiles. product(r0, r1,
     out): where given, the band's products a[r0:r1] b^T written into out (cuBLAS: the band design), in bands
     of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them; into the rows of
-    ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward)."""
+    ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward). inverse_norms:
+    (a's, b's) float32 inverse norms where a and b are the features as given (the kernel normalises)."""
     m, k = a.shape[0], b.shape[0]
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
     chunk = m
@@ -111,8 +117,13 @@ def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, p
         chunk = min(chunk, max(1, LOGIT_BAND_BYTES // (k * 4 * tile)) * tile)
         band = a.new_empty((chunk, k), dtype=torch.float32)
     splits, share = launch.split(triton.cdiv(chunk, 64), k, a.device)
-    lse = a.new_empty((splits, m), dtype=torch.float32)
-    mean = torch.empty_like(lse) if with_mean else lse
+    # Each launch's partial statistics per split, [splits, chunk], combined into [M] after it: bounded however
+    # many splits a launch of few rows against many columns takes (a band of 128 rows at 2^19 columns: 132).
+    lse, mean = a.new_empty((splits, chunk), dtype=torch.float32), None
+    if with_mean:
+        mean = torch.empty_like(lse)
+    total = a.new_empty(m, dtype=torch.float32)
+    row_mean = torch.empty_like(total) if with_mean else None
     cpart = a.new_empty((triton.cdiv(chunk, tile), k), dtype=torch.float32) if columns else lse
     column_lse = None
     for r0 in range(0, m, chunk):
@@ -122,19 +133,25 @@ def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, p
         if band is not None:
             product(r0, r1, band[: r1 - r0])
         launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS"), a, b, lse if band is None else band, scale,
-                   a if exclude is None else exclude, lse, mean, cpart, M=m, K=k, R0=r0, R1=r1, SPLIT=share,
+                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS", "NORMALIZE"), a, b, lse if band is None else band,
+                   scale, *(inverse_norms or (scale, scale)), a if exclude is None else exclude, lse,
+                   lse if mean is None else mean, cpart, M=m, K=k, R0=r0, R1=r1, SPLIT=share,
                    s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0), s_bd=b.stride(1),
-                   s_pr=0 if band is None else band.stride(0), D=a.shape[1], E=0 if exclude is None else exclude.shape[1],
-                   WITH_MEAN=with_mean, COLUMNS=columns, FROM_LOGITS=band is not None,
+                   s_pr=0 if band is None else band.stride(0), s_part=lse.stride(0), D=a.shape[1],
+                   E=0 if exclude is None else exclude.shape[1], WITH_MEAN=with_mean, COLUMNS=columns,
+                   FROM_LOGITS=band is not None, NORMALIZE=inverse_norms is not None,
                    PRECISION=launch.precision(a.dtype, tf32), UPCAST=launch.upcast(a.dtype), blocks=blocks)
+        part = lse[:, : r1 - r0]
+        total[r0:r1] = torch.logsumexp(part, dim=0) if splits > 1 else part[0]  # the splits' partials, exactly
+        if with_mean:
+            mean_part = mean[:, : r1 - r0]
+            row_mean[r0:r1] = (torch.exp(part - total[r0:r1]) * mean_part).sum(0) if splits > 1 else mean_part[0]
         if columns:
             part = torch.logsumexp(cpart[: triton.cdiv(r1 - r0, tile)], dim=0)
             column_lse = part if column_lse is None else torch.logaddexp(column_lse, part)
-    total = torch.logsumexp(lse, dim=0) if splits > 1 else lse[0]  # the splits' partial statistics, exactly
     stats = [total]
     if with_mean:
-        stats.append((torch.exp(lse - total) * mean).sum(0) if splits > 1 else mean[0])
+        stats.append(row_mean)
     if columns:
         stats.append(column_lse)
     return stats
