@@ -32,19 +32,22 @@ DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 # products, float32), the stride arguments that are 1 at the production size (Triton specialises an int
 # argument equal to 1 into a constant), and its variant's constants. The "-band" variants read the logits
 # cuBLAS wrote (the band design: elementwise, no product inside).
-_FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64"}
-_DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "dl_ptr": "x"}
-# NORMALIZE: the losses' calls (the features as given, scaled by their inverse norms in the kernels).
-KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, NORMALIZE=True)),
-           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, NORMALIZE=True)),
+_FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64"}
+_DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64", "dl_ptr": "x"}
+# NORMALIZE: the losses' calls (the features as given, scaled by their inverse norms in the kernels); LABELS 1:
+# pairs left out by label too (issue 41), in the two-view backward, which masks twice (its transposed term).
+KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, NORMALIZE=True, LABELS=0)),
+           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, NORMALIZE=True, LABELS=0)),
            "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False,
-                                                                  NORMALIZE=True)),
+                                                                  NORMALIZE=True, LABELS=0)),
            "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False,
-                                                                       NORMALIZE=True)),
+                                                                       NORMALIZE=True, LABELS=0)),
            "two-view-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
-                                                                        NORMALIZE=True)),
+                                                                        NORMALIZE=True, LABELS=0)),
+           "two-view-band-labels": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
+                                                                               NORMALIZE=True, LABELS=1)),
            "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
-BAND = ("fwd-band", "dlogits-band", "two-view-band")  # no product inside: no tensor-core instruction expected
+BAND = ("fwd-band", "dlogits-band", "two-view-band", "two-view-band-labels")  # no product inside: no tensor-core instruction expected
 
 
 def compile_kernel(case: dict) -> dict:
@@ -114,7 +117,7 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
 # Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text
 # columns (the diagonal); the products as dA (row-major operands) and dB (dL transposed, float32 accumulated).
 SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,), "fwd-band": (False, True),
-            "dlogits-band": (False, True), "two-view-band": (False,)}
+            "dlogits-band": (False, True), "two-view-band": (False,), "two-view-band-labels": (False,)}
 
 
 def quick_cases(d: int = 512) -> list[dict]:

@@ -30,7 +30,7 @@ def compiled():
     return json.loads(result.stdout)
 
 
-BAND = ("fwd-band", "dlogits-band", "two-view-band")  # the band design's: they read cuBLAS's logits
+BAND = ("fwd-band", "dlogits-band", "two-view-band", "two-view-band-labels")  # they read cuBLAS's logits
 
 
 def test_every_kernel_compiled_for_both_architectures(compiled):
@@ -39,7 +39,8 @@ def test_every_kernel_compiled_for_both_architectures(compiled):
         for dtype in ("bf16", "fp32"):
             for fused, band in (("fwd", "fwd-band"), ("dlogits", "dlogits-band")):
                 assert {(k, c, arch, dtype) for k in (fused, band) for c in (False, True)} <= kinds
-            assert {("two-view", False, arch, dtype), ("two-view-band", False, arch, dtype)} <= kinds
+            assert {("two-view", False, arch, dtype), ("two-view-band", False, arch, dtype),
+                    ("two-view-band-labels", False, arch, dtype)} <= kinds  # labels: the most masks in one kernel
     assert {("two-view", False, 90, "fp16"), ("two-view-band", False, 90, "fp16")} <= kinds
     assert all(r["d"] == 512 for r in compiled)
 

@@ -17,13 +17,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILES = dict(block_m=16, block_n=16, block_d=16)
 
 
-def reference(a, b, scale, exclude=None, with_mean=False, columns=False):
+def reference(a, b, scale, exclude=None, with_mean=False, columns=False, labels=None, same_label=True):
     """Dense float64 statistics of L = scale a b^T, excluded pairs masked: rows' lse (and softmax-weighted
-    mean of L / scale), then the columns' lse."""
+    mean of L / scale), then the columns' lse. labels (row ids, column ids): the pairs whose ids are equal
+    masked too (same_label), or those whose ids differ."""
     logits = scale * a @ b.T
     mask = torch.zeros_like(logits, dtype=torch.bool)
     if exclude is not None:
         mask.scatter_(1, exclude.to(mask.device), True)
+    if labels is not None:
+        equal = labels[0].cpu()[:, None] == labels[1].cpu()[None, :]
+        mask |= equal if same_label else ~equal
     masked = logits.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(masked, dim=1)
     stats = [lse]
@@ -308,6 +312,56 @@ def test_dot_precision_follows_the_tf32_setting(monkeypatch, float32_precision, 
         assert seen == [want] * 2
 
 
+def _ids(g, n, classes=4):
+    return torch.randint(0, classes, (n,), generator=g).to(DEVICE)
+
+
+@pytest.mark.parametrize("same_label", [True, False])
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_labels_equal_float64_reference(same_label, with_mean, as_given, logits_from):
+    """Pairs left out by label (issue 41) on the Triton path: rows (query/queue, one excluded column besides)
+    with 4 classes, same-label pairs left out (false negatives) or the differing ones (the statistics over
+    same-label candidates); one excluded column per row as a positive is."""
+    g = torch.Generator().manual_seed(30 + same_label + 2 * with_mean)
+    a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
+    labels = (_ids(g, 37), _ids(g, 53))
+    exclude = torch.randint(0, 53, (37, 1), generator=g).to(DEVICE)
+    _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, with_mean=with_mean, labels=labels, same_label=same_label,
+             normalize=as_given)
+
+
+@pytest.mark.parametrize("same_label", [True, False])
+def test_labels_two_views_same_tensor(same_label, as_given, logits_from):
+    """Two views on one process with labels: one array of ids for the one tensor, the symmetric backward's
+    transposed term masked by the columns' own ids (cublas, dense); the first design's two-view kernel
+    ("kernel") refuses labels."""
+    g = torch.Generator().manual_seed(33 + same_label)
+    n = 20
+    z = _features(g, 2 * n, 24).to(DEVICE)
+    own = torch.arange(2 * n)
+    exclude = torch.stack([own, (own + n) % (2 * n)], dim=1).to(DEVICE)
+    ids = _ids(g, n).repeat(2)  # a sample's two views share its label
+    if logits_from == "kernel":
+        with pytest.raises(ValueError, match="takes no labels"):
+            negative_stats_triton(z, z, 10.0, exclude=exclude, labels=(ids, ids))
+        return
+    _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, labels=(ids, ids), same_label=same_label,
+             normalize=as_given)
+
+
+def test_labels_in_bands_at_production_tiles(monkeypatch, logits_from):
+    """Labels at D = 512, the production tiles, blocks of 128 x 128 and forward launches of 128 rows (the
+    buffers' bounds made small), bf16: every band and split masks by its own rows' and columns' ids."""
+    from contrastkit.losses.kernels import dlogits, stats_fwd
+
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    g = torch.Generator().manual_seed(35)
+    a, b = _features(g, 150, 512, torch.bfloat16).to(DEVICE), _features(g, 150, 512, torch.bfloat16).to(DEVICE)
+    _compare_at(a, b, 14.0, 2e-6, 1e-2, scale_tol=1e-5, tiles={}, labels=(_ids(g, 150, 7), _ids(g, 150, 7)),
+                with_mean=True, normalize=True)
+
+
 def test_bad_inputs_raise_clear_errors():
     a = torch.randn(8, 16, device=DEVICE)
     with pytest.raises(TypeError, match="float64"):
@@ -331,6 +385,13 @@ def test_bad_inputs_raise_clear_errors():
         negative_stats_triton(a, a, 1.0, block_n=32)
     with pytest.raises(ValueError, match="0-dim"):
         negative_stats_triton(a, a, torch.ones(1, device=DEVICE))
+    ids = torch.zeros(8, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="columns=True takes no labels"):
+        negative_stats_triton(a, a.clone(), 1.0, columns=True, labels=(ids, ids))
+    with pytest.raises(ValueError, match="column ids must be an integer tensor of 8 entries"):
+        negative_stats_triton(a, a.clone(), 1.0, labels=(ids, ids[:5]))
+    with pytest.raises(ValueError, match="row ids must be an integer tensor"):
+        negative_stats_triton(a, a.clone(), 1.0, labels=(ids.float(), ids))
 
 
 def test_compiles_into_one_graph():

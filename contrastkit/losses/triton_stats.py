@@ -91,12 +91,14 @@ def _write_product(out, x, y):
 
 @launch.operator("contrastkit::negative_stats")
 def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, inv_a: torch.Tensor | None,
-                    inv_b: torch.Tensor | None, exclude: torch.Tensor | None, with_mean: bool, columns: bool,
-                    tf32: bool, blocks: list[int] | None, forward_logits: str,
+                    inv_b: torch.Tensor | None, exclude: torch.Tensor | None, ids_a: torch.Tensor | None,
+                    ids_b: torch.Tensor | None, labels: int, with_mean: bool, columns: bool, tf32: bool,
+                    blocks: list[int] | None, forward_logits: str,
                     backward_logits: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(the statistics, the float32 logits kept for backward: the dense path, else empty); b None: the
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
-    features as given (the kernels normalise), else None."""
+    features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
+    kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
     b, inv_b = (a, inv_a) if b is None else (b, inv_b)
     product = None
     if forward_logits in ("cublas", "dense"):
@@ -104,8 +106,14 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
             _write_product(out, a[r0:r1], b.T)
     kept = a.new_empty((a.shape[0], b.shape[0]) if forward_logits == "dense" else (0, 0), dtype=torch.float32)
     stats = forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks), product,
-                          kept if forward_logits == "dense" else None, None if inv_a is None else (inv_a, inv_b))
+                          kept if forward_logits == "dense" else None, None if inv_a is None else (inv_a, inv_b),
+                          _labels(ids_a, ids_b, labels))
     return torch.stack(stats), kept
+
+
+def _labels(ids_a, ids_b, labels):
+    """The kernels' labels argument: (a's ids, b's ids, LABELS), or None."""
+    return None if labels == 0 else (ids_a, ids_a if ids_b is None else ids_b, labels)
 
 
 def _add_product(out, x, y, scale, accumulate):
@@ -121,7 +129,7 @@ def _add_product(out, x, y, scale, accumulate):
 
 
 def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles, from_cublas=False,
-                    symmetric=False, kept=None, norms=None):
+                    symmetric=False, kept=None, norms=None, labels=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
     every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
     products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
@@ -132,7 +140,7 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
     a): d logits dL + dL^T, one product, dA is dz and dB empty. norms: (a's, b's) inverse norms where a and b
     are the features as given: the products give the unit vectors' gradients times the inverse norms, in
     float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
-    a band's rows as the band completes, b's once every band has added to them."""
+    a band's rows as the band completes, b's once every band has added to them. labels: as write_dlogits'."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
@@ -159,7 +167,7 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
                 products = logits[: r1 - r0, : c1 - c0]
                 _write_product(products, a[r0:r1], b[c0:c1].T)
             write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits,
-                          share, with_mean, columns, tf32, tiles, products, symmetric, norms)
+                          share, with_mean, columns, tf32, tiles, products, symmetric, norms, labels)
             _add_product(da_band, block, b[c0:c1], step, c0 > 0)
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
@@ -178,6 +186,7 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
 @launch.operator("contrastkit::negative_stats_backward")
 def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor,
                              inv_a: torch.Tensor | None, inv_b: torch.Tensor | None, exclude: torch.Tensor | None,
+                             ids_a: torch.Tensor | None, ids_b: torch.Tensor | None, labels: int,
                              stats: torch.Tensor, kept: torch.Tensor, with_mean: bool, columns: bool, tf32: bool,
                              blocks: list[int] | None, forward_logits: str,
                              backward_logits: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,6 +195,7 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     features' own)."""
     tiles = _tiles(blocks)
     norms = None if inv_a is None else (inv_a, inv_a if b is None else inv_b)
+    by_label = _labels(ids_a, ids_b, labels)
     factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
     grad = grad / factor
     dense = forward_logits == "dense"
@@ -194,35 +204,36 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     if b is None and not columns:
         if from_cublas:  # the band design: dL + dL^T per band, one product
             dz, _, ds = _band_gradients(a, a, scale, factor, exclude, stats, grad, with_mean, False, tf32, tiles,
-                                        from_cublas=True, symmetric=True, kept=logits, norms=norms)
+                                        from_cublas=True, symmetric=True, kept=logits, norms=norms,
+                                        labels=by_label)
         else:
             dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
         return dz, a.new_empty(0), ds * factor
     da, db, ds = _band_gradients(a, a if b is None else b, scale, factor, exclude, stats, grad, with_mean, columns,
-                                 tf32, tiles, from_cublas, kept=logits, norms=norms)
+                                 tf32, tiles, from_cublas, kept=logits, norms=norms, labels=by_label)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, scale, inv_a, inv_b, exclude, *ctx.options = inputs
+    a, b, scale, inv_a, inv_b, exclude, ids_a, ids_b, ctx.labels, *ctx.options = inputs
     stats, kept = output
     ctx.mark_non_differentiable(kept)
-    ctx.save_for_backward(a, b, scale, inv_a, inv_b, exclude, stats, kept)
+    ctx.save_for_backward(a, b, scale, inv_a, inv_b, exclude, ids_a, ids_b, stats, kept)
 
 
 def _backward(ctx, grad, _):
-    a, b, scale, inv_a, inv_b, exclude, stats, kept = ctx.saved_tensors
+    a, b, scale, inv_a, inv_b, exclude, ids_a, ids_b, stats, kept = ctx.saved_tensors
     with_mean = ctx.options[0]
     with no_autocast(grad.device.type):  # backward() may be called inside the caller's autocast block
         grad = grad.to(torch.float32).contiguous()
-        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, inv_a, inv_b, exclude, stats,
-                                                                   kept, *ctx.options)
+        da, db, ds = torch.ops.contrastkit.negative_stats_backward(grad, a, b, scale, inv_a, inv_b, exclude, ids_a,
+                                                                   ids_b, ctx.labels, stats, kept, *ctx.options)
         d_scale = ds.sum()
         if with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
-    return da, None if b is None else db, d_scale, None, None, None, None, None, None, None, None, None
+    return da, None if b is None else db, d_scale, *(None,) * 12
 
 
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -281,7 +292,8 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
                           exclude: torch.Tensor | None = None, with_mean: bool = False, columns: bool = False,
                           block_m: int | None = None, block_n: int | None = None, block_d: int | None = None,
                           forward_logits: str | None = None, backward_logits: str | None = None,
-                          normalize: bool = False) -> torch.Tensor:
+                          normalize: bool = False, labels: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          same_label: bool = True) -> torch.Tensor:
     """chunked.negative_stats on Triton kernels: [S, M] float32 statistics of the logits scale * a @ b.T.
 
     anchors [M, D] and candidates [K, D] (float32, bfloat16 or float16; float64 raises TypeError); scale a
@@ -298,6 +310,10 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     BACKWARD_LOGITS. normalize: the logits are those of the unit vectors, scale cos(a_i, b_k): the kernels
     take the features as given with their float32 inverse norms (functional.inverse_norms), so no unit
     vectors are made or kept, and the gradients are the features' own (F.normalize's backward per band).
+    labels (rows only): (row ids [M], column ids [K]) integers; the pairs whose ids are equal are left out
+    too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
+    statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
+    anchors and candidates (two views) reads the row ids for both.
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
@@ -319,10 +335,34 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         exclude = exclude.contiguous()
     tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
     same = candidates is anchors
-    if normalize and same and not columns and backward_logits == "kernel":  # the first design's two-view kernel
+    first_two_view = same and not columns and backward_logits == "kernel"  # the first design's two-view kernel
+    ids_a = ids_b = None
+    if labels is not None:
+        ids_a, ids_b = _check_labels(labels, anchors, candidates, columns, first_two_view)
+    if normalize and first_two_view:
         anchors = candidates = F.normalize(anchors.float(), dim=-1)  # takes unit vectors (float32: not rounded)
         normalize = False
     inv_a = inverse_norms(anchors) if normalize else None
     inv_b = None if same or not normalize else inverse_norms(candidates)
-    return _negative_stats(anchors, None if same else candidates, scale, inv_a, inv_b, exclude, with_mean,
+    return _negative_stats(anchors, None if same else candidates, scale, inv_a, inv_b, exclude, ids_a,
+                           None if same else ids_b, 0 if labels is None else 1 if same_label else 2, with_mean,
                            columns, tf32, blocks, forward_logits, backward_logits)[0]
+
+
+def _check_labels(labels, anchors, candidates, columns, first_two_view):
+    """The ids of a labels=(row ids, column ids) argument, contiguous int64, or a ValueError naming the problem."""
+    if columns:
+        raise ValueError("negative_stats_triton: columns=True takes no labels: give each direction as rows")
+    if first_two_view:
+        raise ValueError("negative_stats_triton: backward_logits='kernel' with one tensor (the first design's "
+                         "two-view kernel) takes no labels; use 'cublas'")
+    ids = []
+    for name, x, rows in (("row ids", labels[0], anchors.shape[0]), ("column ids", labels[1], candidates.shape[0])):
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != rows or x.is_floating_point():
+            raise ValueError(f"negative_stats_triton: labels' {name} must be an integer tensor of {rows} entries, "
+                             f"got {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__} "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
+        if x.device != anchors.device:
+            raise ValueError(f"negative_stats_triton: labels' {name} are on {x.device}, anchors on {anchors.device}")
+        ids.append(x.to(torch.int64).contiguous())
+    return ids

@@ -101,6 +101,25 @@ def valid(ex_ptr, anchors, cands, M, K, E: tl.constexpr, ANCHORS_ON_ROWS: tl.con
 
 
 @triton.jit
+def kept_by_label(anchor_ids_ptr, cand_ids_ptr, anchors, cands, M, K, LABELS: tl.constexpr,
+                  ANCHORS_ON_ROWS: tl.constexpr):
+    """The tile's pairs kept by the samples' integer ids (issue 41's labels): LABELS 1 leaves out the pairs
+    whose ids are equal (same-label candidates, false negatives), 2 those whose ids differ (the statistics
+    over each anchor's same-label candidates); anchors on the tile's rows or on its columns."""
+    a = tl.load(anchor_ids_ptr + anchors, mask=anchors < M, other=-1)
+    c = tl.load(cand_ids_ptr + cands, mask=cands < K, other=-1)
+    if ANCHORS_ON_ROWS:
+        equal = a[:, None] == c[None, :]
+    else:
+        equal = c[:, None] == a[None, :]
+    if LABELS == 1:
+        kept = equal == 0
+    else:
+        kept = equal
+    return kept
+
+
+@triton.jit
 def tile_exp(s, cols, end):
     """(e, t, T, ok): e = exp(s - t) with t each row's maximum on the tile, T the tile's maximum, and ok
     whether every column (of those < end) has its maximum within WINDOW of T. Then exp(s_ik - c_k) for any

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.common import (EXCLUDED, anchor_dlogits, column_dlogits, dots, inverse_norms,
-                                               resident, scaled, tile_exp, valid)
+                                               kept_by_label, resident, scaled, tile_exp, valid)
 
 BAND_BYTES = 2**28
 BAND_ALIGN = 128
@@ -27,9 +27,10 @@ BAND_MIN_ROWS = 2048
 # (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py).
 NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D")
 # float32 on sm_90: 128x32x32 first, since 128x64x16 spills 16 bytes in the image-text form once the inverse
-# norms are loaded (NORMALIZE; benchmarks/triton_compile.py).
-SPACE = {2: [(128, 64, 32, 8, 3, (90, 80)), (128, 64, 64, 8, 3, (90,)), (128, 32, 64, 8, 3, (90,))],
-         4: [(128, 32, 32, 8, 3, (90,)), (128, 64, 16, 8, 3, (90,)), (128, 64, 32, 8, 3, (80,))]}
+# norms are loaded (NORMALIZE); sm_80: 128x32 tiles, since 128x64 sits at 254-255 registers there and spills
+# 8-28 bytes with labels (benchmarks/triton_compile.py).
+SPACE = {2: [(128, 64, 32, 8, 3, (90,)), (128, 64, 64, 8, 3, (90,)), (128, 32, 64, 8, 3, (90, 80))],
+         4: [(128, 32, 32, 8, 3, (90, 80)), (128, 64, 16, 8, 3, (90,))]}
 
 
 def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
@@ -50,9 +51,10 @@ def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:
 
 
 @triton.jit
-def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, stats_ptr, grad_ptr, dl_ptr, ds_ptr, M, K,
-            R0, R1, C0, C1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_lr, s_ds, D: tl.constexpr, E: tl.constexpr,
-            WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr, SYMMETRIC: tl.constexpr, FROM_LOGITS: tl.constexpr,
+def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, ids_b_ptr, stats_ptr, grad_ptr,
+            dl_ptr, ds_ptr, M, K, R0, R1, C0, C1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_lr, s_ds, D: tl.constexpr,
+            E: tl.constexpr, LABELS: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr,
+            SYMMETRIC: tl.constexpr, FROM_LOGITS: tl.constexpr,
             NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """dl[rows - R0, cols - C0] = dL'[rows, cols] for rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0),
@@ -65,7 +67,8 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, stats_
     dL' alone. NORMALIZE: a and b are the features as given, the logits scale (a.b) inv_a inv_b
     (common.scaled), ds sums dL' times those cosines, and dl is written times inv_a inv_b, so that cuBLAS's
     products of it with the features are the gradients with respect to the unit vectors, times the rows'
-    inverse norms (triton_stats applies the normalisation's projection after)."""
+    inverse norms (triton_stats applies the normalisation's projection after). LABELS: pairs also left out by
+    the samples' ids (common.kept_by_label; two views: one array of ids, the transposed term's too)."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = C0 + tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, C1)
@@ -88,6 +91,9 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, stats_
         products = scaled(products, inv_a, inv_b, NORMALIZE)
         s = products * scale
         ok = valid(ex_ptr, rows, cols, R1, end, E, True)
+        if LABELS != 0:  # the transposed term's too (SYMMETRIC: one array of ids, and equality is symmetric)
+            by_label = kept_by_label(ids_a_ptr, ids_b_ptr, rows, cols, R1, end, LABELS, True)
+            ok = ok & by_label
         if COLUMNS:  # p and q from one exp per logit where the tile allows it (common.tile_exp)
             e, t, T, narrow = tile_exp(tl.where(ok, s, EXCLUDED), cols, end)
             g = tl.load(grad_ptr + rows, mask=rows < M, other=0.0)
@@ -104,6 +110,8 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, stats_
         ds += tl.sum(dl * products, axis=1)
         if SYMMETRIC:  # + dL'_kr: the columns as anchors, their own exclusions
             ok_t = valid(ex_ptr, cols, rows, end, R1, E, False)
+            if LABELS != 0:
+                ok_t = ok_t & by_label
             dl += tl.where(ok_t, anchor_dlogits(s, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, False), 0.0)
         dl = scaled(dl, inv_a, inv_b, NORMALIZE)
         tl.store(dl_ptr + (rows - R0)[:, None] * s_lr + (cols - C0)[None, :], dl.to(dl_ptr.dtype.element_ty),
@@ -112,20 +120,22 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, stats_
 
 
 def write_dlogits(a, b, scale, exclude, stats, grad, dl, ds, r0, r1, c0, c1, splits, share, with_mean, columns,
-                  tf32, blocks=None, logits=None, symmetric=False, inverse_norms=None):
+                  tf32, blocks=None, logits=None, symmetric=False, inverse_norms=None, labels=None):
     """dl[:r1 - r0, :c1 - c0] = dL' of rows r0:r1 and columns c0:c1 (in a's dtype), ds[:, :r1 - r0] their d scale
     terms per split of the columns (splits, share: launch.split). logits: the block's products a.b in float32
     (cuBLAS's), else the kernel computes them; symmetric: dL' + dL'^T (two views, b is a); inverse_norms:
-    (a's, b's) where a and b are the features as given (the kernel's NORMALIZE)."""
+    (a's, b's) where a and b are the features as given (the kernel's NORMALIZE); labels: (a's ids, b's ids,
+    LABELS) where pairs are left out by label too."""
     m, k = a.shape[0], b.shape[0]
     launch.run(dlogits, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "FROM_LOGITS", "NORMALIZE"), a, b,
+               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "FROM_LOGITS", "NORMALIZE", "LABELS"), a, b,
                dl if logits is None else logits, scale, *(inverse_norms or (scale, scale)),
-               a if exclude is None else exclude, stats, grad, dl, ds, M=m,
+               a if exclude is None else exclude, *(labels[:2] if labels else (scale, scale)), stats, grad, dl, ds, M=m,
                K=k, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share, s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0),
                s_bd=b.stride(1), s_pr=0 if logits is None else logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0),
                D=a.shape[1],
-               E=0 if exclude is None else exclude.shape[1], WITH_MEAN=with_mean, COLUMNS=columns,
+               E=0 if exclude is None else exclude.shape[1], LABELS=labels[2] if labels else 0, WITH_MEAN=with_mean,
+               COLUMNS=columns,
                SYMMETRIC=symmetric, FROM_LOGITS=logits is not None, NORMALIZE=inverse_norms is not None,
                PRECISION=launch.precision(a.dtype, tf32),
                UPCAST=launch.upcast(a.dtype), blocks=blocks)

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import EXCLUDED, dots, inverse_norms, resident, scaled, tile_exp, valid
+from contrastkit.losses.kernels.common import (EXCLUDED, dots, inverse_norms, kept_by_label, resident, scaled,
+                                               tile_exp, valid)
 
 COLUMN_PARTIAL_BYTES = 2**27
 LOGIT_BAND_BYTES = 2**28  # the band design's float32 products of a band of rows and every column
@@ -40,9 +41,10 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 
 
 @triton.jit
-def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, lse_ptr, mean_ptr, cpart_ptr, M, K, R0,
-              R1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_part, D: tl.constexpr, E: tl.constexpr, WITH_MEAN: tl.constexpr,
-              COLUMNS: tl.constexpr, FROM_LOGITS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, ids_b_ptr, lse_ptr, mean_ptr,
+              cpart_ptr, M, K, R0, R1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_part, D: tl.constexpr, E: tl.constexpr,
+              LABELS: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr, FROM_LOGITS: tl.constexpr,
+              NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0), rows < R1), columns [SPLIT s, SPLIT (s + 1))
     of split s = program_id(1): online maximum m, sum l of exp(L - m) and (WITH_MEAN) sum w of exp(L - m) L;
@@ -50,7 +52,8 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, lse_
     stride s_part). COLUMNS (no mean): each column's lse over
     the tile's rows to row t of cpart [tiles, K]. FROM_LOGITS: the products a.b read from p [R1 - R0, K]
     float32 (the band's, cuBLAS's), not computed here. NORMALIZE: a and b are the features as given and the
-    logits scale (a.b) inv_a inv_b (common.scaled)."""
+    logits scale (a.b) inv_a inv_b (common.scaled). LABELS: pairs also left out by the rows' and columns' ids
+    (common.kept_by_label)."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, K)
@@ -72,6 +75,8 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, lse_
                      PRECISION, UPCAST)
         s = scaled(s, inv_a, inverse_norms(inv_b_ptr, cols, K, NORMALIZE), NORMALIZE) * scale
         ok = valid(ex_ptr, rows, cols, R1, end, E, True)
+        if LABELS != 0:
+            ok = ok & kept_by_label(ids_a_ptr, ids_b_ptr, rows, cols, R1, end, LABELS, True)
         s = tl.where(ok, s, EXCLUDED)
         if COLUMNS:  # the rows' and the columns' terms from one exp per logit (common.tile_exp)
             e, t, T, narrow = tile_exp(s, cols, end)
@@ -100,13 +105,14 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, lse_
 
 
 def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None, logits=None,
-                  inverse_norms=None):
+                  inverse_norms=None, labels=None):
     """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each. blocks: fixed tiles (BLOCK_M, BLOCK_N,
     BLOCK_D), else the space's. The columns split over b's rows where a has few row tiles. product(r0, r1,
     out): where given, the band's products a[r0:r1] b^T written into out (cuBLAS: the band design), in bands
     of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them; into the rows of
     ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward). inverse_norms:
-    (a's, b's) float32 inverse norms where a and b are the features as given (the kernel normalises)."""
+    (a's, b's) float32 inverse norms where a and b are the features as given (the kernel normalises).
+    labels: (a's ids, b's ids, LABELS) where pairs are left out by label too (common.kept_by_label)."""
     m, k = a.shape[0], b.shape[0]
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
     chunk = m
@@ -133,13 +139,15 @@ def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, p
         if band is not None:
             product(r0, r1, band[: r1 - r0])
         launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS", "NORMALIZE"), a, b, lse if band is None else band,
-                   scale, *(inverse_norms or (scale, scale)), a if exclude is None else exclude, lse,
+                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS", "NORMALIZE", "LABELS"), a, b, lse if band is None else band,
+                   scale, *(inverse_norms or (scale, scale)), a if exclude is None else exclude,
+                   *(labels[:2] if labels else (scale, scale)), lse,
                    lse if mean is None else mean, cpart, M=m, K=k, R0=r0, R1=r1, SPLIT=share,
                    s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0), s_bd=b.stride(1),
                    s_pr=0 if band is None else band.stride(0), s_part=lse.stride(0), D=a.shape[1],
-                   E=0 if exclude is None else exclude.shape[1], WITH_MEAN=with_mean, COLUMNS=columns,
-                   FROM_LOGITS=band is not None, NORMALIZE=inverse_norms is not None,
+                   E=0 if exclude is None else exclude.shape[1], LABELS=labels[2] if labels else 0,
+                   WITH_MEAN=with_mean, COLUMNS=columns, FROM_LOGITS=band is not None,
+                   NORMALIZE=inverse_norms is not None,
                    PRECISION=launch.precision(a.dtype, tf32), UPCAST=launch.upcast(a.dtype), blocks=blocks)
         part = lse[:, : r1 - r0]
         total[r0:r1] = torch.logsumexp(part, dim=0) if splits > 1 else part[0]  # the splits' partials, exactly
