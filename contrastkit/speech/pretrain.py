@@ -66,8 +66,8 @@ class PretrainConfig(RunOptions):
     max_seconds: float = arg(2.0, "longest crop, in seconds")
     gumbel: tuple[float, float] = arg((2.0, 0.5), "gumbel temperature: start and floor")
     conformer: bool = arg(False, "HF only: Wav2Vec2ConformerForPreTraining")
-    pretext_eval: bool = arg(True, "at the end (and every --eval-every steps), held-out pretext accuracy of the "
-                                   "trained and the untrained model (--no-pretext-eval skips it)")
+    pretext_eval: bool = arg(True, "at the end, held-out pretext accuracy of the trained and the untrained model, "
+                                   "and of the trained one every --eval-every steps (--no-pretext-eval skips it)")
 
     def __post_init__(self):
         if self.out_dir is None:
