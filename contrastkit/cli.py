@@ -19,6 +19,9 @@ every default in ``--help``. On top of it:
   ``--resume auto``, ``--no-resume``.
 - ``--help`` shows one spelling per option (``--batch-size``, ``--no-progress``; the ``_`` spellings
   are accepted too) and one default.
+- A field's ``aliases`` (``arg(aliases=[...])``: an earlier name, a short one) are more names of the one
+  option, on the command line and as ``--config`` keys; two names of one option with different values are an
+  error. ``renamed`` gives a saved config's (a checkpoint's) earlier keys their field's name.
 """
 
 from __future__ import annotations
@@ -142,8 +145,48 @@ def _dashed(action: argparse.Action) -> argparse.Action:
                            metavar=action.metavar)
 
 
+GIVEN = "_given_as"  # the namespace attribute where _Store notes each option's spelling and value
+
+
+class _Store(argparse._StoreAction):
+    """argparse's store action, which also refuses one option given under two of its names (an alias and the
+    field's name) with different values: argparse would keep the last one without a word. The same name
+    given twice keeps the last value, as argparse does (``--x-y`` and ``--x_y`` are one name)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault(GIVEN, {})
+        name = (option_string or "").replace("_", "-")
+        earlier = given.get(self.dest)
+        if earlier is not None and earlier[0] != name and earlier[1] != values:
+            parser.error(f"argument {name}: {earlier[0]} {earlier[1]} was given too, and they are one option "
+                         f"(--{self.dest.replace('_', '-')}): give it once")
+        given[self.dest] = (name, values)
+        setattr(namespace, self.dest, values)
+
+
+def aliases(*types) -> dict[str, str]:
+    """{alias as a field name (``warmup_steps``): the field's name} of the dataclasses' fields."""
+    return {name.lstrip("-").replace("-", "_"): f.name for t in types for f in dataclasses.fields(t)
+            for name in f.metadata.get("aliases", []) if name.startswith("--")}
+
+
+def renamed(values: dict, *types, where: str = "") -> dict:
+    """``values`` (a config file's, a checkpoint's saved config) with each alias key under its field's name;
+    a ValueError where both are given with different values (``where`` names the source)."""
+    names = aliases(*types)
+    out = {k: v for k, v in values.items() if k not in names}
+    for key, value in values.items():
+        if key in names:
+            field = names[key]
+            if field in out and out[field] != value:
+                raise ValueError(f"{where}{key} {value} and {field} {out[field]} are one option "
+                                 f"(--{field.replace('_', '-')}): give it once")
+            out[field] = value
+    return out
+
+
 class Parser(HfArgumentParser):
-    """HfArgumentParser with dict and tuple fields, ``--config`` and one-line errors."""
+    """HfArgumentParser with dict and tuple fields, aliases, ``--config`` and one-line errors."""
 
     def __init__(self, types, description: str | None = None, config_flag: bool = True):
         super().__init__(types, description=description, formatter_class=_Formatter)
@@ -151,6 +194,11 @@ class Parser(HfArgumentParser):
             self.add_argument("--config", default=None, metavar="YAML",
                               help="YAML file of option values (keys as the long options); "
                                    "the command line overrides it")
+
+    def _add_dataclass_arguments(self, dtype):
+        self.register("action", None, _Store)  # every plain option: one value, whichever of its names gave it
+        self.register("action", "store", _Store)
+        super()._add_dataclass_arguments(dtype)
 
     @staticmethod
     def _parse_dataclass_field(parser, field):
@@ -198,7 +246,10 @@ def _load_config(parser: Parser, path: str, types) -> dict:
     if not isinstance(values, dict):
         parser.error(f"--config {path}: expected a mapping of option names to values")
     known = {f.name for t in types for f in dataclasses.fields(t)}
-    values = {str(k).replace("-", "_"): v for k, v in values.items()}
+    try:
+        values = renamed({str(k).replace("-", "_"): v for k, v in values.items()}, *types, where=f"--config {path}: ")
+    except ValueError as err:
+        parser.error(str(err))
     unknown = sorted(set(values) - known)
     if unknown:
         parser.error(f"--config {path}: unknown option(s) {', '.join(unknown)}")

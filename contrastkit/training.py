@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import errno
 import atexit
+import dataclasses
 import functools
 import json
 import math
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from contrastkit.cli import RunError, arg, positive
+from contrastkit.cli import RunError, arg, positive, renamed
 
 
 class MetricsLog:
@@ -174,9 +175,29 @@ RESUME_HELP = ("continue from the newest complete checkpoint in --out-dir, which
 
 @dataclass
 class RunOptions:
-    """What every training recipe's config has beside its own options: trackers, checkpoints, resuming and
-    the settings of runs on several machines."""
+    """What every training recipe's config has beside its own options: the schedule and its intervals, trackers,
+    checkpoints, resuming and the settings of runs on several machines. Each is written here once; a recipe
+    whose default differs gives it in its class's ``DEFAULTS`` ({name: value}), which changes the default of
+    the one definition (help and aliases stay).
 
+    ``warmup`` is steps, or below 1 a fraction of ``steps`` (as transformers' ``warmup_steps``, but rounded
+    down, as the wav2vec 2.0 recipe's fraction was): ``warmup_for(total)`` turns it into steps. The names the
+    recipes had before (``--warmup-steps``, ``--checkpoint-every``: the vision recipe's) are aliases: on the
+    command line, in a --config file and in a checkpoint's saved config (``cli.renamed``)."""
+
+    steps: int | None = arg(300, "optimizer steps (0: save the initial model, an untrained baseline)")
+    lr: float = arg(1e-3, "peak learning rate")
+    warmup: float = arg(30, "linear warm-up before the decay: steps, or below 1 a fraction of --steps (0.08: the "
+                            "first 8 %%, rounded down); --warmup-steps, the vision recipe's earlier name, is the "
+                            "same option", metavar="N|FRACTION", aliases=["--warmup-steps", "--warmup_steps"])
+    log_every: int = arg(10, "log the loss every N steps")
+    eval_every: int = arg(100, "evaluate every N steps (0: only at the end); the recipe's evaluation: zero-shot, kNN "
+                               "or held-out pretext accuracy")
+    save_every: int = arg(100, "checkpoint every N steps (0: none before the end); --checkpoint-every, the vision "
+                               "recipe's earlier name, is the same option",
+                          aliases=["--checkpoint-every", "--checkpoint_every"])
+    seed: int = arg(0, "random seed (initialisation, data order, augmentation)")
+    progress: bool = arg(True, "show a progress bar")
     report_to: str = arg("none", "trackers beside metrics.jsonl (accelerate's, logging to <out-dir>/logs)",
                          choices=REPORT_TO)
     keep_checkpoints: int = arg(2, "checkpoints kept (old ones are removed only once a new one is complete)")
@@ -191,7 +212,34 @@ class RunOptions:
     requeue_on_signal: bool = arg(False, "in a SLURM job, the first process requeues it (scontrol requeue "
                                          "$SLURM_JOB_ID) once a signal's checkpoint is complete")
 
+    def __init_subclass__(cls, **kwargs):
+        """Apply the subclass's ``DEFAULTS`` before @dataclass reads its fields: each named field of RunOptions
+        is given to the subclass again, the same but for its default."""
+        super().__init_subclass__(**kwargs)
+        defaults = cls.__dict__.get("DEFAULTS", {})
+        if not defaults:
+            return
+        fields = RunOptions.__dataclass_fields__
+        unknown = sorted(set(defaults) - set(fields))
+        if unknown:
+            raise TypeError(f"{cls.__name__}.DEFAULTS: {', '.join(unknown)} not RunOptions fields")
+        if "__annotations__" not in cls.__dict__:
+            cls.__annotations__ = {}
+        for name, value in defaults.items():
+            cls.__dict__["__annotations__"][name] = fields[name].type
+            setattr(cls, name, dataclasses.field(default=value, metadata=fields[name].metadata))
+
+    def warmup_for(self, total: int) -> int:
+        """The warm-up in steps of a run of ``total`` steps: ``warmup`` itself, or below 1 that fraction of it."""
+        return int(self.warmup * total) if self.warmup < 1 else int(self.warmup)
+
     def check_run(self) -> None:
+        positive("lr", self.lr)
+        positive("log_every", self.log_every)
+        for name in ("steps", "warmup", "eval_every", "save_every"):
+            positive(name, getattr(self, name), zero=True)
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise ValueError(f"--warmup {self.warmup}: steps are whole, a fraction of --steps is below 1")
         positive("keep_checkpoints", self.keep_checkpoints)
         positive("ddp_timeout", self.ddp_timeout)
         check_report_to(self.report_to)
@@ -527,7 +575,7 @@ class Checkpoints:
         saved_file = path / RUN_CONFIG
         if not saved_file.is_file():  # written before run_config.json existed: nothing to compare
             return {}
-        saved = json.loads(saved_file.read_text())
+        saved = renamed(json.loads(saved_file.read_text()), RunOptions)  # a run saved before a field's rename
         changed = {k: (saved[k], v) for k, v in self.config.items() if k in saved and saved[k] != v and k != "resume"}
         for key in changed:
             old, new = changed[key]

@@ -108,7 +108,7 @@ BAD = [
     ("recipes/wav2vec2/train.py", ["--data", "{missing}"], "does not exist"),
     ("recipes/wav2vec2/train.py", ["--batch-size", "0"], "--batch-size must be > 0"),
     ("recipes/wav2vec2/train.py", ["--lr", "-1"], "--lr must be > 0"),
-    ("recipes/wav2vec2/train.py", ["--warmup", "2"], "--warmup"),
+    ("recipes/wav2vec2/train.py", ["--warmup", "2.5"], "--warmup"),
     ("recipes/wav2vec2/train.py", ["--conformer", "--backend", "fairseq2"], "--conformer"),
     ("recipes/wav2vec2/compare.py", ["--losses", "nope"], "invalid choice"),
     ("recipes/wav2vec2/compare.py", ["--steps", "0"], "--steps must be > 0"),

@@ -227,7 +227,7 @@ def _recipe(name: str, out: Path, data_dir: Path):
 
         return train, VisionConfig(train_images=64, test_images=32, batch_size=8, width=8, proj_hidden=32, proj_dim=16,
                                    threads=1, progress=False, log_every=1, knn_k=5, loss="dcl", steps=4,
-                                   warmup_steps=1, out_dir=str(out))
+                                   warmup=1, out_dir=str(out))
     if name == "wav2vec2":
         from contrastkit.speech.pretrain import PretrainConfig, pretrain
 

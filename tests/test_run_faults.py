@@ -140,7 +140,7 @@ def test_resume_applies_a_new_learning_rate_and_records_it(tmp_path):
     from contrastkit.vision.train import VisionConfig, train
 
     tiny = dict(train_images=64, test_images=32, batch_size=8, width=8, proj_hidden=32, proj_dim=16, threads=1,
-                progress=False, log_every=1, knn_k=5, loss="dcl", steps=4, warmup_steps=1, checkpoint_every=2,
+                progress=False, log_every=1, knn_k=5, loss="dcl", steps=4, warmup=1, save_every=2,
                 lr=1e-3)
     train(VisionConfig(out_dir=str(tmp_path / "a"), **tiny))
     train(VisionConfig(out_dir=str(tmp_path / "b"), **tiny))

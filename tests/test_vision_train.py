@@ -102,7 +102,7 @@ def test_two_processes_match_one(tmp_path, method, loss):
 def test_resume_continues_exactly(tmp_path, method, loss):
     straight = tiny(tmp_path / "straight", method, loss, steps=6)
     train(straight)
-    interrupted = tiny(tmp_path / "interrupted", method, loss, steps=6, checkpoint_every=3)
+    interrupted = tiny(tmp_path / "interrupted", method, loss, steps=6, save_every=3)
     train(interrupted)
     shutil.rmtree(Path(interrupted.out_dir) / "checkpoints" / "checkpoint_6")  # as if the run had stopped after step 3
     interrupted.resume = True

@@ -45,14 +45,16 @@ def _weights(run: Path):
 
 @pytest.mark.parametrize("backend", ["hf", pytest.param("fairseq2", marks=needs_fairseq2)])
 def test_recipe_trains_and_resumes_exactly(tmp_path, backend):
-    straight = _cfg(tmp_path / "a", backend)
+    """Trained, stopped after step 3 and resumed equals trained straight, with the held-out pretext evaluation
+    every 2 steps (--eval-every) on the way."""
+    straight = _cfg(tmp_path / "a", backend, eval_every=2)
     summary = pretrain(straight)
     assert summary["steps"] == 4 and summary["loss"] == "dcl"
     run = Path(straight.out_dir)
     assert (run / "metrics.png").is_file() and (run / "summary.json").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_4"]
 
-    interrupted = _cfg(tmp_path / "b", backend)
+    interrupted = _cfg(tmp_path / "b", backend, eval_every=2)
     pretrain(interrupted, stop_at=3)  # dies after step 3; the last checkpoint is step 2
     shutil.rmtree(Path(interrupted.out_dir) / "upstream", ignore_errors=True)
     pretrain(interrupted)  # resumes from step 2
@@ -62,6 +64,7 @@ def test_recipe_trains_and_resumes_exactly(tmp_path, backend):
         assert torch.equal(a[k], b[k]), k
     records = [json.loads(line) for line in (Path(interrupted.out_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "heldout_accuracy" in r] == [2, 4]
     assert records == [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 

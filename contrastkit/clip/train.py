@@ -66,16 +66,8 @@ class ClipTrainConfig(RunOptions):
                                      "(default: the embedded held-out split)")
     out_dir: str | None = arg(None, "output folder (default runs/clip-<loss>)")
     batch_size: int = arg(64, "global batch, over all processes")
-    steps: int = arg(300, "optimizer steps (0: save the initial model, an untrained baseline)")
-    lr: float = arg(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = arg(0.1, "AdamW weight decay")
-    warmup: int = arg(30, "linear warm-up steps before the cosine decay")
-    log_every: int = arg(10, "log the loss every N steps")
-    eval_every: int = arg(100, "zero-shot evaluation every N steps (0: only at the end)")
-    save_every: int = arg(100, "checkpoint every N steps (0: none)")
-    seed: int = arg(0, "random seed (initialisation and data order)")
     workers: int = arg(0, "DataLoader worker processes")
-    progress: bool = arg(True, "show a progress bar")
 
     def __post_init__(self):
         if self.out_dir is None:
@@ -83,9 +75,9 @@ class ClipTrainConfig(RunOptions):
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("batch_size", "lr", "log_every", "num_train", "zeroshot_per_class"):
+        for name in ("batch_size", "num_train", "zeroshot_per_class"):
             positive(name, getattr(self, name))
-        for name in ("steps", "weight_decay", "warmup", "eval_every", "save_every", "workers", "max_bad_fraction"):
+        for name in ("weight_decay", "workers", "max_bad_fraction"):
             positive(name, getattr(self, name), zero=True)
         positive("shuffle_buffer", self.shuffle_buffer)
         positive("train_num_samples", self.train_num_samples)
@@ -159,7 +151,7 @@ def train(cfg: ClipTrainConfig) -> dict:
 
     # fused: one kernel for all parameters (on a CPU about 8x faster than the default for this model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup, cfg.steps)
+    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup_for(cfg.steps), cfg.steps)
     state = TrainState()
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: accelerate would step it once per process; it counts global steps.

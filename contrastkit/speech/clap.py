@@ -69,15 +69,7 @@ class ClapTrainConfig(RunOptions):
     batch_size: int = arg(12, "global batch: clips of different intents (at most the number of intents)")
     max_seconds: float = arg(2.0, "longest audio crop, in seconds (shorter clips are repeated to it)")
     speed: float = arg(0.0, "speed perturbation in training: each clip played at a random rate in [1 - s, 1 + s]")
-    steps: int = arg(300, "optimizer steps (0: save the initial model, an untrained baseline)")
-    lr: float = arg(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = arg(0.1, "AdamW weight decay")
-    warmup: int = arg(30, "linear warm-up steps before the cosine decay")
-    log_every: int = arg(10, "log the loss every N steps")
-    eval_every: int = arg(100, "zero-shot intent evaluation every N steps (0: only at the end)")
-    save_every: int = arg(100, "checkpoint every N steps (0: none)")
-    seed: int = arg(0, "random seed (initialisation and data)")
-    progress: bool = arg(True, "show a progress bar")
 
     def __post_init__(self):
         if self.out_dir is None:
@@ -85,10 +77,8 @@ class ClapTrainConfig(RunOptions):
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
-        for name in ("lr", "log_every", "max_seconds"):
-            positive(name, getattr(self, name))
-        for name in ("steps", "weight_decay", "warmup", "eval_every", "save_every"):
-            positive(name, getattr(self, name), zero=True)
+        positive("max_seconds", self.max_seconds)
+        positive("weight_decay", self.weight_decay, zero=True)
         if not 0 <= self.speed < 1:
             raise ValueError(f"--speed must be in [0, 1), got {self.speed}")
         if self.batch_size < 2:
@@ -367,7 +357,7 @@ def train(cfg: ClapTrainConfig) -> dict:
     model.to(device)
     hf_clip.patch(model, loss=cfg.loss, gather_with_grad=world > 1, directions=cfg.directions, **cfg.loss_options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup, cfg.steps)
+    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup_for(cfg.steps), cfg.steps)
     state = TrainState()
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from contrastkit.data.images import load_images
-from contrastkit.cli import arg, existing, positive
+from contrastkit.cli import arg, existing, positive, renamed
 from contrastkit.evaluation.knn import extract_features, knn_accuracy
 from contrastkit.losses import available_losses, build_loss, objective_options
 from contrastkit.losses.base import NonFiniteError
@@ -40,6 +40,9 @@ class VisionConfig(RunOptions):
     FIXED = ("method", "loss", "loss_options", "data", "image_size", "train_images", "backbone", "width",
              "small_images", "proj_hidden", "proj_dim", "views", "batch_size", "optimizer", "queue_size",
              "weight_decay", "temperature", "alpha", "sigma", "lam", "rho", "seed")
+    # Where this recipe's defaults differ from RunOptions': steps from --samples or --epochs by default; 4e-3, as
+    # 1e-3 left the short default below raw pixels (docs/evidence.md); kNN and a checkpoint at the end only.
+    DEFAULTS = {"steps": None, "lr": 4e-3, "warmup": 10, "eval_every": 0, "save_every": 0}
 
     method: str = arg("simclr", "training method", choices=METHODS)
     loss: str = arg("infonce", "the objective", choices=available_losses())
@@ -57,14 +60,10 @@ class VisionConfig(RunOptions):
     proj_dim: int = arg(128, "projection head output width")
     views: int = arg(2, "views per image")
     batch_size: int = arg(64, "global batch, over all processes")
-    steps: int | None = arg(None, "optimizer steps (else from --samples or --epochs; 0: save the initial model, "
-                                  "an untrained baseline)")
     samples: int | None = arg(None, "alternative to --steps: steps = samples // batch_size")
     epochs: int = arg(10, "used when neither --steps nor --samples is given (kNN still rose from 5 to 10: docs/evidence.md)")
     optimizer: str = arg("adamw", "optimizer", choices=("adamw", "sgd"))
-    lr: float = arg(4e-3, "peak learning rate (1e-3 left the short default below raw pixels: docs/evidence.md)")
     weight_decay: float = arg(1e-4, "weight decay")
-    warmup_steps: int = arg(10, "linear warm-up steps before the cosine decay")
     momentum: float = arg(0.99, "momentum encoder: start of the cosine schedule to 1")
     queue_size: int | None = arg(None, "moco only: keys in the queue")
     temperature: float = arg(0.1, "temperature (all but cacr, unigrad)")
@@ -76,24 +75,17 @@ class VisionConfig(RunOptions):
     blur: bool = arg(True, "Gaussian blur in the augmentation")
     hue: float = arg(0.5, "colour jitter's hue (SimCLR 0.2; 0.5, any hue, keeps the shapes' colour from ruling kNN)")
     grayscale: float = arg(0.5, "grayscale probability (SimCLR 0.2; 0.5 on the shapes, for the same reason)")
-    seed: int = arg(0, "random seed")
     threads: int | None = arg(None, "torch intra-op threads; 1 is much faster on small images and busy CPUs")
     workers: int = arg(0, "DataLoader worker processes")
-    log_every: int = arg(10, "log every N steps")
-    eval_every: int = arg(0, "kNN evaluation every N steps (0: only at the end)")
     knn_k: int = arg(200, "kNN neighbours")
     knn_temperature: float = arg(0.1, "kNN vote temperature")
-    checkpoint_every: int = arg(0, "checkpoint every N steps (0: only at the end)")
-    progress: bool = arg(True, "show a progress bar")
 
     def check(self) -> None:
         """Raise ValueError / FileNotFoundError for a value that cannot work, before any training."""
         for name in ("image_size", "width", "proj_hidden", "proj_dim", "batch_size", "samples", "epochs",
-                     "lr", "temperature", "knn_k", "log_every", "threads", "train_images",
-                     "test_images"):
+                     "temperature", "knn_k", "threads", "train_images", "test_images"):
             positive(name, getattr(self, name))
-        for name in ("steps", "weight_decay", "warmup_steps", "eval_every", "checkpoint_every", "workers", "hue",
-                     "grayscale"):
+        for name in ("weight_decay", "workers", "hue", "grayscale"):
             positive(name, getattr(self, name), zero=True)
         existing("data", self.data, "image data")
         self.check_run()
@@ -157,7 +149,7 @@ def train(cfg: VisionConfig) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup_steps, total)
+    scheduler = lr_schedule(optimizer, "cosine", cfg.warmup_for(total), total)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)  # not prepared: it counts global steps
@@ -214,7 +206,7 @@ def train(cfg: VisionConfig) -> dict:
                 knn = knn_eval(core.backbone, train_images, test_images, cfg)
                 log.log(state.step, knn_top1=knn)
             accelerator.wait_for_everyone()
-        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < total:
+        if cfg.save_every and state.step % cfg.save_every == 0 and state.step < total:
             divergence.check(state.step, model)
             checkpoints.save(state.step)
         boundary()  # a stop signal: a checkpoint of this step, then exit status 75
@@ -252,7 +244,7 @@ def load_backbone(run_dir: str | Path, checkpoint: str | Path | None = None, dev
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").exists():
         raise FileNotFoundError(f"{str(run_dir)!r} is not a vision recipe run (no config.json)")
-    cfg = VisionConfig(**json.loads((run_dir / "config.json").read_text()))
+    cfg = VisionConfig(**renamed(json.loads((run_dir / "config.json").read_text()), VisionConfig))
     backbone, _ = build_backbone(cfg.backbone, cfg.small_images, cfg.width)
     if checkpoint is None and (run_dir / "backbone.pt").exists():
         state = torch.load(run_dir / "backbone.pt", map_location=device, weights_only=True)
