@@ -266,6 +266,31 @@ class ContrastiveLoss(Objective):
       two-view and image-text settings the torch kernel takes the features as given and normalises them
       per block, so that no float32 copy of them is made (about 0.5-0.8 GiB of loss memory at N = 262144,
       D = 512 bf16 on CUDA: docs/performance.md).
+    - ``same_label`` ("mask" | "positive"), for calls given ``labels=`` [N], an integer label per sample
+      (a class, or a sample id so that duplicates in a batch are not negatives; query_key with a queue also
+      takes ``queue_labels`` [Q]). The candidates that share an anchor's label, its own sample's aside, are:
+
+      "mask" (default): left out of its negatives (false-negative elimination); the loss is otherwise the
+      same, EqCo's K counting the negatives left per anchor.
+
+      "positive": its positives too. With P(i) the anchor's positives (its own sample's, then every
+      same-label candidate), N(i) its negatives (the candidates of other labels) and s the logits
+      (cosine / tau), SupCon's L_out (Khosla et al. 2020, Eq. 2) for InfoNCE:
+
+          l_i = -1/|P(i)| sum_{p in P(i)} s_p + log( sum_{p in P(i)} e^{s_p} + sum_{n in N(i)} e^{s_n} )
+
+      EqCo: the same with its margin on every positive, i.e. sum_N scaled by alpha / K_i, K_i = |N(i)|.
+      DCL: every positive out of the denominator, l_i = -1/|P(i)| sum_p s_p + log sum_{n in N(i)} e^{s_n};
+      DCLW: the same with the own sample's positives weighted by w (its weights over the batch's own
+      pairs), the label's positives by 1. CACR: not yet (a ValueError: its attraction weighs positives by
+      a softmax over them); UniGrad has no negatives (a ValueError).
+
+      With every label distinct, "mask" is the loss without labels, and so is "positive" where an anchor
+      has one positive (two views, image-text, one key); with several views or keys SupCon's denominator
+      holds all of them, where the loss without labels contrasts each positive with the negatives alone.
+      Every anchor needs one negative left (a ValueError on the CPU; a device-side assertion on CUDA).
+      Labels are gathered with the features (gather_distributed). They run on the torch kernel (and
+      dense) for now: backend "auto" takes it, "triton" is a ValueError. Hard negatives carry no label.
     """
 
     name = "contrastive"
