@@ -179,3 +179,25 @@ def test_mask_cuts_same_label_samples_off_and_positive_pulls_them():
         else:  # a step against the gradient raises the cosine of z2[1] with z1[0]
             u = torch.nn.functional.normalize(z1[0].detach(), dim=0)
             assert float((-g[1] * u).sum()) > 0
+
+
+@pytest.mark.parametrize("kind", ["infonce", "eqco"])
+def test_sparse_labels_keep_the_fast_path(kind, monkeypatch):
+    """The positives' lse runs over each anchor's few same-label candidates, which the fast path's sampled
+    shift (every K/64-th candidate) mostly misses; the shift then falls to the logits' floor -|a||b|, and the
+    call stays on the fast path, equal to the dense float64 loss."""
+    import contrastkit.losses.chunked as chunked
+
+    g = torch.Generator().manual_seed(2)
+    z = [torch.randn(150, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    labels = torch.randint(60, (150,), generator=g)
+    dense = _loss(kind, "positive", chunk_size=0)(*z, labels=labels)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the safe path ran")
+
+    monkeypatch.setattr(chunked, "_safe_forward", refuse)
+    fast = _loss(kind, "positive")(*z, labels=labels)
+    torch.testing.assert_close(fast, dense, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fast, z), torch.autograd.grad(dense, z)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -119,9 +119,14 @@ def _sampled_max(a_s, b, exclude):
         hit = index % stride == 0  # excluded candidates that are in the sample
         rows = torch.arange(a_s.shape[0], device=a_s.device)[:, None].expand_as(index)
         logits.index_put_((rows[hit], index[hit] // stride), logits.new_full((), _excluded(logits.dtype)))
+    shift = logits.amax(dim=1)
     if exclude is not None and exclude.row_ids is not None:
         logits.masked_fill_(exclude.label_hits(0, a_s.shape[0], slice(None, None, stride)), _excluded(logits.dtype))
-    return _operand_exact(logits.amax(dim=1))
+        # A row's candidates of its own label are few, and the sample often misses them all: then its shift is
+        # the floor of every logit, -|a_i| max_k |b_k| (Cauchy-Schwarz), a lower bound of its maximum too.
+        floor = -torch.linalg.vector_norm(a_s, dim=1) * torch.linalg.vector_norm(b, dim=1).amax()
+        shift = torch.maximum(logits.amax(dim=1), floor)
+    return _operand_exact(shift)
 
 
 def _operand_exact(shift):
