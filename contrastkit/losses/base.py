@@ -291,6 +291,7 @@ class ContrastiveLoss(Objective):
       Every anchor needs one negative left (a ValueError on the CPU; a device-side assertion on CUDA).
       Labels are gathered with the features (gather_distributed). They run on the torch kernel (and
       dense) for now: backend "auto" takes it, "triton" is a ValueError. Hard negatives carry no label.
+      "positive" with InfoNCE or EqCo takes a second pass of the kernel (the positives' lse).
     """
 
     name = "contrastive"
