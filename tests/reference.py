@@ -157,3 +157,96 @@ def cross_modal(img, txt, kind, *, scale=None, mean=True, **p):
             others = torch.stack([y[j] for j in range(n) if j != i])
             losses.append(_one_positive(kind, x[i], y[i], others, scale, weights[i], **p))
     return torch.stack(losses).mean() if mean else torch.stack(losses)
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def _labelled_anchor(kind, mode, x, own, candidates, label, scale, own_weights, **p):
+    """One anchor's loss with labels: x its unit vector, own its sample's positives (unit vectors, weights
+    own_weights: DCLW's, else 1), candidates [(unit vector, label or None)] every other column. "mask": the
+    candidates of its label are dropped, the rest are the negatives, as without labels. "positive": they
+    join the positives; SupCon's L_out (Khosla et al. 2020, Eq. 2) for InfoNCE, with EqCo's margin on every
+    positive, and the positives out of the denominator for DCL."""
+    same = [y for y, l in candidates if l is not None and l == label]
+    neg = [y for y, l in candidates if l is None or l != label]
+    assert neg, "an anchor with no negative left"
+    s_neg = torch.stack([(x * y).sum() * scale for y in neg])
+    k = len(neg)
+    if kind == "cacr":
+        assert mode == "mask"
+        c_pos = torch.stack([((x - y) ** 2).sum() for y in own])
+        c_neg = torch.stack([((x - y) ** 2).sum() for y in neg])
+        w_pos = (torch.exp(p["t_pos"] * c_pos) / torch.exp(p["t_pos"] * c_pos).sum()).detach()
+        w_neg = torch.exp(-scale / 2 * c_neg) / torch.exp(-scale / 2 * c_neg).sum()
+        return (w_pos * c_pos).sum() - (w_neg * c_neg).sum()
+    margin = math.log(p["alpha"] / k) if kind == "eqco" else 0.0  # m / tau, the margin in logits
+    pairs = list(zip(own, own_weights))
+    if mode == "positive":
+        pairs += [(y, 1.0) for y in same]
+    s_pos = [(x * y).sum() * scale for y, _ in pairs]
+    terms = []
+    for sp, (_, w) in zip(s_pos, pairs):
+        if kind in ("dcl", "dclw"):
+            terms.append(-w * sp + torch.log(torch.exp(s_neg).sum()))
+        elif mode == "mask":  # each positive against the negatives, as without labels
+            num = torch.exp(sp - margin)
+            terms.append(-torch.log(num / (num + torch.exp(s_neg).sum())))
+        else:  # every positive in the denominator
+            pos_sum = sum(torch.exp(t - margin) for t in s_pos)
+            terms.append(-torch.log(torch.exp(sp - margin) / (pos_sum + torch.exp(s_neg).sum())))
+    return torch.stack(terms).mean()
+
+
+def labelled_views(z, labels, kind, mode, *, mean=True, **p):
+    """Views z (list of [N, D]) with sample labels [N]; anchors view-major, as per_anchor."""
+    u = [unit(x) for x in z]
+    n, v = z[0].shape[0], len(z)
+    weights = {}
+    if kind == "dclw":
+        pairs = torch.stack([(u[a][i] * u[b][i]).sum() for a in range(v) for i in range(n) for b in range(v)
+                             if b != a]).detach()
+        e = iter(2 - torch.exp(pairs / p["sigma"]) / torch.exp(pairs / p["sigma"]).mean())
+        weights = {(a, i, b): next(e) for a in range(v) for i in range(n) for b in range(v) if b != a}
+    losses = []
+    for a in range(v):
+        for i in range(n):
+            others = [b for b in range(v) if b != a]
+            own = [u[b][i] for b in others]
+            w = [weights.get((a, i, b), 1.0) for b in others]
+            candidates = [(u[b][j], int(labels[j])) for b in range(v) for j in range(n) if j != i]
+            losses.append(_labelled_anchor(kind, mode, u[a][i], own, candidates, int(labels[i]), _scale(kind, p), w, **p))
+    return torch.stack(losses).mean() if mean else torch.stack(losses)
+
+
+def labelled_cross_modal(img, txt, labels, kind, mode, *, mean=True, **p):
+    """Image-text with pair labels [N]: images then texts as anchors."""
+    a, b = unit(img), unit(txt)
+    n = a.shape[0]
+    weights = _dclw_weights(a, b, p["sigma"]) if kind == "dclw" else torch.ones(n, dtype=a.dtype)
+    losses = []
+    for x, y in ((a, b), (b, a)):
+        for i in range(n):
+            candidates = [(y[j], int(labels[j])) for j in range(n) if j != i]
+            losses.append(_labelled_anchor(kind, mode, x[i], [y[i]], candidates, int(labels[i]), _scale(kind, p),
+                                           [weights[i]], **p))
+    return torch.stack(losses).mean() if mean else torch.stack(losses)
+
+
+def labelled_query_key(q, k, labels, kind, mode, *, queue=None, queue_labels=None, hard=None, mean=True, **p):
+    """Queries q and keys k [N, D] with sample labels [N]. With a queue [Q, D] (labels queue_labels) the
+    candidates are the queue; else the other samples' keys and every sample's hard negatives (hard [N, D],
+    no label: always negatives)."""
+    q, k = unit(q), unit(k)
+    n = q.shape[0]
+    weights = _dclw_weights(q, k, p["sigma"]) if kind == "dclw" else torch.ones(n, dtype=q.dtype)
+    losses = []
+    for i in range(n):
+        if queue is not None:
+            candidates = [(r, int(l)) for r, l in zip(unit(queue), queue_labels)]
+        else:
+            candidates = [(k[j], int(labels[j])) for j in range(n) if j != i]
+            candidates += [(r, None) for r in unit(hard)] if hard is not None else []
+        losses.append(_labelled_anchor(kind, mode, q[i], [k[i]], candidates, int(labels[i]), _scale(kind, p),
+                                       [weights[i]], **p))
+    return torch.stack(losses).mean() if mean else torch.stack(losses)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import reference
 from launch import end_process_group, free_port
 
 open_clip = pytest.importorskip("open_clip")
@@ -275,3 +276,53 @@ def test_entry_point_trains_open_clip_train_two_processes(tiny_csv, tmp_path):
     log = _open_clip_train(launcher, tiny_csv, tmp_path, ["--local-loss", "--gather-with-grad"])
     assert "world size: 2" in log.lower() or "Running in distributed mode" in log
     assert len(_losses(log)) == 2  # 32 pairs, a global batch of 16 per step
+
+
+# ---------------------------------------------------------------------------- sample ids (duplicates)
+
+IDS = torch.tensor([0, 1, 0, 2, 3, 1, 4, 5])  # pairs 0 and 2, 1 and 5: one image with two captions
+
+
+def _run_ids(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    image, text = _features(n=8, d=5, seed=4)
+    n = image.shape[0] // world
+    results = {}
+    for local_loss, gwg in MODES:
+        for name, mode in (("dcl", "mask"), ("infonce", "positive")):
+            a, b = (x[rank * n:(rank + 1) * n].clone().requires_grad_() for x in (image, text))
+            scale = torch.tensor(6.0, dtype=torch.float64, requires_grad=True)
+            loss_fn = build_clip_loss(name, same_label=mode, local_loss=local_loss, gather_with_grad=gwg, rank=rank,
+                                      world_size=world)
+            loss = loss_fn(a, b, scale, sample_ids=IDS[rank * n:(rank + 1) * n])
+            loss.backward()
+            results[(local_loss, gwg, name)] = (loss.item(), a.grad, b.grad)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    end_process_group()
+
+
+def test_sample_ids_in_every_open_clip_mode(tmp_path):
+    """sample_ids: one process equals the core's cross_modal with the ids as labels (against the float64
+    reference); on 2 processes every mode (local_loss x gather_with_grad) gathers them with the features: the
+    loss equals one process's on the whole batch, and with gradients through the gather the gradients too."""
+    image, text = _features(n=8, d=5, seed=4)
+    world = 2
+    mp.start_processes(_run_ids, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       start_method="spawn", join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name, mode in (("dcl", "mask"), ("infonce", "positive")):
+        a, b = image.clone().requires_grad_(), text.clone().requires_grad_()
+        scale = torch.tensor(6.0, dtype=torch.float64)
+        single = build_clip_loss(name, same_label=mode)(a, b, scale, sample_ids=IDS)
+        expected = reference.labelled_cross_modal(a, b, IDS, name, mode, tau=1 / 6.0)
+        torch.testing.assert_close(single, expected, rtol=1e-10, atol=1e-12)
+        single_grads = torch.autograd.grad(single, (a, b))
+        assert build_clip_loss(name, same_label=mode)(a, b, scale, sample_ids=torch.arange(8)) != single
+        for local_loss, gwg in MODES:
+            losses = [r[(local_loss, gwg, name)][0] for r in ranks]
+            global_loss = sum(losses) / world if local_loss else losses[0]
+            assert global_loss == pytest.approx(single.item(), rel=1e-12), (name, local_loss, gwg)
+            if gwg:
+                for i in (1, 2):
+                    got = torch.cat([r[(local_loss, gwg, name)][i] for r in ranks]) / world
+                    torch.testing.assert_close(got, single_grads[i - 1], rtol=1e-10, atol=1e-12)

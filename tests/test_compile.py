@@ -78,3 +78,37 @@ def test_triton_backend_with_bf16_features_compiles(setting):
     (functional.inverse_norms, row_cosines: loops over chunks of rows, the second an autograd Function) trace
     into the same fullgraph, equal to eager."""
     _check("dcl", setting, "aot_eager", dtype=torch.bfloat16, backend="triton")
+
+
+LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "image_text"), ("eqco", "positive", "queue"),
+            ("dclw", "positive", "query_key"), ("cacr", "mask", "three_views"), ("eqco", "mask", "two_views")]
+
+
+@pytest.mark.parametrize("name, mode, setting", LABELLED)
+def test_labels_have_no_graph_break(name, mode, setting):
+    """Labels (ids by sort and searchsorted, counts and class sums by index_add: no value read on the host)
+    keep the call in one graph, equal to eager."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(24, 16, generator=g) for _ in range(3)]
+    labels, queue_labels = torch.randint(4, (24,), generator=g), torch.randint(4, (24,), generator=g)
+    fn = build_loss(name, chunk_size=7, same_label=mode)
+
+    def call(a, b, c):
+        if setting == "two_views":
+            return fn(a, b, labels=labels)
+        if setting == "three_views":
+            return fn(a, b, c, labels=labels)
+        if setting == "image_text":
+            return fn.cross_modal(a, b, labels=labels)
+        if setting == "query_key":
+            return fn.query_key(a, b, labels=labels)
+        return fn.query_key(a, b, c, labels=labels, queue_labels=queue_labels)
+
+    want, want_grads = _value_and_grads(call, inputs)
+    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend="aot_eager"), inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g_got, g_want in zip(got_grads, want_grads):
+        assert (g_got is None) == (g_want is None)
+        if g_want is not None:
+            torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)

@@ -218,3 +218,60 @@ def test_gather_uses_the_collectives_current_names(tmp_path):
     all_gather_single; the old name warns twice a process a step)."""
     mp.start_processes(_gather_without_warnings, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn",
                        join=True)
+
+
+LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "three_views"), ("eqco", "positive", "image_text"),
+            ("dclw", "positive", "query_key"), ("cacr", "mask", "hard_negatives"), ("eqco", "mask", "two_views"),
+            ("dclw", "mask", "image_text"), ("infonce", "positive", "hard_negatives")]
+
+
+def _labelled_call(name, mode, setting, x, labels, gather=False):
+    """The loss of a labelled setting on inputs x (three [n, D] tensors) and its leaves."""
+    fn = build_loss(name, gather_distributed=gather, same_label=mode, chunk_size=3).double()
+    leaves = [t.clone().requires_grad_() for t in x]
+    if setting == "two_views":
+        return fn(*leaves[:2], labels=labels), leaves[:2]
+    if setting == "three_views":
+        return fn(*leaves, labels=labels), leaves
+    if setting == "image_text":
+        return fn.cross_modal(*leaves[:2], labels=labels), leaves[:2]
+    if setting == "query_key":
+        return fn.query_key(*leaves[:2], labels=labels), leaves[:2]
+    return fn.query_key(*leaves[:2], negatives=leaves[2], labels=labels), leaves
+
+
+def _labels(total):
+    labels = torch.randint(3, (total,), generator=torch.Generator().manual_seed(1))
+    labels[:2] = torch.tensor([0, 1])
+    return labels
+
+
+def _run_labelled(rank, world, sizes, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    total, lo, hi = sum(sizes), sum(sizes[:rank]), sum(sizes[: rank + 1])
+    gather = True if len(set(sizes)) == 1 else "uneven"
+    results = {}
+    for case in LABELLED:
+        x = [t[lo:hi] for t in _batch(6, total)[:3]]
+        loss, leaves = _labelled_call(*case, x, _labels(total)[lo:hi], gather)
+        (loss * sizes[rank] / total).backward()
+        results[case] = (float(loss.detach()) * sizes[rank] / total, [t.grad for t in leaves])
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    end_process_group()
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (3, 5)], ids=["2proc", "2proc-uneven"])
+def test_labels_are_gathered_with_the_features(sizes, tmp_path):
+    """Labels gathered as the features are (equal sizes and 'uneven'): 2 processes give the loss and gradients
+    of one process on the concatenated batch, for both same_label modes and every setting."""
+    world = len(sizes)
+    mp.start_processes(_run_labelled, args=(world, list(sizes), str(tmp_path / "init"), str(tmp_path)),
+                       nprocs=world, start_method="spawn", join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for case in LABELLED:
+        loss, leaves = _labelled_call(*case, _batch(6, sum(sizes))[:3], _labels(sum(sizes)))
+        grads = torch.autograd.grad(loss, leaves)
+        assert sum(r[case][0] for r in ranks) == pytest.approx(float(loss.detach()), rel=1e-10, abs=1e-12), case
+        for i, g in enumerate(grads):
+            torch.testing.assert_close(torch.cat([r[case][1][i] for r in ranks]), g, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m: f"{case} grad {i}: {m}")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import hf_tiny
+import reference as reference_labelled
 from launch import end_process_group
 from contrastkit.adapters import hf_clip
 
@@ -430,3 +431,33 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     # gain and a third of the mean (seed 0, the test's: 0.18); without training the gain is 0.
     assert sum(losses[-10:]) / 10 < losses[0] - 0.7, losses
     assert after >= before + 0.05, (before, after)
+
+
+@pytest.mark.parametrize("name", ["CLIPModel", "ClapModel"])
+@pytest.mark.parametrize("kind,mode", [("dcl", "mask"), ("infonce", "positive")])
+def test_sample_ids_keep_duplicates_from_being_negatives(name, kind, mode, float64):
+    """model(..., return_loss=True, sample_ids=ids): the core's labels on the model's embeddings (CLIP: both
+    directions; CLAP: its text-anchored halves), against the float64 reference; ids all distinct change
+    nothing; sample_ids without return_loss, or with ALIGN's label smoothing, are refused."""
+    model, batch = hf_tiny.model(name, seed=1, dtype=torch.float64), hf_tiny.batch(name, seed=1, dtype=torch.float64)
+    ids = torch.tensor([0, 1, 0, 2, 1, 3])
+    with hf_clip.patch(model, loss=kind, same_label=mode):
+        out = model(**batch, return_loss=True, sample_ids=ids)
+        plain = model(**batch, return_loss=True).loss
+        distinct = model(**batch, return_loss=True, sample_ids=torch.arange(6)).loss
+        with pytest.raises(ValueError, match="give them with return_loss=True"):
+            model(**batch, sample_ids=ids)
+    other = out[OTHER.get(name, "image_embeds")]
+    scales = _scales(model, name)
+    if name == "ClapModel":  # texts anchor both halves, each with its scale
+        expected = sum(reference_labelled.labelled_query_key(out.text_embeds, other, ids, kind, mode, tau=1 / float(s.detach()))
+                       for s in scales) / 2
+    else:
+        expected = reference_labelled.labelled_cross_modal(other, out.text_embeds, ids, kind, mode,
+                                                           tau=1 / float(scales[0].detach()))
+    torch.testing.assert_close(out.loss, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(distinct, plain, rtol=1e-13, atol=1e-13)
+    assert abs(float((out.loss - plain).detach())) > 1e-6
+    align, align_batch = hf_tiny.model("AlignModel"), hf_tiny.batch("AlignModel")
+    with hf_clip.patch(align, loss="dcl"), pytest.raises(ValueError, match="label smoothing"):
+        align(**align_batch, return_loss=True, sample_ids=ids)

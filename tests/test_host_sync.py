@@ -160,6 +160,32 @@ def test_score_losses(name, setting, chunk, device_path):
     assert bool(torch.isfinite(loss))
 
 
+LABELLED_SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "hard_negatives", "cross_modal_tensor_scale"]
+
+
+@pytest.mark.parametrize("chunk", [None, 0, 4], ids=["auto", "dense", "blocks"])
+@pytest.mark.parametrize("setting", LABELLED_SETTINGS)
+@pytest.mark.parametrize("name, mode", [(n, m) for n in SCORE_LOSSES for m in ("mask", "positive")
+                                        if (n, m) != ("cacr", "positive")])
+def test_score_losses_with_labels(name, mode, setting, chunk, device_path):
+    """Labels: ids by sort and searchsorted, counts and class sums by index_add, the kernel's pairs by mask."""
+    fn = build_loss(name, chunk_size=chunk, same_label=mode)
+    z1, z2, z3, queue, hard = _leaves((6, 5), (6, 5), (6, 5), (9, 5), (6, 3, 5))
+    labels, queue_labels = torch.arange(6) % 3, torch.arange(9) % 4
+    scale = torch.tensor(14.0, requires_grad=True)
+    calls = {
+        "two_views": lambda: fn(z1, z2, labels=labels),
+        "three_views": lambda: fn(z1, z2, z3, labels=labels),
+        "queue": lambda: fn.query_key(z1, z2, queue.detach(), labels=labels, queue_labels=queue_labels),
+        "batch_keys": lambda: fn.query_key(z1, z2, labels=labels),
+        "hard_negatives": lambda: fn.query_key(z1, z2, negatives=hard, labels=labels),
+        "cross_modal_tensor_scale": lambda: fn.cross_modal(z1, z2, logit_scale=scale, labels=labels),
+    }
+    with no_host_sync():
+        loss = _backward(calls[setting]())
+    assert bool(torch.isfinite(loss))
+
+
 def test_unigrad(device_path):
     """The first call sizes the correlation matrix, later ones update it; with targets; in eval mode."""
     loss_fn = build_loss("unigrad")

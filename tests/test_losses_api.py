@@ -17,7 +17,7 @@ from contrastkit.losses import (CACRLoss, ContrastiveLoss, Objective, UniGradLos
 SCORE = {"infonce": {"tau": 0.1}, "dcl": {"tau": 0.1}, "dclw": {"tau": 0.1, "sigma": 0.5},
          "eqco": {"tau": 0.1, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
 SHARED = {"normalize", "reduction"}
-CONTRASTIVE = SHARED | {"gather_distributed", "chunk_size", "backend"}
+CONTRASTIVE = SHARED | {"gather_distributed", "chunk_size", "backend", "same_label"}
 
 
 def _views(seed, n, d, v=2):

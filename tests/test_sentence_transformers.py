@@ -514,3 +514,70 @@ def test_two_gathering_processes_equal_one_in_new_combinations(tmp_path):
                 torch.testing.assert_close(mine / world, whole[r * 4:(r + 1) * 4], rtol=1e-8, atol=1e-11)
             if theirs is not None:
                 _assert_close64(ranks[r][c][0], theirs)
+
+
+# ----------------------------------------------------------------------------- the dataset's label column
+
+LABEL_REFERENCE = {"infonce": {"tau": 0.05}, "dcl": {"tau": 0.05}, "dclw": {"tau": 0.05, "sigma": 0.5},
+                   "eqco": {"tau": 0.05, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
+
+
+@pytest.mark.parametrize("hard", [0, 1])
+@pytest.mark.parametrize("kind,mode", [(k, m) for k in LABEL_REFERENCE for m in ("mask", "positive")
+                                       if (k, m) != ("cacr", "positive")])
+def test_label_column_matches_reference(kind, mode, hard):
+    """An integer label column: pairs of one label are not each other's negatives ("mask") or are each
+    other's positives ("positive"), hard negatives stay negatives; float64 value and gradients against the
+    loss core's reference."""
+    columns = _columns(6, hard, seed=11 + hard)
+    labels = torch.tensor([0, 1, 0, 2, 1, 0])
+    loss_fn = MultipleNegativesLoss(STAND_IN, kind, same_label=mode, **OPTIONS[kind])
+    got = loss_fn.compute_loss_from_embeddings(columns, labels)
+    expected = reference.labelled_query_key(columns[0], columns[1], labels, kind, mode,
+                                            hard=columns[2] if hard else None, **LABEL_REFERENCE[kind])
+    _assert_close64((got, torch.autograd.grad(got, columns)), (expected, torch.autograd.grad(expected, columns)))
+
+
+def test_label_column_symmetric_and_scores():
+    """doc_to_query (per_direction) takes the labels too; a floating-point column (scores) is ignored, as MNRL
+    ignores it; distinct labels change nothing; the score-matrix path and UniGrad refuse labels."""
+    columns = _columns(6, 0, seed=3)
+    labels = torch.tensor([0, 1, 0, 2, 1, 0])
+    loss_fn = MultipleNegativesLoss(STAND_IN, "dcl", **SYMMETRIC)
+    got = loss_fn.compute_loss_from_embeddings(columns, labels)
+    expected = (reference.labelled_query_key(columns[0], columns[1], labels, "dcl", "mask", tau=0.05)
+                + reference.labelled_query_key(columns[1], columns[0], labels, "dcl", "mask", tau=0.05)) / 2
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    plain = loss_fn.compute_loss_from_embeddings(columns, None)
+    assert torch.equal(loss_fn.compute_loss_from_embeddings(columns, torch.rand(6, dtype=torch.float64)), plain)
+    assert torch.equal(loss_fn.compute_loss_from_embeddings(columns, torch.arange(6)), plain)
+    with pytest.raises(ValueError, match="label column is used on the loss core's path only"):
+        MultipleNegativesLoss(STAND_IN, "dcl", hardness_mode="hard_negatives", hardness_strength=2.0) \
+            .compute_loss_from_embeddings(columns, labels)
+    with pytest.raises(ValueError, match="unigrad: labels have no meaning"):
+        MultipleNegativesLoss(STAND_IN, "unigrad").compute_loss_from_embeddings(columns, labels)
+
+
+def test_trainer_passes_the_label_column(tmp_path, monkeypatch):
+    """SentenceTransformerTrainer, unchanged, with a dataset whose 'label' column marks duplicates: the loss
+    receives it as labels (sentence-transformers 6.2's collator) and uses it."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    seen = []
+    original = MultipleNegativesLoss.compute_loss_from_embeddings
+
+    def spy(self, embeddings, labels=None):
+        seen.append(labels)
+        return original(self, embeddings, labels)
+
+    monkeypatch.setattr(MultipleNegativesLoss, "compute_loss_from_embeddings", spy)
+    data = Dataset.from_dict({"anchor": ANCHORS + ANCHORS[:2], "positive": POSITIVES + POSITIVES[:2],
+                              "label": [0, 1, 2, 3, 4, 5, 0, 1]})
+    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=1,
+                                                save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+                                                dataloader_num_workers=0)
+    model = load_minilm()  # its own copy: the step changes the weights
+    SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                               loss=MultipleNegativesLoss(model, "dcl")).train()
+    assert len(seen) == 1 and seen[0] is not None and sorted(seen[0].tolist()) == [0, 0, 1, 1, 2, 3, 4, 5]

@@ -33,6 +33,12 @@ over its own anchors, so that P processes with DDP's averaging equal one process
 models do. The output is the model's own output type (its tuple with ``return_dict=False``); its logits
 stay the model's local ones.
 
+``model(..., return_loss=True, sample_ids=ids)``: an integer per pair (taken off the call before the model
+sees it), so that pairs sharing one (one image with several captions, a duplicate) are not each other's
+negatives, or with ``same_label="positive"`` among the options are each other's positives (the loss core's
+ContrastiveLoss says what each objective does); gathered with the embeddings under ``gather_with_grad``.
+Not with a label smoothing (ALIGN's: pass ``label_smoothing=0``).
+
 The sigmoid family (SiglipModel, Siglip2Model) is refused: its loss is a per-pair sigmoid, not a softmax
 over candidates.
 """
@@ -47,8 +53,9 @@ import torch
 
 from contrastkit.adapters import patching
 from contrastkit.adapters.patching import Patch
-from contrastkit.distributed import gather_with_grad
+from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
+from contrastkit.losses.base import check_labels, label_ids
 from contrastkit.losses.functional import _compute_dtype, normalize_rows
 
 CLIP_LOSSES = ("infonce", "dcl", "dclw", "eqco", "cacr")
@@ -135,18 +142,26 @@ class ClipObjective:
         opts = "".join(f", {k}={v}" for k, v in self.options.items())
         return f"ClipObjective({self.name!r}{opts}, gather_with_grad={self.gather_with_grad})"
 
-    def __call__(self, model, family: Family, text: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """The loss of one batch: text [N, D] and image (or audio) [N, D] embeddings of ``model``."""
+    def __call__(self, model, family: Family, text: torch.Tensor, other: torch.Tensor,
+                 sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of one batch: text [N, D] and image (or audio) [N, D] embeddings of ``model``, and the
+        pairs' ``sample_ids`` [N] (optional, see the module docstring)."""
         scales = model_scales(model, family)
         unused = sum(0.0 * s for s in scales) if not self.model_scale else 0.0  # in the graph for DDP
+        if sample_ids is not None:
+            check_labels(f"hf_clip {self.name}", sample_ids, text.shape[0], text.device, "sample_ids")
         if family.name == "ClapModel":
             text_scale, audio_scale = (s if self.model_scale else None for s in scales)
             second = (other, text) if self.directions == "both" else (text, other)
-            loss = (self._anchored(text, other, text_scale) + self._anchored(*second, audio_scale)) / 2
+            loss = (self._anchored(text, other, text_scale, sample_ids)
+                    + self._anchored(*second, audio_scale, sample_ids)) / 2
         else:
             scale = scales[0] if self.model_scale else None
-            loss = self.loss.cross_modal(other, text, logit_scale=scale)
+            loss = self.loss.cross_modal(other, text, logit_scale=scale, labels=sample_ids)
             smoothing = family.label_smoothing if self.label_smoothing is None else self.label_smoothing
+            if smoothing and self.name != "cacr" and sample_ids is not None:
+                raise ValueError(f"hf_clip: sample_ids with label smoothing ({smoothing}, {family.name}'s) are not "
+                                 "supported; pass label_smoothing=0 to patch()")
             if smoothing and self.name != "cacr":
                 fixed = self.loss.default_logit_scale() if scale is None else scale
                 loss = loss + smoothing * self._smoothing_term(other, text, fixed)
@@ -159,7 +174,8 @@ class ClipObjective:
     def _all(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_with_grad(x) if self.gather_with_grad else (x, 0)
 
-    def _anchored(self, anchors: torch.Tensor, candidates: torch.Tensor, scale) -> torch.Tensor:
+    def _anchored(self, anchors: torch.Tensor, candidates: torch.Tensor, scale,
+                  sample_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One direction: each anchor against every (gathered) candidate, the rows of ``anchors @ candidates.T``."""
         with torch.autocast(anchors.device.type, enabled=False):
             a, b = self._units(anchors, candidates)
@@ -169,7 +185,10 @@ class ClipObjective:
             scale = self.loss.default_logit_scale() if scale is None else scale.to(a.dtype)
             own = (start + torch.arange(a.shape[0], device=a.device))[:, None]
             pos = (a * b).sum(-1, keepdim=True)
-            return self.loss.negative_terms(pos, a, all_b, own, all_b.shape[0] - 1, scale).loss.mean()
+            ids = None
+            if sample_ids is not None:  # gathered as the candidates
+                ids = label_ids(sample_ids, gather_no_grad(sample_ids) if self.gather_with_grad else sample_ids)
+            return self.loss.negative_terms(pos, a, all_b, own, all_b.shape[0] - 1, scale, labels=ids).loss.mean()
 
     def _smoothing_term(self, image: torch.Tensor, text: torch.Tensor, scale) -> torch.Tensor:
         """mean over both directions' anchors of l_ii - mean_j l_ij (l = scale * cosine, j over every
@@ -192,19 +211,24 @@ def model_scales(model, family: Family) -> list[torch.Tensor]:
 
 
 def _pre(model, args, kwargs):
-    """Before a call: one with return_loss runs without the model's loss and returns a dict output."""
+    """Before a call: one with return_loss runs without the model's loss and returns a dict output; the loss's
+    own ``sample_ids`` are taken off the call."""
+    kwargs = dict(kwargs)
+    sample_ids = kwargs.pop("sample_ids", None)
     arguments = patching.call_arguments(model, args, kwargs)
     if not arguments.get("return_loss"):
+        if sample_ids is not None:
+            raise ValueError("hf_clip: sample_ids are the loss's: give them with return_loss=True")
         return args, kwargs, None
     wish = arguments.pop("return_dict", None)
-    return (), {**arguments, "return_loss": False, "return_dict": True}, (wish,)
+    return (), {**arguments, "return_loss": False, "return_dict": True}, (wish, sample_ids)
 
 
 def _post(objective: ClipObjective):
     def post(model, state, out):
-        (wish,) = state
+        wish, sample_ids = state
         family = family_of(model)
-        loss = objective(model, family, out.text_embeds, out[family.other])
+        loss = objective(model, family, out.text_embeds, out[family.other], sample_ids)
         out = type(out)(**{**out, "loss": loss})
         if wish is None:
             wish = getattr(model.config, "return_dict", True)

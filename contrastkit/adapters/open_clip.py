@@ -45,6 +45,7 @@ from torch import nn
 from contrastkit.adapters import patching
 from contrastkit.adapters.patching import Patch
 from contrastkit.cli import key_value
+from contrastkit.distributed import gather_no_grad
 from contrastkit.losses import build_loss
 
 SUPPORTED_OPEN_CLIP = ((3, 0), (4, 3))  # versions from 3.0 up to, not including, 4.3
@@ -144,7 +145,11 @@ class ContrastkitClipLoss(nn.Module):
         self.loss = build_loss(self.name, gather_distributed=world_size > 1 and local_loss, **loss_options)
 
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale,
-                logit_bias=None, output_dict: bool = False):
+                logit_bias=None, output_dict: bool = False, sample_ids: torch.Tensor | None = None):
+        """open_clip's ClipLoss call. ``sample_ids`` [N] (optional, an integer per pair, gathered with the
+        features in every mode): pairs that share one (duplicates: one image with several captions, one
+        caption twice) are not each other's negatives, or with ``same_label="positive"`` among the loss
+        options are each other's positives (see the loss core's ContrastiveLoss)."""
         # A constant bias added to every logit cancels in the softmax-form losses (as it does in ClipLoss);
         # CACR ignores the scale (see the module docstring). Both stay in the graph so DDP sees them used.
         unused = 0.0
@@ -164,20 +169,22 @@ class ContrastkitClipLoss(nn.Module):
             image_features, text_features = gather_features(
                 image_features, text_features, local_loss=False, gather_with_grad=self.gather_with_grad,
                 rank=self.rank, world_size=self.world_size)
-            loss = self.loss.cross_modal(image_features, text_features, logit_scale=scale)
+            ids = None if sample_ids is None else gather_no_grad(sample_ids)  # in rank order, as the features
+            loss = self.loss.cross_modal(image_features, text_features, logit_scale=scale, labels=ids)
         elif self.world_size > 1 and not self.gather_with_grad:
-            loss = self._local_loss_detached(image_features, text_features, scale)
+            loss = self._local_loss_detached(image_features, text_features, scale, sample_ids)
         else:
-            loss = self.loss.cross_modal(image_features, text_features, logit_scale=scale)
+            loss = self.loss.cross_modal(image_features, text_features, logit_scale=scale, labels=sample_ids)
         loss = loss + unused
         return {"contrastive_loss": loss} if output_dict else loss
 
-    def _local_loss_detached(self, image: torch.Tensor, text: torch.Tensor, scale) -> torch.Tensor:
+    def _local_loss_detached(self, image: torch.Tensor, text: torch.Tensor, scale,
+                             sample_ids: torch.Tensor | None = None) -> torch.Tensor:
         """open_clip's local_loss without gather_with_grad: this process's anchors against every process's
         features, the gathered features (its own included) detached."""
         from open_clip.loss import gather_features
 
-        from contrastkit.losses.base import check_features, check_logit_scale
+        from contrastkit.losses.base import check_features, check_labels, check_logit_scale, label_ids
         from contrastkit.losses.chunked import host_checks_allowed
         from contrastkit.losses.functional import Terms, normalize_rows
 
@@ -185,6 +192,10 @@ class ContrastkitClipLoss(nn.Module):
         check_features(self.name, {"image": image, "text": text}, values=host_checks_allowed(image))
         if scale is not None:
             check_logit_scale(self.name, scale)
+        ids = None
+        if sample_ids is not None:
+            check_labels(self.name, sample_ids, image.shape[0], image.device, "sample_ids")
+            ids = label_ids(sample_ids, gather_no_grad(sample_ids))
         all_image, all_text = gather_features(image, text, local_loss=True, gather_with_grad=False,
                                               rank=self.rank, world_size=self.world_size)
         if scale is None:
@@ -200,7 +211,8 @@ class ContrastkitClipLoss(nn.Module):
             terms = []
             for anchor, others in ((a, all_b), (b, all_a)):
                 pos = (anchor * others[cols]).sum(-1, keepdim=True)
-                terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale, 2 * n))
+                terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale, 2 * n,
+                                                      labels=ids))
             return Terms(*(torch.cat(pair) for pair in zip(*terms))).loss.mean()
 
 

@@ -6,7 +6,7 @@
 
 The interface is MNRL's (sentence-transformers 6.2): the constructor takes the model and every MNRL
 argument (scale, similarity_fct, gather_across_devices, directions, partition_mode, hardness_mode,
-hardness_strength), ``forward(sentence_features, labels)`` returns the loss (labels unused), and the inputs
+hardness_strength), ``forward(sentence_features, labels)`` returns the loss, and the inputs
 are MNRL's columns: (anchor, positive) pairs, or (anchor, positive, negative_1, ..., negative_n). MNRL's
 defaults are kept, so a swap changes only the objective: scale 20 (temperature 1 / 20 for infonce, dcl,
 dclw, eqco) and cosine similarity (``similarity_fct=dot_score`` means ``normalize=False``).
@@ -51,6 +51,16 @@ negatives (its repulsion is a running correlation of the features, averaged over
 (anchor, positive) pairs only, is symmetric by construction, and so refuses other directions and any
 hardness_mode. Other keyword arguments are the objective's own (sigma, alpha, t_pos, t_neg, lam, rho,
 chunk_size, backend).
+
+Labels. sentence-transformers hands a loss the dataset's ``label`` column (or ``labels``, ``score``,
+``scores``: its collator's first found) as ``labels``; MNRL ignores it. Here an integer column is each pair's
+label (a class, or a sample id shared by duplicates): queries whose labels are equal are not each other's
+negatives. ``same_label="mask"`` (default) leaves the other same-label pairs' documents (and, with
+doc_to_query, their queries) out of an anchor's negatives; ``"positive"`` makes them its positives (SupCon's
+L_out; the loss core's ContrastiveLoss says what each objective does). Hard negatives carry no label and stay
+negatives. A floating-point column (a similarity score) is not a label and is ignored, as MNRL ignores it.
+Labels take the loss core's path (below): with another direction or a hardness_mode they are a ValueError
+for now; UniGrad takes none.
 
 Two paths give these values. MNRL's defaults (query_to_doc alone, or query_to_doc and doc_to_query with
 per_direction; no hardness) take the loss core's ``query_key``: exact, blockwise, memory linear in the
@@ -198,18 +208,36 @@ class MultipleNegativesLoss(nn.Module):
         if len(embeddings) < 2:
             raise ValueError(f"{self.name}: expected (anchor, positive, negatives...) columns, got {len(embeddings)}")
         anchors, positives, *hard = embeddings
+        labels = self._pair_labels(labels, anchors.device)
         if self.name == "unigrad":
             if hard:
                 raise ValueError("unigrad has no negatives: train it on (anchor, positive) pairs")
             self.objective.train(self.model.training)  # the correlation is updated in training only
-            return self.objective(anchors, positives)
+            return self.objective(anchors, positives, labels=labels)
         if not self._core_path:
+            if labels is not None:
+                raise ValueError(f"{self.name}: the dataset's label column is used on the loss core's path only "
+                                 "(directions query_to_doc, or with doc_to_query per_direction; no hardness_mode) "
+                                 "for now; drop the label column or these arguments")
             return self._score_matrix_loss(list(embeddings))
         negatives = torch.stack(hard, dim=1) if hard else None
-        loss = self.objective.query_key(anchors, positives, negatives=negatives)
+        loss = self.objective.query_key(anchors, positives, negatives=negatives, labels=labels)
         if self._chosen == SYMMETRIC:  # the positives as anchors against the anchors (MNRL's doc_to_query)
-            loss = (loss + self.objective.query_key(positives, anchors)) / 2
+            loss = (loss + self.objective.query_key(positives, anchors, labels=labels)) / 2
         return loss
+
+    def _pair_labels(self, labels, device: torch.device) -> torch.Tensor | None:
+        """The label column as pair labels: an integer tensor, on the embeddings' device; a floating-point one
+        (a similarity score, which MNRL ignores) gives None."""
+        if labels is None:
+            return None
+        if isinstance(labels, torch.Tensor) and labels.is_floating_point():
+            if not getattr(self, "_warned_scores", False):
+                logger.warning("%s: the dataset's label column holds floating-point values (scores), not labels; "
+                               "it is ignored, as MultipleNegativesRankingLoss ignores it", self.name)
+                self._warned_scores = True
+            return None
+        return labels.to(device) if isinstance(labels, torch.Tensor) else labels
 
     # ------------------------------------------------------------------ the score-matrix path
 

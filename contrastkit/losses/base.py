@@ -15,8 +15,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from contrastkit.distributed import gather_with_grad
-from contrastkit.losses.chunked import host_checks_allowed, negative_stats, no_autocast
+from contrastkit.distributed import gather_no_grad, gather_with_grad
+from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
 from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
@@ -37,6 +37,8 @@ BACKENDS = get_args(Backend)
 Gather = bool | Literal["uneven"]  # gather_distributed: False, True (equal batch sizes) or "uneven"
 Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS = get_args(Reduction)
+SameLabel = Literal["mask", "positive"]  # what a candidate sharing the anchor's label is (see ContrastiveLoss)
+SAME_LABELS = get_args(SameLabel)
 
 
 def triton_available() -> bool:
@@ -60,7 +62,8 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 (TF32 where torch's setting allows
     it) takes the band design's elementwise kernels on cuBLAS's products (triton_stats.FORWARD_LOGITS), which
     docs/performance.md's model predicts faster than the torch kernel's float32 passes; not measured yet. A
-    chunk_size asks for the torch kernel's blocks."""
+    chunk_size asks for the torch kernel's blocks. Labels run on every backend (the Triton kernels mask by
+    label in their elementwise passes)."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
     if requested == "auto" and chunk_size is None and device_type == "cuda" and not float64:
@@ -138,6 +141,39 @@ def check_features(name: str, tensors: dict[str, torch.Tensor], *, same_shape: b
             raise ValueError(f"{name}: {arg} has dimension {t.shape[1]} but {first_name} has {first.shape[1]}")
         if values and not bool(torch.isfinite(t).all()):
             raise NonFiniteError(f"{name}: {arg} has non-finite values (inf or NaN)")
+
+
+def check_labels(name: str, labels, n: int, device: torch.device, what: str = "labels") -> None:
+    """Clear errors for a labels input: a 1-D integer tensor, one label per sample (n), on the features' device."""
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"{name}: {what} must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"{name}: {what} must have an integer dtype (class ids), got {labels.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != n:
+        raise ValueError(f"{name}: {what} must be [{n}], one per sample, got shape {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"{name}: {what} is on {labels.device} but the features are on {device}")
+
+
+def label_ids(row_labels: torch.Tensor, col_labels: torch.Tensor,
+              col_known: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labels of anchors [M] and candidates [K] as ids in 0..M+K-1, equal exactly where the labels are
+    (each label's first place among both, sorted): small enough to index a table, found without reading a
+    value on the host (torch.unique would). Candidates where ``col_known`` [K] is False (hard negatives,
+    which carry no label) get -1, equal to no anchor's id."""
+    everything = torch.cat([row_labels, col_labels]).to(torch.int64).sort().values
+    row_ids = torch.searchsorted(everything, row_labels.to(torch.int64))
+    col_ids = torch.searchsorted(everything, col_labels.to(torch.int64))
+    if col_known is not None:
+        col_ids = torch.where(col_known, col_ids, -1)
+    return row_ids, col_ids
+
+
+def _per_id(col_ids: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """sum of ``values`` [K, ...] per candidate id: [size, ...]; the unlabelled (-1) are left out."""
+    slots = torch.where(col_ids < 0, size, col_ids)  # one spare row takes them
+    table = values.new_zeros((size + 1, *values.shape[1:]))
+    return table.index_add_(0, slots, values)[:size]
 
 
 class Objective(nn.Module):
@@ -223,15 +259,47 @@ class ContrastiveLoss(Objective):
       two-view and image-text settings the torch kernel takes the features as given and normalises them
       per block, so that no float32 copy of them is made (about 0.5-0.8 GiB of loss memory at N = 262144,
       D = 512 bf16 on CUDA: docs/performance.md).
+    - ``same_label`` ("mask" | "positive"), for calls given ``labels=`` [N], an integer label per sample
+      (a class, or a sample id so that duplicates in a batch are not negatives; query_key with a queue also
+      takes ``queue_labels`` [Q]). The candidates that share an anchor's label, its own sample's aside, are:
+
+      "mask" (default): left out of its negatives (false-negative elimination); the loss is otherwise the
+      same, EqCo's K counting the negatives left per anchor.
+
+      "positive": its positives too. With P(i) the anchor's positives (its own sample's, then every
+      same-label candidate), N(i) its negatives (the candidates of other labels) and s the logits
+      (cosine / tau), SupCon's L_out (Khosla et al. 2020, Eq. 2) for InfoNCE:
+
+          l_i = -1/|P(i)| sum_{p in P(i)} s_p + log( sum_{p in P(i)} e^{s_p} + sum_{n in N(i)} e^{s_n} )
+
+      EqCo: the same with its margin on every positive, i.e. sum_N scaled by alpha / K_i, K_i = |N(i)|.
+      DCL: every positive out of the denominator, l_i = -1/|P(i)| sum_p s_p + log sum_{n in N(i)} e^{s_n};
+      DCLW: the same with the own sample's positives weighted by w (its weights over the batch's own
+      pairs), the label's positives by 1. CACR: not yet (a ValueError: its attraction weighs positives by
+      a softmax over them); UniGrad has no negatives (a ValueError).
+
+      With every label distinct, "mask" is the loss without labels, and so is "positive" where an anchor
+      has one positive (two views, image-text, one key); with several views or keys SupCon's denominator
+      holds all of them, where the loss without labels contrasts each positive with the negatives alone.
+      Every anchor needs one negative left (a ValueError on the CPU; a device-side assertion on CUDA).
+      Labels are gathered with the features (gather_distributed). They run on every backend (the Triton
+      kernels leave the pairs out in their elementwise passes). Hard negatives carry no label.
+      "positive" with InfoNCE or EqCo takes a second pass of the kernel (the positives' lse).
     """
 
     name = "contrastive"
 
     needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
+    # same_label="positive": whether the denominator holds the positives (InfoNCE, EqCo) or not (DCL, DCLW)
+    positives_in_denominator = True
 
     def __init__(self, *, normalize: bool = True, gather_distributed: Gather = False,
-                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean",
+                 same_label: SameLabel = "mask"):
         super().__init__(normalize=normalize, reduction=reduction)
+        if same_label not in SAME_LABELS:
+            raise ValueError(f"{self.name}: same_label must be one of {', '.join(SAME_LABELS)}, got {same_label!r}")
+        self.same_label = same_label
         if gather_distributed not in (False, True, "uneven"):
             raise ValueError(f"{self.name}: gather_distributed must be False, True or 'uneven', "
                              f"got {gather_distributed!r}")
@@ -270,11 +338,25 @@ class ContrastiveLoss(Objective):
         ``scale``, -inf where masked); num_neg is the number of valid negatives per anchor."""
         return self.stat_terms(pos, torch.logsumexp(neg_logits, dim=1), None, num_neg, scale)
 
+    def label_terms(self, pos_mean: torch.Tensor, pos_lse: torch.Tensor, neg_lse: torch.Tensor,
+                    num_neg: torch.Tensor) -> Terms:
+        """Per-anchor terms of same_label="positive" (see the class docstring) from the mean of the positives'
+        logits, their logsumexp (where positives_in_denominator, else the anchor's own sample's positives'
+        alone: a diagnostic), the negatives' logsumexp and count."""
+        raise NotImplementedError
+
+    def positive_weight(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """Weights [M, P] of the positive cosines in the loss (DCLW's), or None."""
+        return None
+
     # ------------------------------------------------------------------ settings
 
-    def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor, output_dict: bool = False):
+    def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor,
+                labels: torch.Tensor | None = None, output_dict: bool = False):
         views = {f"z{i + 1}": z for i, z in enumerate((z1, z2, *more_views))}
         check_features(self.name, views, values=False)  # values: see _reduce
+        if labels is not None:
+            check_labels(self.name, labels, z1.shape[0], z1.device)
         low = _low_precision(*views.values())
         with no_autocast(z1.device.type):
             v, n, d = len(views), z1.shape[0], z1.shape[1]
@@ -303,10 +385,14 @@ class ContrastiveLoss(Objective):
             idx = torch.arange(v, device=u.device)
             others = idx[None, : v - 1] + (idx[None, : v - 1] >= idx[:, None]).long()  # [V, V-1]: w != a
             own = idx[None] * total + (start + torch.arange(n, device=u.device))[:, None]
+            ids = None
+            if labels is not None:  # anchors and candidates view-major, as the features
+                ids = label_ids(labels.repeat(v), self._gather_labels(labels).repeat(v))
+            itself = own.T.reshape(v * n, 1)  # each anchor's own column among the candidates
             if raw:  # the kernel computes the positives too, as the candidates at partners
                 partners = own[:, others].transpose(0, 1).reshape(v * n, v - 1)
                 terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
-                                            partners=partners)
+                                            partners=partners, labels=ids, itself=itself)
                 return self._reduce(terms, output_dict, views)
             if backend == "triton":  # the positives' cosines in float32 from the views as given
                 cos = {}
@@ -321,16 +407,22 @@ class ContrastiveLoss(Objective):
                 half = torch.einsum("and,bnd->nab", u, u.detach())
                 gram = half + half.transpose(1, 2) - half.detach()
                 pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
-            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low)
+            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low, labels=ids,
+                                        itself=itself)
             return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
-                  negatives: torch.Tensor | None = None, output_dict: bool = False):
+                  negatives: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                  queue_labels: torch.Tensor | None = None, output_dict: bool = False):
         """MoCo setting: query [N, D], key [N, D] (or [N, P, D] for P positives), queue [Q, D] or None.
 
         ``negatives`` [N, H, D] (or [N, D]), without a queue: H extra candidates per sample (retrieval's hard
         negatives), gathered with the keys; every query contrasts with every sample's keys and extras, its
-        own sample's keys excepted (sentence-transformers' MultipleNegativesRankingLoss)."""
+        own sample's keys excepted (sentence-transformers' MultipleNegativesRankingLoss).
+
+        ``labels`` [N]: each sample's label (its query's and keys'; see same_label in the class docstring);
+        with a queue, ``queue_labels`` [Q] too (the labels enqueued with the keys). Hard negatives carry no
+        label: they stay negatives."""
         for arg, t in (("query", query), ("key", key), ("queue", queue), ("negatives", negatives)):
             if not isinstance(t, torch.Tensor) and not (arg in ("queue", "negatives") and t is None):
                 raise TypeError(f"{self.name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -347,6 +439,14 @@ class ContrastiveLoss(Objective):
         for arg, t in (("key", keys), ("negatives", negatives)):
             if t is not None and t.shape[0] != query.shape[0]:
                 raise ValueError(f"{self.name}: query has {query.shape[0]} rows but {arg} has {t.shape[0]}")
+        if labels is not None:
+            check_labels(self.name, labels, query.shape[0], query.device)
+            if queue is not None:
+                if queue_labels is None:
+                    raise ValueError(f"{self.name}: labels with a queue need queue_labels, the labels of the queued keys")
+                check_labels(self.name, queue_labels, queue.shape[0], query.device, "queue_labels")
+        elif queue_labels is not None:
+            raise ValueError(f"{self.name}: queue_labels without labels: give the batch's labels too")
         low = _low_precision(*features.values())
         with no_autocast(query.device.type):
             dtype = _compute_dtype(*features.values())
@@ -357,8 +457,10 @@ class ContrastiveLoss(Objective):
             else:
                 pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
+                # labels and queue_labels come together (checked above)
+                ids = None if labels is None or queue_labels is None else label_ids(labels, queue_labels)
                 terms = self.negative_terms(pos, q, self._units(queue, dtype, low, backend), None, queue.shape[0],
-                                            low=low)
+                                            low=low, labels=ids)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
             c = p if negatives is None else p + negatives.shape[1]  # each sample's candidates: keys, then extras
@@ -377,17 +479,24 @@ class ContrastiveLoss(Objective):
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                                  "and a batch of 1 has none")
             own = ((start + torch.arange(n, device=q.device)) * c)[:, None] + torch.arange(p, device=q.device)
-            terms = self.negative_terms(pos, q, all_k, own, total * c - p, low=low)
+            ids = None
+            if labels is not None:  # each sample's keys carry its label, its hard negatives none
+                known = (torch.arange(c, device=q.device) < p).repeat(total)
+                ids = label_ids(labels, self._gather_labels(labels).repeat_interleave(c), known)
+            terms = self.negative_terms(pos, q, all_k, own, total * c - p, low=low, labels=ids, itself=None)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
-                    output_dict: bool = False):
+                    labels: torch.Tensor | None = None, output_dict: bool = False):
         """Image-text setting (CLIP): anchors are the images and the texts; an image's positive is its
         caption and its negatives the other captions, and vice versa; the loss is the mean of both
         directions. ``logit_scale`` (e.g. CLIP's learnable exp(t), keeps its gradient) replaces the
-        loss's own scale (1 / temperature) when given."""
+        loss's own scale (1 / temperature) when given. ``labels`` [N]: each pair's label or sample id
+        (duplicates share one; see same_label in the class docstring)."""
         features = {"image": image, "text": text}
         check_features(self.name, features, values=False)
+        if labels is not None:
+            check_labels(self.name, labels, image.shape[0], image.device)
         if logit_scale is not None:
             check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
@@ -423,11 +532,13 @@ class ContrastiveLoss(Objective):
             partners = own if raw else None
             # CACR's mean of the columns: the exact path only (the CPU's fast path takes each direction on its own).
             columns_mean = raw and not host_checks_allowed(a)
-            if total != n or (backend != "dense" and self.needs_mean and not columns_mean):  # each direction alone
+            ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
+            alone = total != n or ids is not None or (backend != "dense" and self.needs_mean and not columns_mean)
+            if alone:  # each direction alone
                 image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
-                                                  partners=partners)
+                                                  partners=partners, labels=ids, itself=None)
                 text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
-                                                 partners=partners)
+                                                 partners=partners, labels=ids, itself=None)
             elif backend == "dense":  # one process: one product serves both directions
                 assert pos is not None  # dense is never raw
                 logits = (a * scale) @ b.T
@@ -467,6 +578,10 @@ class ContrastiveLoss(Objective):
         """Whether processes may hold different batch sizes (gather_distributed="uneven")."""
         return self.gather_distributed == "uneven"
 
+    def _gather_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Every process's labels, in the order of the gathered features."""
+        return gather_no_grad(labels, uneven=self.uneven) if self.gather_distributed else labels
+
     def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None,
                          dtype: torch.dtype | None = None) -> str:
         """The backend of this call (choose_backend), "triton" checked against the features and the install.
@@ -484,11 +599,12 @@ class ContrastiveLoss(Objective):
         return backend
 
     def _negative_stats(self, backend, anchors, candidates, scale, exclude, low, *, columns=False, row_grad=None,
-                        partners=None):
+                        partners=None, raw=None, labels=None, same_label=True):
         """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) through the
         Triton kernels (products in ``low`` precision where given, see _low_precision) or the blockwise torch
-        kernel (float32 or float64 products; with ``partners``, raw features and (stats, pos), see
-        negative_terms)."""
+        kernel (float32 or float64 products; ``raw`` features, by default where ``partners`` are given, and
+        then (stats, pos), see negative_terms; ``labels`` and ``same_label``: pairs left out by label, see
+        chunked.negative_stats)."""
         if backend == "triton":
             from contrastkit.losses.triton_stats import negative_stats_triton
 
@@ -497,31 +613,53 @@ class ContrastiveLoss(Objective):
                 anchors = anchors.to(low)
                 candidates = anchors if same else candidates.to(low)
             return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
-                                         columns=columns, normalize=self.normalize)
+                                         columns=columns, normalize=self.normalize, labels=labels,
+                                         same_label=same_label)
         block, keep = blocking(anchors.device.type, candidates.shape[0], self.chunk_size)
+        raw = partners is not None if raw is None else raw
         # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
-        # sample's views) are symmetric.
+        # sample's views, and pairs by label) are symmetric.
         return negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
                               columns=columns, keep=keep, row_grad=row_grad, symmetric=candidates is anchors,
-                              normalize=partners is not None and self.normalize, partners=partners)
+                              normalize=raw and self.normalize, partners=partners, labels=labels,
+                              same_label=same_label)
+
+    @staticmethod
+    def _dense_logits(anchors, candidates, scale, exclude, labels=None, same_label=True):
+        """The whole [M, K] logits, excluded pairs at -inf (pairs left out as not of the anchor's label at
+        chunked's finite excluded logit instead: a row may hold none of its label, and its lse then stays finite
+        and takes no gradient, as the kernel's)."""
+        logits = (anchors * scale) @ candidates.T
+        if exclude is not None:
+            rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
+            logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_full((), float("-inf")))
+        if labels is not None:
+            row_ids, col_ids = labels
+            hit = row_ids[:, None] == col_ids[None] if same_label else row_ids[:, None] != col_ids[None]
+            logits = logits.masked_fill(hit, float("-inf") if same_label else EXCLUDED)
+        return logits
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
-                       low=None, partners=None) -> Terms:
+                       low=None, partners=None, labels=None, itself=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
         (default M), for the kernel's guess of the gradient (see stat_grad); low: the Triton backend's
         product dtype (see _low_precision). pos None (the torch backend only): anchors and candidates are
         the raw features, normalised in the kernel where ``normalize``, and each anchor's positives are the
-        candidates at ``partners`` [M, P]."""
+        candidates at ``partners`` [M, P]. ``labels``: (row_ids, col_ids) of label_ids; the candidates that
+        share an anchor's label leave its negatives, num_neg then counted per anchor, and with
+        same_label="positive" join its positives (see _label_positive_terms; ``itself`` [M, 1]: each anchor's
+        own column among the candidates, where it is one)."""
         scale = self.default_logit_scale() if scale is None else scale
         backend = self._resolve_backend(anchors, low)
+        if labels is not None:
+            num_neg, same = self._negatives_left(labels, exclude, num_neg)
+            if self.same_label == "positive":
+                return self._label_positive_terms(backend, pos, anchors, candidates, exclude, num_neg, same, scale,
+                                                  low, partners, labels, itself)
         if backend == "dense":
-            logits = (anchors * scale) @ candidates.T
-            if exclude is not None:
-                rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
-                logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_full((), float("-inf")))
-            return self.terms(pos, logits, num_neg, scale)
+            return self.terms(pos, self._dense_logits(anchors, candidates, scale, exclude, labels), num_neg, scale)
         row_grad = None
         if backend == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
             count = anchors.shape[0] if mean_over is None else mean_over
@@ -529,13 +667,69 @@ class ContrastiveLoss(Objective):
             def row_grad(stats, r0, r1, pos_rows=None):
                 mean = stats[1] if self.needs_mean else None
                 rows = pos[r0:r1] if pos_rows is None else pos_rows
-                return self.stat_grad(rows, stats[0], mean, num_neg, scale) / count
+                k = num_neg[r0:r1] if isinstance(num_neg, torch.Tensor) else num_neg
+                return self.stat_grad(rows, stats[0], mean, k, scale) / count
 
         stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low, row_grad=row_grad,
-                                     partners=partners if pos is None else None)
+                                     partners=partners if pos is None else None, labels=labels)
         if pos is None:
             stats, pos = stats
         return self._stat_terms(pos, stats, num_neg, scale)
+
+    def _negatives_left(self, labels, exclude, num_neg):
+        """(negatives left per anchor [M], same-label candidates per anchor [M] beyond its own sample's
+        excluded columns, which share its label). Every anchor needs one negative left: a ValueError on the
+        CPU, a device-side assertion on CUDA (no host read), unchecked under torch.compile."""
+        row_ids, col_ids = labels
+        same = _per_id(col_ids, torch.ones_like(col_ids), row_ids.shape[0] + col_ids.shape[0])[row_ids]
+        if exclude is not None:
+            same = same - exclude.shape[1]
+        left = num_neg - same
+        if host_checks_allowed(left):
+            empty = int((left < 1).sum())
+            if empty:
+                raise ValueError(f"{self.name}: {empty} of {left.shape[0]} anchors have no negative left: every "
+                                 "candidate shares their label; a batch needs samples of at least two labels")
+        elif left.is_cuda and not torch.compiler.is_compiling():
+            torch._assert_async((left >= 1).all(), f"{self.name}: an anchor has no negative left (every "
+                                "candidate shares its label)")
+        return left, same
+
+    def _label_positive_terms(self, backend, pos, anchors, candidates, exclude, num_neg, same, scale, low,
+                              partners, labels, itself) -> Terms:
+        """same_label="positive": the mean logit over the anchor's positives P(i) (its own sample's, weighted
+        for DCLW, and the same-label candidates), the negatives' lse over the other labels, and the positives'
+        lse where the objective's denominator holds them (else the own sample's alone, for the diagnostics)."""
+        raw = pos is None
+        if backend == "dense":
+            neg_lse = torch.logsumexp(self._dense_logits(anchors, candidates, scale, exclude, labels), dim=1)
+        else:
+            stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low,
+                                         partners=partners if raw else None, labels=labels)
+            stats, pos = stats if raw else (stats, pos)
+            neg_lse = stats[0]
+        # sum of the same-label candidates' cosines: u_i . (the sum of their unit vectors), the own sample's
+        # columns (same label, counted in pos) taken out
+        dtype = _compute_dtype(anchors, candidates)
+        as_given = raw or backend == "triton"  # the Triton backend takes the features as given too (_units)
+        ua, uc = (self._unit(anchors, dtype), self._unit(candidates, dtype)) if as_given else (anchors, candidates)
+        row_ids, col_ids = labels
+        sums = _per_id(col_ids, uc, row_ids.shape[0] + col_ids.shape[0])[row_ids]
+        if exclude is not None:
+            sums = sums - uc[exclude].sum(dim=1)
+        weight = self.positive_weight(pos)
+        own = (pos if weight is None else weight * pos).sum(dim=1)
+        pos_mean = (own + (ua * sums).sum(dim=1)) * scale / (pos.shape[1] + same)
+        pos_lse = torch.logsumexp(pos * scale, dim=1)
+        if self.positives_in_denominator:  # every candidate of the anchor's label: excluded, the others
+            if backend == "dense":
+                same_lse = torch.logsumexp(self._dense_logits(anchors, candidates, scale, itself, labels, False), 1)
+            else:
+                same_lse = self._negative_stats(backend, anchors, candidates, scale, itself, low, raw=raw,
+                                                labels=labels, same_label=False)[0]
+            # the own sample's positives are candidates (and counted there) unless they are a queue's keys
+            pos_lse = same_lse if exclude is not None else torch.logaddexp(pos_lse, same_lse)
+        return self.label_terms(pos_mean, pos_lse, neg_lse, num_neg)
 
     def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:
         return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale)

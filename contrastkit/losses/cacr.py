@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction
+from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
 from contrastkit.losses.functional import Terms, _check_temperature, cacr_stat_terms, cacr_terms
 
 
@@ -24,9 +24,15 @@ class CACRLoss(ContrastiveLoss):
     needs_mean = True
 
     def __init__(self, t_pos: float = 1.0, t_neg: float = 2.0, *, normalize: bool = True, gather_distributed: Gather = False,
-                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean",
+                 same_label: SameLabel = "mask"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
-                         backend=backend, reduction=reduction)
+                         backend=backend, reduction=reduction, same_label=same_label)
+        if same_label == "positive":
+            raise ValueError("cacr: same_label='positive' is not supported yet: CACR's attraction weighs its "
+                             "positives by softmax(t_pos c) over them, which the kernel does not compute over "
+                             "same-label candidates; use same_label='mask' (labels as false negatives), or "
+                             "several views for several positives")
         _check_temperature(self.name, t_pos, "t_pos")
         _check_temperature(self.name, t_neg, "t_neg")
         self.t_pos, self.t_neg = t_pos, t_neg

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -62,13 +63,34 @@ def _excluded(dtype: torch.dtype) -> float:
     return max(EXCLUDED, torch.finfo(dtype).min / 4)  # float16's range: a quarter of its most negative
 
 
+class Excluded(NamedTuple):
+    """The (anchor, candidate) pairs left out: ``columns`` [M, E], each anchor's excluded columns (or None), and
+    by label (``row_ids`` [M], ``col_ids`` [K], or None): with ``same`` the pairs whose ids are equal (labels
+    as false negatives), else those whose ids differ (the statistics over an anchor's same-label candidates)."""
+
+    columns: torch.Tensor | None
+    row_ids: torch.Tensor | None = None
+    col_ids: torch.Tensor | None = None
+    same: bool = True
+
+    def label_hits(self, r0, r1, columns=slice(None)):
+        """[r1 - r0, K'] bool: the pairs of rows r0:r1 (and the candidates ``columns``) left out by label."""
+        rows, cols = self.row_ids[r0:r1, None], self.col_ids[columns][None]
+        return rows == cols if self.same else rows != cols
+
+
 def _put_excluded(block, exclude, r0, r1, value=None):
-    """Set the excluded pairs of rows r0:r1 (exclude [M, E] column indices) to ``value`` (default: the
-    excluded logit), in place."""
-    if exclude is not None:
-        rows = torch.arange(r1 - r0, device=block.device)[:, None].expand(-1, exclude.shape[1])
-        value = _excluded(block.dtype) if value is None else value
-        block.index_put_((rows.reshape(-1), exclude[r0:r1].reshape(-1)), block.new_full((), value))
+    """Set the excluded pairs of rows r0:r1 (an Excluded, or None) to ``value`` (default: the excluded
+    logit), in place."""
+    if exclude is None:
+        return block
+    value = _excluded(block.dtype) if value is None else value
+    if exclude.columns is not None:
+        index = exclude.columns
+        rows = torch.arange(r1 - r0, device=block.device)[:, None].expand(-1, index.shape[1])
+        block.index_put_((rows.reshape(-1), index[r0:r1].reshape(-1)), block.new_full((), value))
+    if exclude.row_ids is not None:
+        block.masked_fill_(exclude.label_hits(r0, r1), value)
     return block
 
 
@@ -92,11 +114,19 @@ def _sampled_max(a_s, b, exclude):
     """Per row, the largest valid logit among every stride-th candidate: a lower bound of the row's maximum."""
     stride = max(1, b.shape[0] // SAMPLE)
     logits = a_s @ b[::stride].T
-    if exclude is not None:
-        hit = exclude % stride == 0  # excluded candidates that are in the sample
-        rows = torch.arange(a_s.shape[0], device=a_s.device)[:, None].expand_as(exclude)
-        logits.index_put_((rows[hit], exclude[hit] // stride), logits.new_full((), _excluded(logits.dtype)))
-    return _operand_exact(logits.amax(dim=1))
+    if exclude is not None and exclude.columns is not None:
+        index = exclude.columns
+        hit = index % stride == 0  # excluded candidates that are in the sample
+        rows = torch.arange(a_s.shape[0], device=a_s.device)[:, None].expand_as(index)
+        logits.index_put_((rows[hit], index[hit] // stride), logits.new_full((), _excluded(logits.dtype)))
+    shift = logits.amax(dim=1)
+    if exclude is not None and exclude.row_ids is not None:
+        logits.masked_fill_(exclude.label_hits(0, a_s.shape[0], slice(None, None, stride)), _excluded(logits.dtype))
+        # A row's candidates of its own label are few, and the sample often misses them all: then its shift is
+        # the floor of every logit, -|a_i| max_k |b_k| (Cauchy-Schwarz), a lower bound of its maximum too.
+        floor = -torch.linalg.vector_norm(a_s, dim=1) * torch.linalg.vector_norm(b, dim=1).amax()
+        shift = torch.maximum(logits.amax(dim=1), floor)
+    return _operand_exact(shift)
 
 
 def _operand_exact(shift):
@@ -233,7 +263,8 @@ class _BlockStats(torch.autograd.Function):
     positives' cosines [M, P] (empty without partners)."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric, normalize, partners):
+    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric, normalize, partners,
+                row_ids, col_ids, same_ids):
         # b None: two views on one process, the anchors are the candidates. Passed once, as torch.compile
         # cannot trace a Function given one tensor twice; backward returns the summed gradient as a's.
         ctx.same_input = b is None
@@ -241,6 +272,8 @@ class _BlockStats(torch.autograd.Function):
         ctx.dtypes = a.dtype, b.dtype
         if not any(ctx.needs_input_grad[:3]):  # no backward (e.g. under no_grad): nothing to keep or guess
             keep, row_grad = 0, None
+        index, ctx.same_ids = exclude, same_ids
+        exclude = None if index is None and row_ids is None else Excluded(index, row_ids, col_ids, same_ids)
         inv_a = _inverse_norms(a) if normalize else (None, None)
         inv_b = inv_a if ctx.same_input or not normalize else _inverse_norms(b)
         # The fast path's checks (overflow, the columns' error bound) and backward's check of the guess read
@@ -272,8 +305,8 @@ class _BlockStats(torch.autograd.Function):
         # Saved: the features as given (the exact path; the fast path's unit vectors), per-row numbers, and
         # the kept blocks, as saved tensors too, so that autograd frees them once backward has run (a Python
         # attribute would hold them until the loss tensor dies: through the next step's forward).
-        ctx.save_for_backward(a, None if ctx.same_input else b, stats, exclude, scale if ctx.scale_is_tensor else None,
-                              shifts, norms, partners, *inv_a, *inv_b, *spec, *kept)
+        ctx.save_for_backward(a, None if ctx.same_input else b, stats, index, row_ids, col_ids,
+                              scale if ctx.scale_is_tensor else None, shifts, norms, partners, *inv_a, *inv_b, *spec, *kept)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
         return stats, pos if pos is not None else stats.new_empty(stats.shape[1], 0)
@@ -285,12 +318,13 @@ class _BlockStats(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad, grad_pos):
-        a, b, stats, exclude, scale_t, shifts, norms, partners, *rest = ctx.saved_tensors
+        a, b, stats, index, row_ids, col_ids, scale_t, shifts, norms, partners, *rest = ctx.saved_tensors
         b = a if ctx.same_input else b
+        exclude = None if index is None and row_ids is None else Excluded(index, row_ids, col_ids, ctx.same_ids)
         inv_a, inv_b, rest = tuple(rest[:2]), tuple(rest[2:4]), rest[4:]
         spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
-        none = (None,) * 9
+        none = (None,) * 12
         if not any(ctx.needs_input_grad[:3]):
             return None, None, None, *none
         if not ctx.fast:
@@ -724,7 +758,8 @@ def _normalised_grad(g, x, inv, block):
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
                    block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
                    row_grad=None, symmetric: bool = False, normalize: bool = False,
-                   partners: torch.Tensor | None = None):
+                   partners: torch.Tensor | None = None, labels: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   same_label: bool = True):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
@@ -746,7 +781,15 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     held between forward and backward, and their gradients come back in their own dtype. partners [M, P]:
     also return the positives' cosines pos[i, p] = u_i . u_{partners[i, p]} (the unit anchors with the
     unit candidates), as ``(stats, pos)``; row_grad then takes the rows' cosines as a fourth argument.
+
+    labels (rows only): (row_ids [M], col_ids [K]) integer ids; the pairs whose ids are equal are left out
+    too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
+    statistics over each anchor's same-label candidates). A row with every pair left out gets the
+    statistics of the excluded logit (lse about -2^100: exp of it is 0); the fast path then hands the call
+    to the safe one.
     """
+    if columns and labels is not None:
+        raise ValueError("columns=True takes no labels: give each direction as rows")
     if columns:
         m = anchors.shape[0]
         if candidates.shape[0] != m:
@@ -757,6 +800,10 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
         raise ValueError(f"block must be a positive number of anchors, got {block}")
     if partners is not None and partners is exclude:  # image-text: torch.compile cannot trace one tensor given twice
         partners = partners.clone()
+    row_ids, col_ids = (None, None) if labels is None else labels
+    if row_ids is not None and row_ids is col_ids:  # as partners: one tensor given twice cannot be traced
+        col_ids = col_ids.clone()
     stats, pos = _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude,
-                                   int(block), with_mean, columns, int(keep), row_grad, symmetric, normalize, partners)
+                                   int(block), with_mean, columns, int(keep), row_grad, symmetric, normalize, partners,
+                                   row_ids, col_ids, bool(same_label))
     return stats if partners is None else (stats, pos)

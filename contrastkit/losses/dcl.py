@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from contrastkit.distributed import gather_no_grad
-from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction
-from contrastkit.losses.functional import Terms, _check_temperature, dclw_weights, softmax_terms
+from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
+from contrastkit.losses.functional import Terms, _check_temperature, dclw_weights, softmax_terms, supcon_terms
 
 
 class DCLLoss(ContrastiveLoss):
@@ -21,11 +21,13 @@ class DCLLoss(ContrastiveLoss):
     """
 
     name = "dcl"
+    positives_in_denominator = False
 
     def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: Gather = False,
-                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean",
+                 same_label: SameLabel = "mask"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
-                         backend=backend, reduction=reduction)
+                         backend=backend, reduction=reduction, same_label=same_label)
         _check_temperature(self.name, temperature)
         self.temperature = temperature
 
@@ -37,6 +39,9 @@ class DCLLoss(ContrastiveLoss):
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return softmax_terms(pos * scale, neg_lse, keep_positive=False, pos_weight=self.positive_weight(pos))
+
+    def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
+        return supcon_terms(pos_mean, pos_lse, neg_lse, keep_positives=False)
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.ones_like(neg_lse)[None]  # -w s_p + lse: the positive's weight (DCLW) does not touch lse
@@ -55,9 +60,10 @@ class DCLWLoss(DCLLoss):
     name = "dclw"
 
     def __init__(self, temperature: float = 0.1, sigma: float = 0.5, *, normalize: bool = True, gather_distributed: Gather = False,
-                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean",
+                 same_label: SameLabel = "mask"):
         super().__init__(temperature, normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
-                         backend=backend, reduction=reduction)
+                         backend=backend, reduction=reduction, same_label=same_label)
         _check_temperature(self.name, sigma, "sigma")
         self.sigma = sigma
 

@@ -259,6 +259,20 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
 
 
+def supcon_terms(pos_mean: torch.Tensor, pos_lse: torch.Tensor, neg_lse: torch.Tensor, *,
+                 keep_positives: bool) -> Terms:
+    """Per-anchor loss with several positives P(i), SupCon's L_out (Khosla et al. 2020, Eq. 2), from the mean
+    of the positives' logits, their logsumexp and the negatives' logsumexp [M] each:
+
+        keep_positives=True:  -1/|P| sum_p s_p + log(sum_p e^{s_p} + sum_n e^{s_n})
+        keep_positives=False: -1/|P| sum_p s_p + log(sum_n e^{s_n})   (DCL: every positive out of the denominator)
+
+    npc: 1 - the positives' softmax mass in the first form."""
+    denominator = torch.logaddexp(pos_lse, neg_lse) if keep_positives else neg_lse
+    npc = torch.sigmoid(neg_lse - pos_lse).detach()
+    return Terms(denominator - pos_mean, (-pos_mean).detach(), denominator.detach(), npc)
+
+
 def eqco_negatives(neg_lse: torch.Tensor, alpha: float, num_neg: int | torch.Tensor) -> torch.Tensor:
     """EqCo's margin m = tau log(alpha / K) moved onto the negatives (EqCo, Eq. 5): e^{(s_p - m) / tau} =
     e^{s_p / tau} K / alpha, so InfoNCE with the margin is InfoNCE with lse_n + log(alpha / K). num_neg:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction
-from contrastkit.losses.functional import Terms, _check_temperature, eqco_negatives, softmax_terms
+from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
+from contrastkit.losses.functional import Terms, _check_temperature, eqco_negatives, softmax_terms, supcon_terms
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -20,9 +20,10 @@ class InfoNCELoss(ContrastiveLoss):
     name = "infonce"
 
     def __init__(self, temperature: float = 0.1, *, normalize: bool = True, gather_distributed: Gather = False,
-                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean",
+                 same_label: SameLabel = "mask"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
-                         backend=backend, reduction=reduction)
+                         backend=backend, reduction=reduction, same_label=same_label)
         _check_temperature(self.name, temperature)
         self.temperature = temperature
 
@@ -31,6 +32,9 @@ class InfoNCELoss(ContrastiveLoss):
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return softmax_terms(pos * scale, neg_lse, keep_positive=True)
+
+    def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
+        return supcon_terms(pos_mean, pos_lse, neg_lse, keep_positives=True)
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         # sigmoid(lse - s_p), the NPC multiplier q_B (DCL paper, Prop. 1), as autograd computes it through
@@ -55,11 +59,15 @@ class EqCoLoss(InfoNCELoss):
     name = "eqco"
 
     def __init__(self, temperature: float = 0.1, alpha: float = 256.0, *, normalize: bool = True, gather_distributed: Gather = False,
-                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean"):
+                 chunk_size: int | None = None, backend: Backend = "auto", reduction: Reduction = "mean",
+                 same_label: SameLabel = "mask"):
         super().__init__(temperature, normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
-                         backend=backend, reduction=reduction)
+                         backend=backend, reduction=reduction, same_label=same_label)
         _check_temperature(self.name, alpha, "alpha")
         self.alpha = alpha
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return softmax_terms(pos * scale, eqco_negatives(neg_lse, self.alpha, num_neg), keep_positive=True)
+
+    def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
+        return supcon_terms(pos_mean, pos_lse, eqco_negatives(neg_lse, self.alpha, num_neg), keep_positives=True)

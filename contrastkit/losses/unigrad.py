@@ -24,7 +24,7 @@ class UniGradLoss(Objective):
     to 100, while rho 0 (F from the batch alone) learned (docs/evidence.md).
 
     UniGrad has no negatives matrix (the repulsion goes through F), hence no query/key or image-text
-    form (a ValueError) and no ``gather_distributed``, ``chunk_size`` or ``backend``.
+    form (a ValueError), no ``gather_distributed``, ``chunk_size`` or ``backend``, and no ``labels`` (a ValueError).
 
     >>> loss_fn = UniGradLoss(lam=100.0, rho=0.99)
     >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128))
@@ -43,7 +43,10 @@ class UniGradLoss(Objective):
         self.register_buffer("correlation", torch.zeros(0, 0))  # sized on the first batch
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, target1: torch.Tensor | None = None,
-                target2: torch.Tensor | None = None, *, output_dict: bool = False):
+                target2: torch.Tensor | None = None, *, labels: torch.Tensor | None = None, output_dict: bool = False):
+        if labels is not None:
+            raise ValueError("unigrad: labels have no meaning here: UniGrad has no negatives to mask or positives to "
+                             "add (its repulsion goes through the correlation matrix F); use a score objective")
         features = {"z1": z1, "z2": z2}
         targets = None
         if target1 is not None and target2 is not None:

@@ -25,7 +25,8 @@ from contrastkit.losses import available_losses, build_loss
 METHODS = ("simclr", "moco", "simo")
 
 
-def check_setup(method: str, loss: str, global_batch: int, views: int = 2, queue_size: int | None = None) -> None:
+def check_setup(method: str, loss: str, global_batch: int, views: int = 2, queue_size: int | None = None,
+                labels: bool = False) -> None:
     """Refuse, before any training, a combination that cannot work, saying why."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -34,6 +35,9 @@ def check_setup(method: str, loss: str, global_batch: int, views: int = 2, queue
     if loss == "unigrad" and method == "moco":
         raise ValueError("unigrad has no queue form (its negative term is a feature correlation matrix, not "
                          "queued keys); use --method simo for UniGrad with its momentum target, or simclr")
+    if loss == "unigrad" and labels:
+        raise ValueError("unigrad takes no labels: it has no negatives to mask or positives to add (its repulsion "
+                         "goes through a feature correlation matrix); use a score objective with --labels")
     if loss == "unigrad" and views != 2:
         raise ValueError(f"unigrad takes exactly 2 views, got --views {views}")
     if views < 2:
@@ -63,9 +67,9 @@ class ContrastiveModel(nn.Module):
     and the loss (which holds UniGrad's correlation buffer), so one state dict holds the whole state."""
 
     def __init__(self, method: str, loss: str, backbone: nn.Module, head: nn.Module, *, views: int = 2,
-                 queue_size: int | None = None, loss_kwargs: dict | None = None):
+                 queue_size: int | None = None, loss_kwargs: dict | None = None, labels: bool = False):
         super().__init__()
-        self.method, self.loss_name, self.views = method, loss, views
+        self.method, self.loss_name, self.views, self.labels = method, loss, views, labels
         self.backbone, self.head = backbone, head
         self.loss_fn = build_loss(loss, **(loss_kwargs or {}))
         self.has_momentum = method in ("moco", "simo")
@@ -76,38 +80,49 @@ class ContrastiveModel(nn.Module):
             dim = head[-1].out_features
             self.register_buffer("queue", nn.functional.normalize(torch.randn(queue_size, dim), dim=1))
             self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
+            if labels:  # the queued keys' labels; the initial random keys' -1 is no class's: negatives of all
+                self.register_buffer("queue_labels", torch.full((queue_size,), -1, dtype=torch.long))
 
-    def forward(self, views: torch.Tensor) -> dict:
-        """views [N, V, 3, S, S] -> {"loss", diagnostics...} for this process's samples."""
+    def forward(self, views: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        """views [N, V, 3, S, S] (and with ``labels``, their classes [N]) -> {"loss", diagnostics...} for this
+        process's samples."""
         if views.dim() != 5 or views.shape[1] != self.views:
             raise ValueError(f"expected views [N, {self.views}, 3, S, S], got shape {tuple(views.shape)}")
+        if (labels is not None) != self.labels:
+            raise ValueError("this model was built with labels=True: give the batch's labels" if self.labels else
+                             "labels given to a model built without them (labels=False)")
+        label_args = {} if labels is None else {"labels": labels}
         n, v = views.shape[:2]
         flat = views.transpose(0, 1).reshape(v * n, *views.shape[2:])  # view-major: one forward, one BN batch
         z = self.head(self.backbone(flat)).view(v, n, -1)
         if self.method == "simclr":
             if self.loss_name == "unigrad":
                 return self.loss_fn(z[0], z[1], output_dict=True)
-            return self.loss_fn(*z, output_dict=True)
+            return self.loss_fn(*z, **label_args, output_dict=True)
         with torch.no_grad():
             keys = self.momentum_head(self.momentum_backbone(flat)).view(v, n, -1)
         if self.loss_name == "unigrad":
             return self.loss_fn(z[0], z[1], keys[0], keys[1], output_dict=True)
         queue = self.queue.clone() if self.method == "moco" else None
+        if queue is not None and labels is not None:
+            label_args["queue_labels"] = self.queue_labels.clone()
         outputs = []
         for a in range(v):
             others = torch.cat([keys[:a], keys[a + 1:]]).transpose(0, 1)  # [N, V-1, D]; slices: no index copied
             outputs.append(self.loss_fn.query_key(z[a], others[:, 0] if v == 2 else others, queue,
-                                                  output_dict=True))
+                                                  **label_args, output_dict=True))
         if self.method == "moco":
-            self._enqueue(keys[0])
+            self._enqueue(keys[0], labels)
         return {name: sum(o[name] for o in outputs) / v for name in outputs[0]}
 
     @torch.no_grad()
-    def _enqueue(self, keys: torch.Tensor) -> None:
-        """Replace the oldest entries with this step's keys from every process (in process order)."""
+    def _enqueue(self, keys: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Replace the oldest entries with this step's keys (and labels) from every process (in process order)."""
         keys = nn.functional.normalize(gather_no_grad(keys).float(), dim=1)[-self.queue.shape[0]:]
         rows = (self.queue_ptr + torch.arange(keys.shape[0], device=keys.device)) % self.queue.shape[0]
         self.queue[rows] = keys.to(self.queue.dtype)
+        if labels is not None:
+            self.queue_labels[rows] = gather_no_grad(labels)[-self.queue.shape[0]:]
         self.queue_ptr.copy_((self.queue_ptr + keys.shape[0]) % self.queue.shape[0])
 
     @torch.no_grad()

@@ -7,7 +7,9 @@ warm-up, cosine decay) and the momentum (cosine from ``momentum`` to 1) are func
 the step fixes the data position, so a checkpoint (model with momentum encoder, queue and UniGrad's
 correlation; optimizer; RNG; step) resumes the run exactly. A loss or gradient that becomes non-finite stops
 the run with one line (training.Divergence); --resume with a new --lr applies it, with a new model, objective
-or batch refuses.
+or batch refuses. ``--labels``: the images' class labels go to the loss (gathered with the features), for
+supervised contrastive learning (``--same-label positive``: SupCon's L_out with InfoNCE) or to take
+same-class images out of the negatives (``mask``).
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ class VisionConfig(RunOptions):
     # What a checkpoint fixes: --resume refuses a change to one of these (training.Checkpoints).
     FIXED = ("method", "loss", "loss_options", "data", "image_size", "train_images", "backbone", "width",
              "small_images", "proj_hidden", "proj_dim", "views", "batch_size", "optimizer", "queue_size",
-             "weight_decay", "temperature", "alpha", "sigma", "lam", "rho", "seed")
+             "weight_decay", "temperature", "alpha", "sigma", "lam", "rho", "seed", "labels", "same_label")
     # Where this recipe's defaults differ from RunOptions': steps from --samples or --epochs by default; 4e-3, as
     # 1e-3 left the short default below raw pixels (docs/evidence.md); kNN and a checkpoint at the end only.
     DEFAULTS = {"steps": None, "lr": 4e-3, "warmup": 10, "eval_every": 0, "save_every": 0}
 
     method: str = arg("simclr", "training method", choices=METHODS)
     loss: str = arg("infonce", "the objective", choices=available_losses())
+    labels: bool = arg(False, "use the images' class labels: supervised contrastive (SupCon) with --same-label "
+                              "positive, false negatives left out with mask (not unigrad)")
+    same_label: str = arg("positive", "with --labels: images of the anchor's class are its positives (positive) "
+                                      "or leave its negatives (mask)", choices=("positive", "mask"))
     loss_options: dict = arg(help="extra loss option, e.g. chunk_size=512 (typed: int, float, bool or str)",
                              factory=dict, aliases=["--loss-option"])
     out_dir: str = arg("runs/vision", "output folder")
@@ -89,12 +95,13 @@ class VisionConfig(RunOptions):
             positive(name, getattr(self, name), zero=True)
         existing("data", self.data, "image data")
         self.check_run()
-        check_setup(self.method, self.loss, self.batch_size, self.views, self.queue_size)
+        check_setup(self.method, self.loss, self.batch_size, self.views, self.queue_size, self.labels)
         build_loss(self.loss, **self.loss_kwargs())  # an unknown loss option
 
     def loss_kwargs(self) -> dict:
+        labelled = {"same_label": self.same_label} if self.labels else {}
         return {**objective_options(self.loss, temperature=self.temperature, alpha=self.alpha, sigma=self.sigma,
-                                    lam=self.lam, rho=self.rho, gather_distributed=True),
+                                    lam=self.lam, rho=self.rho, gather_distributed=True, **labelled),
                 **self.loss_options}
 
     def total_steps(self, num_images: int) -> int:
@@ -114,7 +121,7 @@ def build_model(cfg: VisionConfig) -> ContrastiveModel:
     backbone, dim = build_backbone(cfg.backbone, cfg.small_images, cfg.width)
     head = projection_head(dim, cfg.proj_hidden, cfg.proj_dim)
     return ContrastiveModel(cfg.method, cfg.loss, backbone, head, views=cfg.views, queue_size=cfg.queue_size,
-                            loss_kwargs=cfg.loss_kwargs())
+                            loss_kwargs=cfg.loss_kwargs(), labels=cfg.labels)
 
 
 def knn_eval(backbone, train_images, test_images, cfg: VisionConfig) -> float:
@@ -178,9 +185,9 @@ def train(cfg: VisionConfig) -> dict:
     bar = tqdm(total=total, initial=state.step, desc=f"{cfg.method}/{cfg.loss}",
                disable=not (cfg.progress and accelerator.is_main_process))
     model.train()
-    for x, _, _ in loader:
+    for x, y, _ in loader:
         try:
-            outputs = model(x.to(device, non_blocking=True))
+            outputs = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True) if cfg.labels else None)
         except NonFiniteError as err:  # CPU: the loss core names the input that went non-finite
             raise divergence.from_loss(err, state.step + 1) from err
         accelerator.backward(outputs["loss"])

@@ -1,0 +1,217 @@
+"""Labels in the core: same_label="mask" (false negatives leave the negatives) and "positive" (they join the
+positives, SupCon's L_out), against the float64 references of tests/reference.py, in every setting and with
+the torch kernel blocked (several blocks), automatic and dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference
+from contrastkit.losses import build_loss
+from contrastkit.losses.base import choose_backend
+
+PARAMS = {
+    "infonce": ({"temperature": 0.2}, {"tau": 0.2}),
+    "dcl": ({"temperature": 0.2}, {"tau": 0.2}),
+    "dclw": ({"temperature": 0.2, "sigma": 0.5}, {"tau": 0.2, "sigma": 0.5}),
+    "eqco": ({"temperature": 0.2, "alpha": 64.0}, {"tau": 0.2, "alpha": 64.0}),
+    "cacr": ({"t_pos": 1.0, "t_neg": 2.0}, {"t_pos": 1.0, "t_neg": 2.0}),
+}
+CASES = [(kind, mode) for kind in PARAMS for mode in ("mask", "positive") if (kind, mode) != ("cacr", "positive")]
+SETTINGS = ["two_views", "three_views", "image_text", "query_key", "queue"]
+CHUNKS = [None, 2, 0]  # automatic (the CPU's fast path), blocks of 2 anchors (several blocks), dense
+
+
+def _inputs(seed, n=6, d=5, classes=3):
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    queue = torch.randn(9, d, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(classes, (n,), generator=g)
+    labels[:2] = torch.tensor([0, 1])  # two labels at least: every anchor keeps a negative
+    queue_labels = torch.randint(classes + 1, (9,), generator=g)
+    queue_labels[:2] = torch.tensor([0, 1])  # ... in the queue too
+    return x, queue, labels, queue_labels
+
+
+def _call(fn, setting, x, queue, labels, queue_labels):
+    """(loss, leaves) of the library in a setting."""
+    if setting == "two_views":
+        return fn(x[0], x[1], labels=labels), x[:2]
+    if setting == "three_views":
+        return fn(*x, labels=labels), x
+    if setting == "image_text":
+        return fn.cross_modal(x[0], x[1], labels=labels), x[:2]
+    if setting == "query_key":  # with one hard negative per sample
+        return fn.query_key(x[0], x[1], negatives=x[2], labels=labels), x
+    return fn.query_key(x[0], x[1], queue, labels=labels, queue_labels=queue_labels), [x[0], x[1], queue]
+
+
+def _expected(kind, mode, setting, x, queue, labels, queue_labels):
+    ref = PARAMS[kind][1]
+    if setting == "two_views":
+        return reference.labelled_views(x[:2], labels, kind, mode, **ref)
+    if setting == "three_views":
+        return reference.labelled_views(x, labels, kind, mode, **ref)
+    if setting == "image_text":
+        return reference.labelled_cross_modal(x[0], x[1], labels, kind, mode, **ref)
+    if setting == "query_key":
+        return reference.labelled_query_key(x[0], x[1], labels, kind, mode, hard=x[2], **ref)
+    return reference.labelled_query_key(x[0], x[1], labels, kind, mode, queue=queue, queue_labels=queue_labels, **ref)
+
+
+def _loss(kind, mode, **options):
+    return build_loss(kind, **PARAMS[kind][0], same_label=mode, **options)
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_labels_match_float64_reference(kind, mode, setting, chunk_size):
+    seed = hash((kind, mode, setting)) % 2**31
+    x, queue, labels, queue_labels = _inputs(seed)
+    got, leaves = _call(_loss(kind, mode, chunk_size=chunk_size), setting, x, queue, labels, queue_labels)
+    expected = _expected(kind, mode, setting, x, queue, labels, queue_labels)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad(got, leaves)
+    for g, e in zip(grads, torch.autograd.grad(expected, leaves)):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-11, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_float32_with_labels_close_to_float64_reference(kind, mode):
+    """float32 features: the CPU's fast path (sampled shifts, backward guessed in forward) with labels."""
+    x, queue, labels, queue_labels = _inputs(7, n=16, d=8, classes=4)
+    x32 = [t.detach().float().requires_grad_() for t in x]
+    got, leaves = _call(_loss(kind, mode), "two_views", x32, None, labels, None)
+    expected = _expected(kind, mode, "two_views", x, queue, labels, queue_labels)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, x[:2])):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kind", list(PARAMS))
+def test_distinct_labels_mask_nothing(kind, setting):
+    """same_label="mask" with every label distinct is the loss without labels, to the bit (image-text to
+    rounding: with labels each direction comes alone, without them both from one product)."""
+    x, queue, _, _ = _inputs(3)
+    labels, queue_labels = torch.arange(6), torch.arange(6, 15)
+    for chunk_size in CHUNKS:
+        fn = _loss(kind, "mask", chunk_size=chunk_size)
+        got, leaves = _call(fn, setting, x, queue, labels, queue_labels)
+        plain, _ = _call(fn, setting, x, queue, None, None) if setting != "queue" else \
+            (fn.query_key(x[0], x[1], queue), None)
+        for g, e in zip((got, *torch.autograd.grad(got, leaves)), (plain, *torch.autograd.grad(plain, leaves))):
+            if setting == "image_text":
+                torch.testing.assert_close(g, e, rtol=1e-14, atol=1e-15)
+            else:
+                assert torch.equal(g, e), chunk_size
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text", "query_key", "queue"])
+@pytest.mark.parametrize("kind", ["infonce", "dcl", "dclw", "eqco"])
+def test_distinct_labels_as_positives_are_the_plain_loss(kind, setting):
+    """same_label="positive" with every label distinct: one positive per anchor, SupCon's L_out is the plain
+    loss (to rounding: the positives' sums are built another way)."""
+    x, queue, _, _ = _inputs(4)
+    labels, queue_labels = torch.arange(6), torch.arange(6, 15)
+    fn = _loss(kind, "positive", chunk_size=2)
+    got, leaves = _call(fn, setting, x, queue, labels, queue_labels)
+    plain, _ = _call(_loss(kind, "mask", chunk_size=2), setting, x, queue, None, None) if setting != "queue" else \
+        (_loss(kind, "mask").query_key(x[0], x[1], queue), None)
+    torch.testing.assert_close(got, plain, rtol=1e-13, atol=1e-13)
+    for g, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(plain, leaves)):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_one_label_for_all_leaves_no_negative(kind, mode):
+    x, _, _, _ = _inputs(5)
+    with pytest.raises(ValueError, match="no negative left"):
+        _loss(kind, mode)(x[0], x[1], labels=torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="no negative left"):
+        _loss(kind, mode, chunk_size=0).cross_modal(x[0], x[1], labels=torch.full((6,), 3))
+
+
+def test_bad_labels_are_named():
+    x, queue, labels, _ = _inputs(6)
+    fn = _loss("dcl", "mask")
+    for bad, match in [(labels[:5], r"must be \[6\]"), (labels[:, None], r"must be \[6\]"),
+                       (labels.double(), "integer dtype"), (labels.bool(), "integer dtype"),
+                       (labels.tolist(), "torch.Tensor"), (labels.to("meta"), "is on meta")]:
+        with pytest.raises(ValueError, match=match):
+            fn(x[0], x[1], labels=bad)
+    with pytest.raises(ValueError, match="need queue_labels"):
+        fn.query_key(x[0], x[1], queue, labels=labels)
+    with pytest.raises(ValueError, match=r"queue_labels must be \[9\]"):
+        fn.query_key(x[0], x[1], queue, labels=labels, queue_labels=labels)
+    with pytest.raises(ValueError, match="queue_labels without labels"):
+        fn.query_key(x[0], x[1], queue, queue_labels=torch.arange(9))
+    with pytest.raises(ValueError, match="same_label must be one of"):
+        build_loss("infonce", same_label="supcon")
+    with pytest.raises(ValueError, match="cacr: same_label='positive' is not supported"):
+        build_loss("cacr", same_label="positive")
+    with pytest.raises(ValueError, match="unigrad: labels have no meaning"):
+        build_loss("unigrad")(x[0], x[1], labels=labels)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kind,mode", CASES)
+def test_labels_on_the_triton_backend(kind, mode, setting):
+    """backend="triton" (under the interpreter on CPU) masks by label in its kernels (kernels/common.
+    kept_by_label): float32 features against the float64 reference, every objective, mode and setting."""
+    seed = hash((kind, mode, setting, "triton")) % 2**31
+    x, queue, labels, queue_labels = _inputs(seed)
+    x32 = [t.detach().float().requires_grad_() for t in x]
+    queue32 = queue.detach().float().requires_grad_()
+    got, leaves = _call(_loss(kind, mode, backend="triton"), setting, x32, queue32, labels, queue_labels)
+    expected = _expected(kind, mode, setting, x, queue, labels, queue_labels)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    wanted = torch.autograd.grad(expected, [x[i] for i in range(len(leaves) - (setting == "queue"))]
+                                 + ([queue] if setting == "queue" else []))
+    for g, e in zip(torch.autograd.grad(got, leaves), wanted):
+        assert float((g.double() - e).norm() / e.norm()) < 1e-5, f"seed {seed}"
+
+
+def test_labels_take_every_backend():
+    """Labels change no backend choice: "auto" takes Triton on CUDA with or without them."""
+    assert choose_backend("auto", None, "cuda", torch.bfloat16) in ("triton", "torch")
+
+
+def test_mask_cuts_same_label_samples_off_and_positive_pulls_them():
+    """Anchor 0 (sample 0, label 0) and sample 1 (label 0): with "mask" anchor 0's loss does not depend on
+    sample 1 at all; with "positive" its gradient moves sample 1's view towards anchor 0."""
+    x, _, _, _ = _inputs(9, n=4)
+    labels = torch.tensor([0, 0, 1, 2])
+    for mode in ("mask", "positive"):
+        z1, z2 = (t.detach().clone().requires_grad_() for t in x[:2])
+        per_anchor = _loss("dcl", mode, chunk_size=2, reduction="none")(z1, z2, labels=labels)
+        (g,) = torch.autograd.grad(per_anchor[0], [z2])
+        if mode == "mask":
+            assert torch.equal(g[1], torch.zeros_like(g[1]))
+        else:  # a step against the gradient raises the cosine of z2[1] with z1[0]
+            u = torch.nn.functional.normalize(z1[0].detach(), dim=0)
+            assert float((-g[1] * u).sum()) > 0
+
+
+@pytest.mark.parametrize("kind", ["infonce", "eqco"])
+def test_sparse_labels_keep_the_fast_path(kind, monkeypatch):
+    """The positives' lse runs over each anchor's few same-label candidates, which the fast path's sampled
+    shift (every K/64-th candidate) mostly misses; the shift then falls to the logits' floor -|a||b|, and the
+    call stays on the fast path, equal to the dense float64 loss."""
+    import contrastkit.losses.chunked as chunked
+
+    g = torch.Generator().manual_seed(2)
+    z = [torch.randn(150, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    labels = torch.randint(60, (150,), generator=g)
+    dense = _loss(kind, "positive", chunk_size=0)(*z, labels=labels)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the safe path ran")
+
+    monkeypatch.setattr(chunked, "_safe_forward", refuse)
+    fast = _loss(kind, "positive")(*z, labels=labels)
+    torch.testing.assert_close(fast, dense, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fast, z), torch.autograd.grad(dense, z)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
