@@ -73,9 +73,10 @@ class Excluded(NamedTuple):
     col_ids: torch.Tensor | None = None
     same: bool = True
 
-    def label_hits(self, r0, r1, columns=slice(None)):
-        """[r1 - r0, K'] bool: the pairs of rows r0:r1 (and the candidates ``columns``) left out by label."""
-        rows, cols = self.row_ids[r0:r1, None], self.col_ids[columns][None]
+    def label_hits(self, r0, r1, stride=1):
+        """[r1 - r0, K'] bool: the pairs of rows r0:r1 and every stride-th candidate left out by label (a
+        stride, not a slice argument: torch 2.9's dynamo cannot wrap a slice default)."""
+        rows, cols = self.row_ids[r0:r1, None], self.col_ids[::stride][None]
         return rows == cols if self.same else rows != cols
 
 
@@ -121,7 +122,7 @@ def _sampled_max(a_s, b, exclude):
         logits.index_put_((rows[hit], index[hit] // stride), logits.new_full((), _excluded(logits.dtype)))
     shift = logits.amax(dim=1)
     if exclude is not None and exclude.row_ids is not None:
-        logits.masked_fill_(exclude.label_hits(0, a_s.shape[0], slice(None, None, stride)), _excluded(logits.dtype))
+        logits.masked_fill_(exclude.label_hits(0, a_s.shape[0], stride), _excluded(logits.dtype))
         # A row's candidates of its own label are few, and the sample often misses them all: then its shift is
         # the floor of every logit, -|a_i| max_k |b_k| (Cauchy-Schwarz), a lower bound of its maximum too.
         floor = -torch.linalg.vector_norm(a_s, dim=1) * torch.linalg.vector_norm(b, dim=1).amax()
