@@ -255,7 +255,7 @@ def _hf_clip(obj, method: str):
     from contrastkit.adapters.hf_clip import model_scales
 
     def loss(a, k):
-        model, family, text, other = a
+        model, family, text, other = a[:4]  # (then the pairs' sample_ids, where the call gives them)
         text, other = (torch.nn.functional.normalize(x, dim=-1) for x in (text, other))
         scales = model_scales(model, family)  # already exp(t), as the model applies them
         logits = scales[0] * text @ other.t()
