@@ -16,7 +16,9 @@
 # device tool (10 minutes), and this one needs the carried wheels and data, which gpu_check.sh does not.
 # Environment: PYTHON (default python), COMMIT (the commit the report names, where the tree has no .git), STAGES (a space list of stage names, default all, in order: clip
 # vision_simclr vision_moco wav2vec2 clap open_clip run_clip run_wav2vec2 st st_cached), STAGE_TIMEOUT
-# (seconds a stage may run; 150 on the GPU), E2E_WORK (--dry-run's work folder, default a new temp folder).
+# (seconds a stage may run; 150 on the GPU), E2E_BUDGET (seconds from the script's start after which no stage
+# starts and each stage's limit is cut to what is left: a device call that also runs gpu_check.sh), E2E_WORK
+# (--dry-run's work folder, default a new temp folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -69,15 +71,23 @@ RUN=$W/run
 rm -rf "$RUN"; mkdir -p "$RUN" "$OUT_DIR/e2e-logs"
 echo "== gpu_e2e ($MODE): work folder $W, writing $OUT_DIR"
 
+stage_limit() {  # seconds the next stage may run: STAGE_TIMEOUT, cut to E2E_BUDGET's rest (fails under 20 s)
+  local left=$(( ${E2E_BUDGET:-999999} - SECONDS ))
+  [ "$left" -ge 20 ] || return 1
+  echo $(( left < STAGE_TIMEOUT ? left : STAGE_TIMEOUT ))
+}
+
 stage() {  # stage NAME REFERENCE [VAR=VALUE ...] -- COMMAND ...: one entry point under the harness
   local name=$1 reference=$2; shift 2
   local vars=()
   while [ "$1" != -- ]; do vars+=("$1"); shift; done; shift
   [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]] && return 0
+  local limit
+  limit=$(stage_limit) || { echo "== $name: not run (E2E_BUDGET=$E2E_BUDGET s spent)"; return 0; }
   echo "== $name"
   local start=$SECONDS rc=0
   env E2E_OUT="$RUN/$name.json" E2E_REFERENCE="$reference" "${vars[@]}" \
-    timeout "$STAGE_TIMEOUT" "$@" > "$OUT_DIR/e2e-logs/$name.log" 2>&1 || rc=$?
+    timeout "$limit" "$@" > "$OUT_DIR/e2e-logs/$name.log" 2>&1 || rc=$?
   echo "$rc" > "$RUN/$name.status"
   echo "   exit $rc in $((SECONDS - start)) s$([ "$rc" = 0 ] || echo "; the log's end:")"
   [ "$rc" = 0 ] || tail -n 25 "$OUT_DIR/e2e-logs/$name.log" | sed 's/^/   | /'
@@ -88,15 +98,16 @@ CLIP=(recipes/clip/train.py --loss dcl --data-dir "$W/shapes" --num-train "$PAIR
       --batch-size "$BATCH" --steps "$CLIP_STEPS" --save-every $((CLIP_STEPS / 2)) --eval-every 0 --workers "$WORKERS"
       --no-progress)
 stage clip openclip -- "${LAUNCH[@]}" $PROBE "${CLIP[@]}" --out-dir "$RUN/clip"
-if [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" clip "* ]]; then  # the resume: the half-way checkpoint continued
+if { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" clip "* ]]; } && [ -d "$RUN/clip/checkpoints" ] && limit=$(stage_limit)
+then  # the resume: the half-way checkpoint continued
   half=checkpoint_$((CLIP_STEPS / 2)); full=checkpoint_$CLIP_STEPS
   mkdir -p "$RUN/clip-resumed/checkpoints"
-  cp -r "$RUN/clip/checkpoints/$half" "$RUN/clip-resumed/checkpoints/"
-  cp "$RUN/clip/metrics.jsonl" "$RUN/clip-resumed/"
   echo "== clip --resume from $half"
-  "${LAUNCH[@]}" "${CLIP[@]}" --out-dir "$RUN/clip-resumed" --resume > "$OUT_DIR/e2e-logs/clip_resume.log" 2>&1
-  "$PY" benchmarks/e2e_report.py compare "$RUN/clip/checkpoints/$full" "$RUN/clip-resumed/checkpoints/$full" \
-    --out "$RUN/resume.json"
+  { cp -r "$RUN/clip/checkpoints/$half" "$RUN/clip-resumed/checkpoints/" && cp "$RUN/clip/metrics.jsonl" "$RUN/clip-resumed/" &&
+    timeout "$limit" "${LAUNCH[@]}" "${CLIP[@]}" --out-dir "$RUN/clip-resumed" --resume \
+      > "$OUT_DIR/e2e-logs/clip_resume.log" 2>&1 &&
+    "$PY" benchmarks/e2e_report.py compare "$RUN/clip/checkpoints/$full" "$RUN/clip-resumed/checkpoints/$full" \
+      --out "$RUN/resume.json"; } || echo "   the resume check failed (e2e-logs/clip_resume.log)"
 fi
 
 VISION=(recipes/vision/train.py --loss dcl --steps "$STEPS" --batch-size "$BATCH" --train-images "$IMAGES"
