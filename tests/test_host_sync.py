@@ -10,8 +10,10 @@ asks it: no fast path, no value checks) inside ``no_host_sync``, a dispatch mode
 operators (``tolist``, ``numpy`` and ``cpu`` raise too), through forward and backward, in every setting for
 every objective, and in the adapters' and recipes' own code around the losses.
 
-What it cannot see: code that runs on CUDA alone (the Triton backend, whose interpreter reads values on the
-host; the ``_assert_async`` checks; autotuning); copies to the device of tensors made on the host some other
+The Triton backend's host code (its operators' Python bodies, in which the kernels launch) is checked too,
+each launch excused: the interpreter reads the tensors on the host where CUDA would launch a kernel.
+
+What it cannot see: code that runs on CUDA alone (the ``_assert_async`` checks; autotuning); copies to the device of tensors made on the host some other
 way (``.to("cuda")`` without ``non_blocking``); syncs inside an operator's CUDA implementation that its CPU
 one lacks, beyond the operators listed; several processes (uneven gathers exchange sizes between the hosts,
 on the CPU, by design); torch.compile; and the CPU's own branches (block sizes, scratch buffers), which
@@ -53,8 +55,18 @@ class HostSync(AssertionError):
 
 
 class _NoHostSync(TorchDispatchMode):
+    paused = False  # inside a kernel launch of Triton's interpreter (triton_launches_excused)
+
+    def __init__(self, inside=None):
+        super().__init__()
+        self.inside = inside or {}  # operator name -> its Python body, run under this mode: its operators seen
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        body = self.inside.get(func._schema.name)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
         why = SYNCS.get(func)
         if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             why = "repeat_interleave of a tensor without output_size"
@@ -66,24 +78,54 @@ class _NoHostSync(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_TENSOR_READS = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+
+
 @contextlib.contextmanager
-def no_host_sync():
-    """Raise HostSync at any operator that would make a CUDA host wait for the device (module docstring)."""
-    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+def no_host_sync(inside=None):
+    """Raise HostSync at any operator that would make a CUDA host wait for the device (module docstring).
+    inside: custom operators whose Python bodies are checked too (a mode sees an operator, not its body)."""
+    saved = _TENSOR_READS
 
     def refuse(name):
         def method(*args, **kwargs):
+            if _NoHostSync.paused:
+                return saved[name](*args, **kwargs)
             raise HostSync(f"host sync: Tensor.{name}()")
         return method
 
     for name in saved:
         setattr(torch.Tensor, name, refuse(name))
     try:
-        with _NoHostSync():
+        with _NoHostSync(inside):
             yield
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+@pytest.fixture
+def triton_launches_excused(monkeypatch):
+    """The Triton operators' bodies for no_host_sync(inside=...), each interpreted kernel launch run with the
+    check paused (on CUDA a launch is asynchronous; the interpreter computes it on the host)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import launch
+
+    original = launch.run
+
+    def run_paused(*args, **kwargs):
+        with _disable_current_modes():
+            _NoHostSync.paused = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _NoHostSync.paused = False
+
+    monkeypatch.setattr(launch, "run", run_paused)
+    return {f"contrastkit::{name}": getattr(triton_stats, f"_{name}")._init_fn
+            for name in ("negative_stats", "negative_stats_backward")}
 
 
 @pytest.fixture
@@ -157,6 +199,30 @@ def test_score_losses(name, setting, chunk, device_path):
     call = _call(name, setting, chunk)
     with no_host_sync():
         loss = _backward(call())
+    assert bool(torch.isfinite(loss))
+
+
+TRITON_SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "cross_modal_tensor_scale"]
+
+
+@pytest.mark.parametrize("setting", TRITON_SETTINGS)
+@pytest.mark.parametrize("name", SCORE_LOSSES)
+def test_triton_backend(name, setting, device_path, triton_launches_excused):
+    """The Triton path's own host code: inverse norms, bands, the normalization's backward, label ids (the
+    first GPU run found a host-to-device copy in its backward that no CPU test saw)."""
+    fn = build_loss(name, backend="triton")
+    z1, z2, z3, queue = _leaves((6, 5), (6, 5), (6, 5), (9, 5))
+    scale = torch.tensor(14.0, requires_grad=True)
+    labels = torch.arange(6) % 3
+    calls = {
+        "two_views": lambda: fn(z1, z2),
+        "three_views": lambda: fn(z1, z2, z3),
+        "queue": lambda: fn.query_key(z1, z2, queue.detach()),
+        "batch_keys": lambda: fn.query_key(z1, z2, labels=labels),
+        "cross_modal_tensor_scale": lambda: fn.cross_modal(z1, z2, logit_scale=scale),
+    }
+    with no_host_sync(inside=triton_launches_excused):
+        loss = _backward(calls[setting]())
     assert bool(torch.isfinite(loss))
 
 

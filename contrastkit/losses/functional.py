@@ -81,14 +81,18 @@ def inverse_norms(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# inverse_norms' value for a clamped row, float32's 1 / eps, made on the host once: a tensor made from a Python
+# number on CUDA in a training step is a host-to-device copy (a sync; the first GPU run found one here).
+_CLAMPED_INVERSE = float(1.0 / torch.tensor(_NORM_EPS, dtype=torch.float32))
+
+
 def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor) -> None:
     """out = d loss / d x from pre = inv * (d loss / d unit vector) (float32, [rows, D]): F.normalize's
     backward, pre - inv^2 (x . pre) x, the projection dropped for a row whose norm was clamped to eps (a
     constant divisor). out may be pre itself; the float32 work goes in chunks of rows."""
-    clamped = 1.0 / torch.tensor(_NORM_EPS, dtype=torch.float32, device=inv.device)  # inverse_norms' bits there
     for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
         p, v, i = pre[r0:r1].float(), x[r0:r1].float(), inv[r0:r1, None]
-        along = torch.linalg.vecdot(p, v, dim=-1)[:, None] * i * i * (i < clamped)
+        along = torch.linalg.vecdot(p, v, dim=-1)[:, None] * i * i * (i < _CLAMPED_INVERSE)
         out[r0:r1] = torch.addcmul(p, v, along, value=-1.0)
 
 
