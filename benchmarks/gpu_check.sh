@@ -12,14 +12,16 @@
 # 2. benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
 #    -triton-band, -triton-dense, -triton-fused: each source forced), the cuBLAS floor of the same matrix (timed
 #    in the same process), open_clip's ClipLoss, lightly's NTXentLoss and Inf-CL. quick, in order of what the
-#    issues need: bf16 at N = 4096 and 32768 (the issue's targets), float32 with TF32 at 32768, and image-text
-#    at N = 1048576 (a million pairs on one GPU: the floor and the default path only, one timed round); full:
+#    issues need: bf16 at N = 4096 and 32768 (the issue's targets), bf16 at N = 64 .. 1024 (where the e2e run
+#    found the Triton path's fixed cost, 3.6 ms at N = 64, four times open_clip's: the torch kernel, the dense
+#    path and the peers beside it), float32 with TF32 at 32768, and image-text at N = 1048576 (a million pairs on one GPU: the floor and the default path only, one timed round); full:
 #    bf16, fp16 and float32 at N = 256 .. 262144, every method. Each writes losses.md, losses.json and
 #    losses.png to docs/gpu/<device name>/<job>/, saving its table after every size, so a run cut off keeps
 #    what it measured; every stage prints its seconds, so the next plan can be sized from them.
 # 3. benchmarks/triton_kernels.py (full only): each Triton kernel alone over its autotune space, against
 #    cuBLAS's rate (kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
-# Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), KERNELS=0 (skip step 3),
+# Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), BENCH=0 (skip step 2),
+# KERNELS=0 (skip step 3),
 # and for full: SIZES, DIMS, REPEATS, MEM_LIMIT_GIB, DTYPES, METHODS, MEMORY=0 (times only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,10 +91,14 @@ bench() {  # bench NAME DTYPE SIZES REPEATS METHODS [extra losses.py arguments]
   took
 }
 echo "== 2/3 benchmark against the cuBLAS floor, open_clip, lightly and Inf-CL ($PLAN)"
-if [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only methods are skipped, named)
+if [ "${BENCH:-1}" = 0 ]; then
+  echo "(skipped: BENCH=0)"
+elif [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only methods are skipped, named)
   MEMORY=--no-memory
   small() { [ "$DRY" = 1 ] && echo 64 || echo "$1"; }
   bench bfloat16 bfloat16 "$(small 4096,32768)" 3 "$TWO_VIEW_QUICK,$IMAGE_TEXT_QUICK"
+  bench bfloat16-small bfloat16 "$(small 64,256,1024)" 3 \
+    "floor-2v,dcl,dcl-triton,dcl-torch,dcl-dense,lightly-ntxent,floor-clip,clip-dcl,clip-dcl-triton,clip-dcl-torch,clip-dcl-dense,openclip"
   bench float32-tf32 float32 "$(small 32768)" 2 \
     "floor-2v,dcl-triton,infonce-torch,floor-clip,clip-dcl-triton,clip-torch,openclip" --tf32
   bench image-text-1m bfloat16 "$(small 1048576)" 1 "floor-clip,clip-dcl-triton"

@@ -70,7 +70,10 @@ TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-tri
 # computed inside the kernels (the first design).
 LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel")}
 TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS]
-GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]]
+# DCL through each torch path (the blockwise kernel, the dense matrix): where the Triton path's fixed cost
+# dominates (small N), beside it.
+GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]] + ["dcl-torch", "dcl-dense", "clip-dcl-torch",
+                                                                 "clip-dcl-dense"]
 TWO_VIEW |= {m for m in GPU_METHODS if not m.startswith("clip")}
 IMAGE_TEXT |= {m for m in GPU_METHODS if m.startswith("clip")}
 CUDA_ONLY = {"infcl", *TRITON}  # Inf-CL's Triton kernels (pip install inf-cl); ours (CPU: interpreter only)

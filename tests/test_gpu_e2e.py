@@ -40,6 +40,17 @@ def test_dry_run_runs_every_entry_point(tmp_path):
     assert md.count("| yes |") == len(rows)
 
 
+def test_budget_spent_runs_no_stage_and_still_reports(tmp_path):
+    """E2E_BUDGET: past it no stage starts (each one says so) and the report is still written (empty, exit 1:
+    nothing ran), so a device call that runs gpu_check.sh after it keeps its time."""
+    env = {**os.environ, "E2E_WORK": str(tmp_path / "e2e"), "E2E_BUDGET": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_e2e.sh"), "--dry-run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("not run (E2E_BUDGET=0 s spent)") == len(e2e_report.ENTRY_POINTS), done.stdout
+    assert (tmp_path / "e2e" / "report" / "e2e.md").exists()
+
+
 def test_compare_names_a_difference(tmp_path):
     """The resume check reads two checkpoints' weights: equal ones are bit-identical, a changed entry is not,
     with its difference."""
@@ -65,5 +76,5 @@ def test_gpu_check_quick_plan_dry_run(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tables = sorted(p.parent.name for p in tmp_path.rglob("losses.json"))
-    assert tables == ["bfloat16", "float32-tf32", "image-text-1m"], tables
+    assert tables == ["bfloat16", "bfloat16-small", "float32-tf32", "image-text-1m"], tables
     assert done.stdout.count("skipped CUDA only") >= 10
