@@ -39,7 +39,7 @@ def _step(model, loss_fn, setting, x1, x2, optimizer, scale=None):
     return loss
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"])  # auto: Triton too (float32: the band design)
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])  # auto at N = 512: the dense path
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_training_step_has_no_host_sync(name, setting, backend):

@@ -11,7 +11,8 @@ from test_chunked import SCORE_LOSSES, SETTINGS, _inputs, _loss, _value_and_grad
 
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import BLOCK_ELEMENTS, DEVICE_BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking, choose_backend
+from contrastkit.losses.base import (BLOCK_ELEMENTS, DENSE_AUTO_LOGITS, DEVICE_BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS,
+                                    blocking, choose_backend)
 from contrastkit.losses.chunked import negative_stats
 
 
@@ -22,26 +23,56 @@ def device_path(monkeypatch):
 
 
 def test_auto_takes_the_backend_measured_faster(monkeypatch):
-    """"auto": Triton on CUDA for bf16/fp16 products (faster on an H100: docs/gpu/) and for float32 (the band
-    design, predicted faster: docs/performance.md), at every size (its memory is counted in
-    tests/test_memory.py), the blockwise torch kernel everywhere else (float64), and wherever triton is missing
-    or a chunk_size asks for blocks."""
+    """"auto" on CUDA: the dense path for a matrix of at most DENSE_AUTO_LOGITS logits (host-bound there:
+    docs/gpu/), beyond it Triton for bf16/fp16 products (faster on an H100: docs/gpu/) and for float32 (the
+    band design, predicted faster: docs/performance.md), its memory counted in tests/test_memory.py; the
+    blockwise torch kernel everywhere else (float64 beyond the dense size), and wherever triton is missing or a
+    chunk_size asks for blocks."""
     import contrastkit.losses.base as base
 
     monkeypatch.setattr(base, "triton_available", lambda: True)
-    for low in (torch.bfloat16, torch.float16):
-        assert choose_backend("auto", None, "cuda", low) == "triton"
-        assert choose_backend("auto", 64, "cuda", low) == "torch"
+    large, small = DENSE_AUTO_LOGITS + 1, DENSE_AUTO_LOGITS
+    for low in (torch.bfloat16, torch.float16, None):
+        assert choose_backend("auto", None, "cuda", low, logits=large) == "triton"
+        assert choose_backend("auto", None, "cuda", low) == "triton"  # sizes unknown: the memory-safe path
+        assert choose_backend("auto", None, "cuda", low, logits=small) == "dense"
+        assert choose_backend("auto", 64, "cuda", low, logits=small) == "torch"
         for device in ("cpu", "meta"):
-            assert choose_backend("auto", None, device, low) == "torch"
-    assert choose_backend("auto", None, "cuda", None) == "triton"  # float32: the band design (predicted faster)
-    assert choose_backend("auto", None, "cuda", None, float64=True) == "torch"  # the kernels compute in float32
-    assert choose_backend("torch", None, "cuda", torch.bfloat16) == "torch"
-    assert choose_backend("triton", None) == "triton"
+            assert choose_backend("auto", None, device, low, logits=small) == "torch"
+    assert choose_backend("auto", None, "cuda", None, float64=True, logits=large) == "torch"  # kernels: float32
+    assert choose_backend("auto", None, "cuda", None, float64=True, logits=small) == "dense"
+    assert choose_backend("torch", None, "cuda", torch.bfloat16, logits=small) == "torch"
+    assert choose_backend("triton", None, "cuda", logits=small) == "triton"
     assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"
     assert choose_backend("torch", 8) == "torch"
     monkeypatch.setattr(base, "triton_available", lambda: False)
-    assert choose_backend("auto", None, "cuda", torch.bfloat16) == "torch"
+    assert choose_backend("auto", None, "cuda", torch.bfloat16, logits=large) == "torch"
+
+
+@pytest.mark.parametrize("setting, n, expected", [("two_views", 2048, "dense"), ("two_views", 2049, "triton"),
+                                                  ("image_text", 4096, "dense"), ("image_text", 4097, "triton"),
+                                                  ("queue", 256, "dense"), ("queue", 257, "triton"), ("hard_negatives", 2896, "dense"),
+                                                  ("hard_negatives", 2897, "triton")])
+def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
+    """Each setting gives choose_backend its whole matrix (two views: 2N x 2N; image-text: N x N; a queue: N x
+    its 65536 rows; a hard negative per query: N x 2N: 2896^2 * 2 <= 2^24), and every part of one call takes the same backend."""
+    import contrastkit.losses.base as base
+
+    seen = []
+    original = base.choose_backend
+
+    def on_cuda(requested, chunk_size, device_type="cpu", low=None, float64=False, logits=None):
+        seen.append(original(requested, chunk_size, "cuda", low, float64, logits))
+        return "dense" if seen[-1] == "dense" else "torch"  # the meta tensors' stand-in for Triton
+
+    monkeypatch.setattr(base, "triton_available", lambda: True)
+    monkeypatch.setattr(base, "choose_backend", on_cuda)
+    z = torch.empty(n, 8, device="meta", requires_grad=True)
+    fn = build_loss("dcl")
+    {"two_views": lambda: fn(z, z), "image_text": lambda: fn.cross_modal(z, z),
+     "queue": lambda: fn.query_key(z, z, torch.empty(65536, 8, device="meta")),
+     "hard_negatives": lambda: fn.query_key(z, z, negatives=z)}[setting]()
+    assert seen == [expected]
 
 
 def test_gpu_sized_blocks_off_the_cpu():
@@ -196,3 +227,46 @@ def test_backward_called_inside_autocast(name, setting, backend, device_path):
         assert g.dtype == w.dtype
         tol = (1e-6, 1e-7) if backend == "torch" else (1e-2, 1e-2 * float(w.abs().max()))
         torch.testing.assert_close(g, w, rtol=tol[0], atol=tol[1])
+
+
+def _operators(call, monkeypatch) -> int:
+    """Operators a forward and backward issues that launch work on a device (views, allocations and detaches
+    launch nothing), the Triton operators' bodies counted inside, each kernel launch one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import launch
+
+    count = [0]
+    monkeypatch.setattr(launch, "run", lambda *args, **kwargs: count.__setitem__(0, count[0] + 1))
+    bodies = {f"contrastkit::{name}": getattr(triton_stats, f"_{name}")._init_fn
+              for name in ("negative_stats", "negative_stats_backward")}
+    free = ("view", "slice", "select", "detach", "unsqueeze", "alias", "expand", "as_strided", "aten.t.",
+            "transpose", "permute", "empty", "squeeze")
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            body = bodies.get(func._schema.name)
+            if body is not None:
+                with self:
+                    return body(*args, **(kwargs or {}))
+            count[0] += not any(name in str(func) for name in free)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        call().backward()
+    return count[0]
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_path, monkeypatch):
+    """Why "auto" takes the dense path for small matrices on CUDA (DENSE_AUTO_LOGITS): there each operator
+    costs host time, not bandwidth, and the dense path issues about a third fewer than the Triton path (DCL
+    at N = 64 on the path of CUDA: two views 69 against 108, image-text 82 against 129)."""
+    a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
+    counts = {}
+    for backend in ("dense", "triton"):
+        fn = build_loss("dcl", backend=backend)
+        counts[backend] = _operators(lambda: fn.cross_modal(a, b) if setting == "image_text" else fn(a, b),
+                                     monkeypatch)
+    assert counts["dense"] <= 0.75 * counts["triton"], counts

@@ -31,6 +31,13 @@ KEEP_MAX_ELEMENTS = 2**26
 # launch), and the exact path holds at most two or three float32 blocks (128-192 MiB) at a time; 2^27 would
 # hold 1 GiB and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
 DEVICE_BLOCK_ELEMENTS = 2**24
+# On CUDA, "auto" takes the dense path for a call whose matrix has at most this many logits (4096 x 4096: 64
+# MiB in float32): there the work is host-bound and the dense path issues the fewest operators (DCL
+# image-text at N = 64: 82 against the Triton path's 129; tests/test_device_path.py counts them). Measured
+# on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): the Triton path's fixed cost, 3.6 ms at N = 64 against
+# open_clip's ClipLoss 0.92 ms (run 6), and 5.4-7.0 ms at N = 4096 against 3.2 ms (run 3). The dense path
+# itself is not timed on a GPU yet: benchmarks/gpu_check.sh's small-N job does, to set this bound from it.
+DENSE_AUTO_LOGITS = 2**24
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
@@ -51,13 +58,14 @@ def triton_available() -> bool:
 
 
 def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
-                   low: torch.dtype | None = None, float64: bool = False) -> str:
+                   low: torch.dtype | None = None, float64: bool = False, logits: int | None = None) -> str:
     """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
-    for "auto": on CUDA, triton installed, products in bf16/fp16 (``low``, see _low_precision) or float32
-    (not ``float64``: the kernels compute in float32), the Triton kernels, at every size: they take the
-    features as given and their inverse norms, so their memory stays within 1 GiB at N = 262144, D = 512 bf16
-    (tests/test_memory.py counts it, the operators' own buffers included); everywhere else (the CPU, float64)
-    the blockwise torch kernel. Measured
+    for "auto" on CUDA: the dense path where the call's matrix holds at most DENSE_AUTO_LOGITS ``logits``
+    (there the work is host-bound and the dense path issues the fewest operators: see there); beyond it the
+    Triton kernels (triton installed; products in bf16/fp16, ``low``, or float32, not ``float64``: the kernels
+    compute in float32), which take the features as given and their inverse norms, so that their memory stays
+    within 1 GiB at N = 262144, D = 512 bf16 (tests/test_memory.py counts it, the operators' own buffers
+    included); the blockwise torch kernel everywhere else (the CPU, float64 beyond the dense size). Measured
     on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
     for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 (TF32 where torch's setting allows
     it) takes the band design's elementwise kernels on cuBLAS's products (triton_stats.FORWARD_LOGITS), which
@@ -66,8 +74,11 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     label in their elementwise passes)."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
-    if requested == "auto" and chunk_size is None and device_type == "cuda" and not float64:
-        return "triton" if triton_available() else "torch"
+    if requested == "auto" and chunk_size is None and device_type == "cuda":
+        if logits is not None and logits <= DENSE_AUTO_LOGITS:
+            return "dense"
+        if not float64:
+            return "triton" if triton_available() else "torch"
     return "triton" if requested == "triton" else "torch"
 
 
@@ -365,7 +376,7 @@ class ContrastiveLoss(Objective):
             x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
             # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
             # their size kept for backward); the others take unit vectors, one copy normalised once.
-            backend = self._resolve_backend(x, low)
+            backend = self._resolve_backend(x, low, logits=(v * n) * (v * n * self._processes()))
             raw = backend == "torch"
             u = x if raw else self._units(x, dtype, low, backend)
             anchors = u.reshape(v * n, d)
@@ -392,7 +403,7 @@ class ContrastiveLoss(Objective):
             if raw:  # the kernel computes the positives too, as the candidates at partners
                 partners = own[:, others].transpose(0, 1).reshape(v * n, v - 1)
                 terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
-                                            partners=partners, labels=ids, itself=itself)
+                                            partners=partners, labels=ids, itself=itself, backend=backend)
                 return self._reduce(terms, output_dict, views)
             if backend == "triton":  # the positives' cosines in float32 from the views as given
                 cos = {}
@@ -408,7 +419,7 @@ class ContrastiveLoss(Objective):
                 gram = half + half.transpose(1, 2) - half.detach()
                 pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
             terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low, labels=ids,
-                                        itself=itself)
+                                        itself=itself, backend=backend)
             return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
@@ -450,7 +461,9 @@ class ContrastiveLoss(Objective):
         low = _low_precision(*features.values())
         with no_autocast(query.device.type):
             dtype = _compute_dtype(*features.values())
-            backend = self._resolve_backend(query, low, dtype)
+            extras = 0 if negatives is None else negatives.shape[1]
+            candidates = queue.shape[0] if queue is not None else query.shape[0] * (keys.shape[1] + extras) * self._processes()
+            backend = self._resolve_backend(query, low, dtype, logits=query.shape[0] * candidates)
             q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
             if backend == "triton":  # float32 cosines from the features as given
                 pos = torch.stack([row_cosines(query, keys[:, j], self.normalize) for j in range(keys.shape[1])], 1)
@@ -460,7 +473,7 @@ class ContrastiveLoss(Objective):
                 # labels and queue_labels come together (checked above)
                 ids = None if labels is None or queue_labels is None else label_ids(labels, queue_labels)
                 terms = self.negative_terms(pos, q, self._units(queue, dtype, low, backend), None, queue.shape[0],
-                                            low=low, labels=ids)
+                                            low=low, labels=ids, backend=backend)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
             c = p if negatives is None else p + negatives.shape[1]  # each sample's candidates: keys, then extras
@@ -483,7 +496,8 @@ class ContrastiveLoss(Objective):
             if labels is not None:  # each sample's keys carry its label, its hard negatives none
                 known = (torch.arange(c, device=q.device) < p).repeat(total)
                 ids = label_ids(labels, self._gather_labels(labels).repeat_interleave(c), known)
-            terms = self.negative_terms(pos, q, all_k, own, total * c - p, low=low, labels=ids, itself=None)
+            terms = self.negative_terms(pos, q, all_k, own, total * c - p, low=low, labels=ids, itself=None,
+                                        backend=backend)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -506,7 +520,7 @@ class ContrastiveLoss(Objective):
             if isinstance(scale, torch.Tensor):
                 scale = scale.to(dtype)
             n = image.shape[0]
-            backend = self._resolve_backend(image, low, dtype)
+            backend = self._resolve_backend(image, low, dtype, logits=n * n * self._processes())
             raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
             if raw:
                 a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
@@ -536,9 +550,9 @@ class ContrastiveLoss(Objective):
             alone = total != n or ids is not None or (backend != "dense" and self.needs_mean and not columns_mean)
             if alone:  # each direction alone
                 image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
-                                                  partners=partners, labels=ids, itself=None)
+                                                  partners=partners, labels=ids, itself=None, backend=backend)
                 text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
-                                                 partners=partners, labels=ids, itself=None)
+                                                 partners=partners, labels=ids, itself=None, backend=backend)
             elif backend == "dense":  # one process: one product serves both directions
                 assert pos is not None  # dense is never raw
                 logits = (a * scale) @ b.T
@@ -582,13 +596,20 @@ class ContrastiveLoss(Objective):
         """Every process's labels, in the order of the gathered features."""
         return gather_no_grad(labels, uneven=self.uneven) if self.gather_distributed else labels
 
+    def _processes(self) -> int:
+        """How many processes' candidates a call gathers (1 without gather_distributed): for the size of its
+        matrix (uneven batches: counted as this process's)."""
+        if self.gather_distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size()
+        return 1
+
     def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None,
-                         dtype: torch.dtype | None = None) -> str:
+                         dtype: torch.dtype | None = None, logits: int | None = None) -> str:
         """The backend of this call (choose_backend), "triton" checked against the features and the install.
         features: this process's anchors; dtype: the call's compute dtype where it is not the features' own
-        (another input in float64)."""
+        (another input in float64); logits: the size of the call's matrix (anchors x candidates)."""
         float64 = (dtype or features.dtype) == torch.float64
-        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, float64)
+        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, float64, logits)
         if backend == "triton":
             if float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
@@ -640,7 +661,7 @@ class ContrastiveLoss(Objective):
         return logits
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
-                       low=None, partners=None, labels=None, itself=None) -> Terms:
+                       low=None, partners=None, labels=None, itself=None, backend=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
@@ -650,9 +671,11 @@ class ContrastiveLoss(Objective):
         candidates at ``partners`` [M, P]. ``labels``: (row_ids, col_ids) of label_ids; the candidates that
         share an anchor's label leave its negatives, num_neg then counted per anchor, and with
         same_label="positive" join its positives (see _label_positive_terms; ``itself`` [M, 1]: each anchor's
-        own column among the candidates, where it is one)."""
+        own column among the candidates, where it is one). backend: the one the caller chose for the whole call
+        (its units are made for it), else chosen here from these sizes."""
         scale = self.default_logit_scale() if scale is None else scale
-        backend = self._resolve_backend(anchors, low)
+        if backend is None:
+            backend = self._resolve_backend(anchors, low, logits=anchors.shape[0] * candidates.shape[0])
         if labels is not None:
             num_neg, same = self._negatives_left(labels, exclude, num_neg)
             if self.same_label == "positive":
