@@ -49,13 +49,14 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
     assert choose_backend("auto", None, "cuda", torch.bfloat16, logits=large) == "torch"
 
 
-@pytest.mark.parametrize("setting, n, expected", [("two_views", 2048, "dense"), ("two_views", 2049, "triton"),
-                                                  ("image_text", 4096, "dense"), ("image_text", 4097, "triton"),
-                                                  ("queue", 256, "dense"), ("queue", 257, "triton"), ("hard_negatives", 2896, "dense"),
-                                                  ("hard_negatives", 2897, "triton")])
+@pytest.mark.parametrize("setting, n, expected", [
+    ("two_views", 2048, "dense"), ("two_views", 2049, "triton"), ("image_text", 4096, "dense"),
+    ("image_text", 4097, "triton"), ("queue", 256, "dense"), ("queue", 257, "triton"),
+    ("hard_negatives", 2896, "dense"), ("hard_negatives", 2897, "triton")])
 def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     """Each setting gives choose_backend its whole matrix (two views: 2N x 2N; image-text: N x N; a queue: N x
-    its 65536 rows; a hard negative per query: N x 2N: 2896^2 * 2 <= 2^24), and every part of one call takes the same backend."""
+    its 65536 rows; a hard negative per query: N x 2N, 2896^2 * 2 <= 2^24), and every part of one call takes
+    the same backend."""
     import contrastkit.losses.base as base
 
     seen = []

@@ -461,8 +461,8 @@ class ContrastiveLoss(Objective):
         low = _low_precision(*features.values())
         with no_autocast(query.device.type):
             dtype = _compute_dtype(*features.values())
-            extras = 0 if negatives is None else negatives.shape[1]
-            candidates = queue.shape[0] if queue is not None else query.shape[0] * (keys.shape[1] + extras) * self._processes()
+            per_sample = keys.shape[1] + (0 if negatives is None else negatives.shape[1])
+            candidates = queue.shape[0] if queue is not None else query.shape[0] * per_sample * self._processes()
             backend = self._resolve_backend(query, low, dtype, logits=query.shape[0] * candidates)
             q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
             if backend == "triton":  # float32 cosines from the features as given
