@@ -276,16 +276,19 @@ class ContrastiveLoss(Objective):
       EqCo: the same with its margin on every positive, i.e. sum_N scaled by alpha / K_i, K_i = |N(i)|.
       DCL: every positive out of the denominator, l_i = -1/|P(i)| sum_p s_p + log sum_{n in N(i)} e^{s_n};
       DCLW: the same with the own sample's positives weighted by w (its weights over the batch's own
-      pairs), the label's positives by 1. CACR: not yet (a ValueError: its attraction weighs positives by
-      a softmax over them); UniGrad has no negatives (a ValueError).
+      pairs), the label's positives by 1. CACR: its attraction weighs every positive in P(i) by
+      softmax(t_pos c) over P(i), its repulsion the negatives N(i) (see CACRLoss); UniGrad has no
+      negatives (a ValueError).
 
       With every label distinct, "mask" is the loss without labels, and so is "positive" where an anchor
       has one positive (two views, image-text, one key); with several views or keys SupCon's denominator
-      holds all of them, where the loss without labels contrasts each positive with the negatives alone.
+      holds all of them, where the loss without labels contrasts each positive with the negatives alone
+      (CACR's "positive" is the loss without labels there too: it weighs the views by one softmax already).
       Every anchor needs one negative left (a ValueError on the CPU; a device-side assertion on CUDA).
       Labels are gathered with the features (gather_distributed). They run on every backend (the Triton
       kernels leave the pairs out in their elementwise passes). Hard negatives carry no label.
-      "positive" with InfoNCE or EqCo takes a second pass of the kernel (the positives' lse).
+      "positive" with InfoNCE, EqCo or CACR takes a second pass of the kernel (the positives' lse, and
+      CACR's mean).
     """
 
     name = "contrastive"

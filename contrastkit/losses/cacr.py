@@ -18,14 +18,16 @@ class CACRLoss(ContrastiveLoss):
     Several views per sample (``loss_fn(z1, z2, z3, z4)``) give each anchor several positives to weigh.
 
     ``labels`` with same_label="positive" (see ContrastiveLoss): an anchor's positives P(i) are its own
-    sample's and every candidate of its label, its negatives the candidates of the other labels; Sec. 3.2's
-    loss (Eq. 8's conditional distributions, Algorithm 3's weights) over those sets:
+    sample's and every candidate of its label, its negatives N(i) the candidates of the other labels: Eq. 5's
+    empirical p(x+ | x) uniform over P(i) (not the K views alone), p(x-) over N(i), in Eq. 3 and 4's
+    conditional distributions, as in Sec. 3.2's mini-batch loss:
 
         l_i = sum_{p in P(i)} softmax_P(t_pos c)_p c_p  -  sum_{n in N(i)} softmax_N(-t_neg c)_n c_n
 
-    the attraction's weights detached. The repulsion is "mask"'s; with every label distinct the loss is
-    the one without labels (several views included). The attraction comes from one more pass of the
-    kernel, at the scale -2 t_pos over each anchor's same-label candidates (see _label_positive_terms).
+    the attraction's weights detached, so the label's distant samples pull hardest. The repulsion is
+    "mask"'s; with every label distinct the loss is the one without labels (several views included). The
+    attraction takes one more pass of the kernel, over each anchor's same-label candidates at the scale
+    -2 t_pos (see _label_positive_terms).
 
     >>> loss_fn = CACRLoss(t_pos=1.0, t_neg=2.0)
     >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128), torch.randn(32, 128))
