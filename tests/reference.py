@@ -167,15 +167,16 @@ def _labelled_anchor(kind, mode, x, own, candidates, label, scale, own_weights, 
     own_weights: DCLW's, else 1), candidates [(unit vector, label or None)] every other column. "mask": the
     candidates of its label are dropped, the rest are the negatives, as without labels. "positive": they
     join the positives; SupCon's L_out (Khosla et al. 2020, Eq. 2) for InfoNCE, with EqCo's margin on every
-    positive, and the positives out of the denominator for DCL."""
+    positive, and the positives out of the denominator for DCL; CACR's attraction weighs all of them by
+    softmax(t_pos c) (detached), its repulsion the negatives by softmax(-t_neg c)."""
     same = [y for y, l in candidates if l is not None and l == label]
     neg = [y for y, l in candidates if l is None or l != label]
     assert neg, "an anchor with no negative left"
     s_neg = torch.stack([(x * y).sum() * scale for y in neg])
     k = len(neg)
-    if kind == "cacr":
-        assert mode == "mask"
-        c_pos = torch.stack([((x - y) ** 2).sum() for y in own])
+    if kind == "cacr":  # Sec. 3.2: "positive" puts the candidates of its label among the positives weighed
+        pos = own + (same if mode == "positive" else [])
+        c_pos = torch.stack([((x - y) ** 2).sum() for y in pos])
         c_neg = torch.stack([((x - y) ** 2).sum() for y in neg])
         w_pos = (torch.exp(p["t_pos"] * c_pos) / torch.exp(p["t_pos"] * c_pos).sum()).detach()
         w_neg = torch.exp(-scale / 2 * c_neg) / torch.exp(-scale / 2 * c_neg).sum()

@@ -231,8 +231,7 @@ LABELLED_SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "hard_ne
 
 @pytest.mark.parametrize("chunk", [None, 0, 4], ids=["auto", "dense", "blocks"])
 @pytest.mark.parametrize("setting", LABELLED_SETTINGS)
-@pytest.mark.parametrize("name, mode", [(n, m) for n in SCORE_LOSSES for m in ("mask", "positive")
-                                        if (n, m) != ("cacr", "positive")])
+@pytest.mark.parametrize("name, mode", [(n, m) for n in SCORE_LOSSES for m in ("mask", "positive")])
 def test_score_losses_with_labels(name, mode, setting, chunk, device_path):
     """Labels: ids by sort and searchsorted, counts and class sums by index_add, the kernel's pairs by mask."""
     fn = build_loss(name, chunk_size=chunk, same_label=mode)

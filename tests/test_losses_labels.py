@@ -18,7 +18,7 @@ PARAMS = {
     "eqco": ({"temperature": 0.2, "alpha": 64.0}, {"tau": 0.2, "alpha": 64.0}),
     "cacr": ({"t_pos": 1.0, "t_neg": 2.0}, {"t_pos": 1.0, "t_neg": 2.0}),
 }
-CASES = [(kind, mode) for kind in PARAMS for mode in ("mask", "positive") if (kind, mode) != ("cacr", "positive")]
+CASES = [(kind, mode) for kind in PARAMS for mode in ("mask", "positive")]
 SETTINGS = ["two_views", "three_views", "image_text", "query_key", "queue"]
 CHUNKS = [None, 2, 0]  # automatic (the CPU's fast path), blocks of 2 anchors (several blocks), dense
 
@@ -34,17 +34,17 @@ def _inputs(seed, n=6, d=5, classes=3):
     return x, queue, labels, queue_labels
 
 
-def _call(fn, setting, x, queue, labels, queue_labels):
-    """(loss, leaves) of the library in a setting."""
+def _call(fn, setting, x, queue, labels, queue_labels, **options):
+    """(loss, leaves) of the library in a setting; options: the call's (output_dict)."""
     if setting == "two_views":
-        return fn(x[0], x[1], labels=labels), x[:2]
+        return fn(x[0], x[1], labels=labels, **options), x[:2]
     if setting == "three_views":
-        return fn(*x, labels=labels), x
+        return fn(*x, labels=labels, **options), x
     if setting == "image_text":
-        return fn.cross_modal(x[0], x[1], labels=labels), x[:2]
+        return fn.cross_modal(x[0], x[1], labels=labels, **options), x[:2]
     if setting == "query_key":  # with one hard negative per sample
-        return fn.query_key(x[0], x[1], negatives=x[2], labels=labels), x
-    return fn.query_key(x[0], x[1], queue, labels=labels, queue_labels=queue_labels), [x[0], x[1], queue]
+        return fn.query_key(x[0], x[1], negatives=x[2], labels=labels, **options), x
+    return fn.query_key(x[0], x[1], queue, labels=labels, queue_labels=queue_labels, **options), [x[0], x[1], queue]
 
 
 def _expected(kind, mode, setting, x, queue, labels, queue_labels):
@@ -109,11 +109,12 @@ def test_distinct_labels_mask_nothing(kind, setting):
                 assert torch.equal(g, e), chunk_size
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text", "query_key", "queue"])
-@pytest.mark.parametrize("kind", ["infonce", "dcl", "dclw", "eqco"])
+@pytest.mark.parametrize("kind,setting", [(kind, setting) for kind in PARAMS for setting in SETTINGS
+                                          if setting != "three_views" or kind == "cacr"])
 def test_distinct_labels_as_positives_are_the_plain_loss(kind, setting):
     """same_label="positive" with every label distinct: one positive per anchor, SupCon's L_out is the plain
-    loss (to rounding: the positives' sums are built another way)."""
+    loss (to rounding: the positives' sums are built another way). CACR's too with several views: its plain
+    attraction already weighs all of an anchor's own positives by one softmax."""
     x, queue, _, _ = _inputs(4)
     labels, queue_labels = torch.arange(6), torch.arange(6, 15)
     fn = _loss(kind, "positive", chunk_size=2)
@@ -150,8 +151,6 @@ def test_bad_labels_are_named():
         fn.query_key(x[0], x[1], queue, queue_labels=torch.arange(9))
     with pytest.raises(ValueError, match="same_label must be one of"):
         build_loss("infonce", same_label="supcon")
-    with pytest.raises(ValueError, match="cacr: same_label='positive' is not supported"):
-        build_loss("cacr", same_label="positive")
     with pytest.raises(ValueError, match="unigrad: labels have no meaning"):
         build_loss("unigrad")(x[0], x[1], labels=labels)
 
@@ -195,7 +194,18 @@ def test_mask_cuts_same_label_samples_off_and_positive_pulls_them():
             assert float((-g[1] * u).sum()) > 0
 
 
-@pytest.mark.parametrize("kind", ["infonce", "eqco"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_cacr_positive_moves_only_the_attraction(setting):
+    """CACR's negatives are the other labels' candidates in both modes: "positive" has "mask"'s repulsion (to
+    rounding), and only its attraction, over the label's candidates too, differs."""
+    x, queue, labels, queue_labels = _inputs(8)
+    mask, positive = (_call(_loss("cacr", mode, chunk_size=2), setting, x, queue, labels, queue_labels,
+                            output_dict=True)[0] for mode in ("mask", "positive"))
+    torch.testing.assert_close(positive["repulsion"], mask["repulsion"], rtol=1e-13, atol=1e-14)
+    assert float((positive["attraction"] - mask["attraction"]).abs()) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["infonce", "eqco", "cacr"])
 def test_sparse_labels_keep_the_fast_path(kind, monkeypatch):
     """The positives' lse runs over each anchor's few same-label candidates, which the fast path's sampled
     shift (every K/64-th candidate) mostly misses; the shift then falls to the logits' floor -|a||b|, and the

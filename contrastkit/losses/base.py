@@ -17,7 +17,8 @@ from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
-from contrastkit.losses.functional import NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines
+from contrastkit.losses.functional import (NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines,
+                                           softmax_mean)
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -286,16 +287,19 @@ class ContrastiveLoss(Objective):
       EqCo: the same with its margin on every positive, i.e. sum_N scaled by alpha / K_i, K_i = |N(i)|.
       DCL: every positive out of the denominator, l_i = -1/|P(i)| sum_p s_p + log sum_{n in N(i)} e^{s_n};
       DCLW: the same with the own sample's positives weighted by w (its weights over the batch's own
-      pairs), the label's positives by 1. CACR: not yet (a ValueError: its attraction weighs positives by
-      a softmax over them); UniGrad has no negatives (a ValueError).
+      pairs), the label's positives by 1. CACR: its attraction weighs every positive in P(i) by
+      softmax(t_pos c) over P(i), its repulsion the negatives N(i) (see CACRLoss); UniGrad has no
+      negatives (a ValueError).
 
       With every label distinct, "mask" is the loss without labels, and so is "positive" where an anchor
       has one positive (two views, image-text, one key); with several views or keys SupCon's denominator
-      holds all of them, where the loss without labels contrasts each positive with the negatives alone.
+      holds all of them, where the loss without labels contrasts each positive with the negatives alone
+      (CACR's "positive" is the loss without labels there too: it weighs the views by one softmax already).
       Every anchor needs one negative left (a ValueError on the CPU; a device-side assertion on CUDA).
       Labels are gathered with the features (gather_distributed). They run on every backend (the Triton
       kernels leave the pairs out in their elementwise passes). Hard negatives carry no label.
-      "positive" with InfoNCE or EqCo takes a second pass of the kernel (the positives' lse).
+      "positive" with InfoNCE, EqCo or CACR takes a second pass of the kernel (the positives' lse, and
+      CACR's mean).
     """
 
     name = "contrastive"
@@ -679,8 +683,12 @@ class ContrastiveLoss(Objective):
         if labels is not None:
             num_neg, same = self._negatives_left(labels, exclude, num_neg)
             if self.same_label == "positive":
-                return self._label_positive_terms(backend, pos, anchors, candidates, exclude, num_neg, same, scale,
-                                                  low, partners, labels, itself)
+                raw = pos is None
+                stats = self._stats(backend, anchors, candidates, scale, exclude, low,
+                                    partners=partners if raw else None, labels=labels)
+                stats, pos = stats if raw else (stats, pos)
+                return self._label_positive_terms(backend, stats, pos, anchors, candidates, exclude, num_neg, same,
+                                                  scale, low, labels, itself, raw)
         if backend == "dense":
             return self.terms(pos, self._dense_logits(anchors, candidates, scale, exclude, labels), num_neg, scale)
         row_grad = None
@@ -718,19 +726,12 @@ class ContrastiveLoss(Objective):
                                 "candidate shares its label)")
         return left, same
 
-    def _label_positive_terms(self, backend, pos, anchors, candidates, exclude, num_neg, same, scale, low,
-                              partners, labels, itself) -> Terms:
-        """same_label="positive": the mean logit over the anchor's positives P(i) (its own sample's, weighted
-        for DCLW, and the same-label candidates), the negatives' lse over the other labels, and the positives'
-        lse where the objective's denominator holds them (else the own sample's alone, for the diagnostics)."""
-        raw = pos is None
-        if backend == "dense":
-            neg_lse = torch.logsumexp(self._dense_logits(anchors, candidates, scale, exclude, labels), dim=1)
-        else:
-            stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low,
-                                         partners=partners if raw else None, labels=labels)
-            stats, pos = stats if raw else (stats, pos)
-            neg_lse = stats[0]
+    def _label_positive_terms(self, backend, stats, pos, anchors, candidates, exclude, num_neg, same, scale, low,
+                              labels, itself, raw) -> Terms:
+        """same_label="positive": from the negatives' statistics over the other labels (``stats``) and the own
+        sample's positive cosines, the mean logit over the anchor's positives P(i) (its own sample's, weighted
+        for DCLW, and the same-label candidates) and the positives' lse where the objective's denominator holds
+        them (else the own sample's alone, for the diagnostics). ``raw``: the torch kernel's raw features."""
         # sum of the same-label candidates' cosines: u_i . (the sum of their unit vectors), the own sample's
         # columns (same label, counted in pos) taken out
         dtype = _compute_dtype(anchors, candidates)
@@ -744,15 +745,35 @@ class ContrastiveLoss(Objective):
         own = (pos if weight is None else weight * pos).sum(dim=1)
         pos_mean = (own + (ua * sums).sum(dim=1)) * scale / (pos.shape[1] + same)
         pos_lse = torch.logsumexp(pos * scale, dim=1)
-        if self.positives_in_denominator:  # every candidate of the anchor's label: excluded, the others
-            if backend == "dense":
-                same_lse = torch.logsumexp(self._dense_logits(anchors, candidates, scale, itself, labels, False), 1)
-            else:
-                same_lse = self._negative_stats(backend, anchors, candidates, scale, itself, low, raw=raw,
-                                                labels=labels, same_label=False)[0]
-            # the own sample's positives are candidates (and counted there) unless they are a queue's keys
-            pos_lse = same_lse if exclude is not None else torch.logaddexp(pos_lse, same_lse)
-        return self.label_terms(pos_mean, pos_lse, neg_lse, num_neg)
+        if self.positives_in_denominator:
+            pos_lse = self._positive_stats(backend, pos, anchors, candidates, exclude, scale, low, labels, itself,
+                                           raw)[0]
+        return self.label_terms(pos_mean, pos_lse, stats[0], num_neg)
+
+    def _positive_stats(self, backend, pos, anchors, candidates, exclude, scale, low, labels, itself, raw):
+        """same_label="positive": the statistics [S, M] (lse, and where ``needs_mean`` the mean) of the logits
+        scale * s over each anchor's positives P(i): over every candidate of its label but itself (one pass of
+        the kernel), the own sample's positives (cosines ``pos`` [M, P]) joined where they are no candidates."""
+        stats = self._stats(backend, anchors, candidates, scale, itself, low, raw=raw, labels=labels,
+                            same_label=False)
+        if exclude is not None:  # the own sample's positives are candidates (and counted there)
+            return stats
+        own = pos * scale  # a queue's keys
+        lse = torch.logaddexp(torch.logsumexp(own, dim=1), stats[0])
+        if not self.needs_mean:
+            return lse[None]
+        mean = (torch.exp(own - lse[:, None]) * pos).sum(dim=1) + torch.exp(stats[0] - lse) * stats[1]
+        return torch.stack([lse, mean])
+
+    def _stats(self, backend, anchors, candidates, scale, exclude, low, *, partners=None, raw=None, labels=None,
+               same_label=True):
+        """_negative_stats (arguments as there) on every backend, the dense one from the whole logits."""
+        if backend != "dense":
+            return self._negative_stats(backend, anchors, candidates, scale, exclude, low, partners=partners,
+                                        raw=raw, labels=labels, same_label=same_label)
+        logits = self._dense_logits(anchors, candidates, scale, exclude, labels, same_label)
+        lse = torch.logsumexp(logits, dim=1)
+        return torch.stack([lse, softmax_mean(logits, scale)]) if self.needs_mean else lse[None]
 
     def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:
         return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale)

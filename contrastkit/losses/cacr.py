@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import Terms, _check_temperature, cacr_stat_terms, cacr_terms
+from contrastkit.losses.functional import (Terms, _check_temperature, cacr_positive_stat_terms, cacr_stat_terms,
+                                           cacr_terms)
 
 
 class CACRLoss(ContrastiveLoss):
@@ -15,6 +16,18 @@ class CACRLoss(ContrastiveLoss):
     between unit vectors. No temperature. Defaults: t_pos 1.0, t_neg 2.0 (Algorithm 3).
 
     Several views per sample (``loss_fn(z1, z2, z3, z4)``) give each anchor several positives to weigh.
+
+    ``labels`` with same_label="positive" (see ContrastiveLoss): an anchor's positives P(i) are its own
+    sample's and every candidate of its label, its negatives N(i) the candidates of the other labels: Eq. 5's
+    empirical p(x+ | x) uniform over P(i) (not the K views alone), p(x-) over N(i), in Eq. 3 and 4's
+    conditional distributions, as in Sec. 3.2's mini-batch loss:
+
+        l_i = sum_{p in P(i)} softmax_P(t_pos c)_p c_p  -  sum_{n in N(i)} softmax_N(-t_neg c)_n c_n
+
+    the attraction's weights detached, so the label's distant samples pull hardest. The repulsion is
+    "mask"'s; with every label distinct the loss is the one without labels (several views included). The
+    attraction takes one more pass of the kernel, over each anchor's same-label candidates at the scale
+    -2 t_pos (see _label_positive_terms).
 
     >>> loss_fn = CACRLoss(t_pos=1.0, t_neg=2.0)
     >>> loss = loss_fn(torch.randn(32, 128), torch.randn(32, 128), torch.randn(32, 128))
@@ -28,11 +41,6 @@ class CACRLoss(ContrastiveLoss):
                  same_label: SameLabel = "mask"):
         super().__init__(normalize=normalize, gather_distributed=gather_distributed, chunk_size=chunk_size,
                          backend=backend, reduction=reduction, same_label=same_label)
-        if same_label == "positive":
-            raise ValueError("cacr: same_label='positive' is not supported yet: CACR's attraction weighs its "
-                             "positives by softmax(t_pos c) over them, which the kernel does not compute over "
-                             "same-label candidates; use same_label='mask' (labels as false negatives), or "
-                             "several views for several positives")
         _check_temperature(self.name, t_pos, "t_pos")
         _check_temperature(self.name, t_neg, "t_neg")
         self.t_pos, self.t_neg = t_pos, t_neg
@@ -48,6 +56,15 @@ class CACRLoss(ContrastiveLoss):
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.stack([torch.zeros_like(neg_mean), torch.full_like(neg_mean, 2.0)])  # repulsion 2 mean - 2
+
+    def _label_positive_terms(self, backend, stats, pos, anchors, candidates, exclude, num_neg, same, scale, low,
+                              labels, itself, raw) -> Terms:
+        """same_label="positive": the repulsion from the negatives' mean over the other labels (``stats``), the
+        attraction from the positives' lse and mean at the scale -2 t_pos, whose softmax is softmax(t_pos c)."""
+        pos_scale = -2.0 * self.t_pos
+        pos_lse, pos_mean = self._positive_stats(backend, pos, anchors, candidates, exclude, pos_scale, low, labels,
+                                                 itself, raw)
+        return cacr_positive_stat_terms(pos_lse, pos_mean, stats[1], pos_scale=pos_scale)
 
     def _diagnostics(self, terms):
         return {"attraction": terms.pos_term, "repulsion": terms.neg_term}

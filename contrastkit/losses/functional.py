@@ -307,6 +307,13 @@ def dclw_weights(pos: torch.Tensor, sigma: float, all_pos: torch.Tensor | None =
     return 2.0 - everyone.numel() * torch.exp(scaled - torch.logsumexp(everyone, dim=0))
 
 
+def softmax_mean(logits: torch.Tensor, scale) -> torch.Tensor:
+    """Per row, the cosines' mean under softmax(logits) [M], logits = scale * cosines [M, K] (-inf where
+    masked): CACR's E_pi[s]."""
+    cos = logits.masked_fill(torch.isinf(logits), 0.0) / scale  # fill first: no 0 * inf in backward
+    return (torch.softmax(logits, dim=1) * cos).sum(dim=1)
+
+
 def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, neg_scale) -> Terms:
     """CACR per-anchor loss from positive cosines [M, P] and negative logits neg_scale * s [M, K] (masked),
     neg_scale = 2 t_neg.
@@ -316,9 +323,7 @@ def cacr_terms(pos: torch.Tensor, neg_logits: torch.Tensor, *, t_pos: float, neg
     -sum_j softmax(-t_neg c-)_j c-_j, weights keep their gradient. softmax(-t_neg c) is softmax(2 t_neg s),
     so the repulsion is -2 + 2 E_pi[s] with pi = softmax(neg_logits).
     """
-    pi = torch.softmax(neg_logits, dim=1)
-    neg_cos = neg_logits.masked_fill(torch.isinf(neg_logits), 0.0) / neg_scale  # fill first: no 0 * inf in backward
-    return cacr_stat_terms(pos, (pi * neg_cos).sum(dim=1), t_pos=t_pos)
+    return cacr_stat_terms(pos, softmax_mean(neg_logits, neg_scale), t_pos=t_pos)
 
 
 def cacr_stat_terms(pos: torch.Tensor, neg_mean: torch.Tensor, *, t_pos: float) -> Terms:
@@ -327,7 +332,22 @@ def cacr_stat_terms(pos: torch.Tensor, neg_mean: torch.Tensor, *, t_pos: float) 
     pos_cost = 2.0 - 2.0 * pos
     with torch.no_grad():
         pos_w = torch.softmax(t_pos * pos_cost, dim=1)
-    attraction = (pos_w * pos_cost).sum(dim=1)
+    return _cacr((pos_w * pos_cost).sum(dim=1), neg_mean)
+
+
+def cacr_positive_stat_terms(pos_lse: torch.Tensor, pos_mean: torch.Tensor, neg_mean: torch.Tensor, *,
+                             pos_scale: float) -> Terms:
+    """CACR per-anchor loss from its positives' statistics, of the logits pos_scale * s with pos_scale =
+    -2 t_pos (softmax(t_pos c) = softmax(-2 t_pos s)): their lse and softmax-weighted mean cosine E_w[s] [M]
+    each, and the negatives' neg_mean (see cacr_stat_terms). The attraction sum_p w_p c_p = 2 - 2 E_w[s], w
+    detached, takes its value from the mean and its gradient, -2 w_p on s_p, from the lse: d lse / d s_p =
+    pos_scale w_p (the mean's own gradient would move the weights too)."""
+    weighted = pos_mean.detach() + (pos_lse - pos_lse.detach()) / pos_scale
+    return _cacr(2.0 - 2.0 * weighted, neg_mean)
+
+
+def _cacr(attraction: torch.Tensor, neg_mean: torch.Tensor) -> Terms:
+    """CACR's terms from the attraction [M] and the negatives' mean cosine [M]."""
     repulsion = -2.0 + 2.0 * neg_mean
     zeros = torch.zeros_like(attraction)
     return Terms(attraction + repulsion, attraction.detach(), repulsion.detach(), zeros)
