@@ -89,9 +89,9 @@ from sentence_transformers.base.losses.gradcache import (CachedLossMixin, _valid
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import nn
 
-from contrastkit.distributed import gather_with_grad
+from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import check_features
+from contrastkit.losses.base import check_features, check_labels
 from contrastkit.losses.chunked import host_checks_allowed, no_autocast
 from contrastkit.losses.functional import (_compute_dtype, cacr_stat_terms, eqco_negatives, normalize_rows,
                                            softmax_terms)
@@ -215,11 +215,7 @@ class MultipleNegativesLoss(nn.Module):
             self.objective.train(self.model.training)  # the correlation is updated in training only
             return self.objective(anchors, positives, labels=labels)
         if not self._core_path:
-            if labels is not None:
-                raise ValueError(f"{self.name}: the dataset's label column is used on the loss core's path only "
-                                 "(directions query_to_doc, or with doc_to_query per_direction; no hardness_mode) "
-                                 "for now; drop the label column or these arguments")
-            return self._score_matrix_loss(list(embeddings))
+            return self._score_matrix_loss(list(embeddings), labels)
         negatives = torch.stack(hard, dim=1) if hard else None
         loss = self.objective.query_key(anchors, positives, negatives=negatives, labels=labels)
         if self._chosen == SYMMETRIC:  # the positives as anchors against the anchors (MNRL's doc_to_query)
@@ -241,11 +237,13 @@ class MultipleNegativesLoss(nn.Module):
 
     # ------------------------------------------------------------------ the score-matrix path
 
-    def _score_matrix_loss(self, columns: list[torch.Tensor]) -> torch.Tensor:
+    def _score_matrix_loss(self, columns: list[torch.Tensor], labels: torch.Tensor | None = None) -> torch.Tensor:
         """Every direction's [n, candidates] similarities (this process's rows against every process's
-        candidates), the objective's per-anchor terms on each partition, their mean."""
+        candidates), the objective's per-anchor terms on each partition, their mean. labels [n]: the pairs'."""
         check_features(self.name, {f"column {i}": c for i, c in enumerate(columns)}, values=False)
         device = columns[0].device
+        if labels is not None:
+            check_labels(self.name, labels, columns[0].shape[0], device)
         with no_autocast(device.type):
             dtype = _compute_dtype(*columns)
             x = torch.stack([c.to(dtype) for c in columns], dim=1)  # [n, C, D]: query, positive, hard negatives
@@ -265,20 +263,29 @@ class MultipleNegativesLoss(nn.Module):
             own_doc = (column % total)[None] == own[:, None]  # [n, (C - 1) T]: query i's documents
             own_positive = own_doc & (column < total)[None]
             other_query = torch.arange(total, device=device)[None] != own[:, None]  # [n, T]
+            same_query = same_doc = None  # [n, T], [n, (C - 1) T]: the candidates of the anchor's pair label
+            if labels is not None:
+                same_query = (gather_no_grad(labels) if self.gather_across_devices else labels)[None] == labels[:, None]
+                same_doc = torch.cat([same_query, same_query.new_zeros(n, (c - 2) * total)], dim=1)  # hard: no label
 
-            # Per direction: (similarities, negatives mask, number of negatives per anchor, holds the positive pair)
-            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True)}
+            # Per direction: (similarities, negatives mask, number of negatives per anchor, holds the positive
+            # pair, same-label candidates or None)
+            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True, same_doc)}
             if "query_to_query" in self._chosen:
-                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False)
+                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False, same_query)
             if "doc_to_query" in self._chosen:
-                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True)
+                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True, same_query)
             if "doc_to_doc" in self._chosen:
-                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False)
+                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False, same_doc)
             log_w = self._log_weights(rows["query_to_doc"][0], own_doc, own_positive)  # query_to_doc's only
+            if labels is not None:  # the label's candidates leave the negatives; with "positive" join the positives
+                positive = self.objective.same_label == "positive"
+                rows = {key: (s, mask & ~same, (mask & ~same).sum(dim=1), held, mask & same if positive else None)
+                        for key, (s, mask, _, held, same) in rows.items()}
 
             if self.partition_mode == "per_direction":
-                per_anchor = [self._terms(pos, s, mask, k, log_w if key == "query_to_doc" else None, copies=0)
-                              for key, (s, mask, k, _) in rows.items()]
+                per_anchor = [self._terms(pos, s, mask, k, log_w if key == "query_to_doc" else None, 0, same)
+                              for key, (s, mask, k, _, same) in rows.items()]
                 loss = torch.stack(per_anchor).mean(dim=0).mean()
             else:  # one partition: the directions' rows side by side, query_to_doc's first
                 parts = list(rows.values())
@@ -286,8 +293,9 @@ class MultipleNegativesLoss(nn.Module):
                 mask = torch.cat([p[1] for p in parts], dim=1)
                 if log_w is not None:
                     log_w = torch.cat([log_w, *(torch.zeros_like(p[0]) for p in parts[1:])], dim=1)
+                same = None if parts[0][4] is None else torch.cat([p[4] for p in parts], dim=1)
                 copies = sum(p[3] for p in parts) - 1  # the positive pair again: doc_to_query's
-                loss = self._terms(pos, s, mask, sum(p[2] for p in parts), log_w, copies).mean()
+                loss = self._terms(pos, s, mask, sum(p[2] for p in parts), log_w, copies, same).mean()
         if host_checks_allowed(loss) and not bool(torch.isfinite(loss)):
             check_features(self.name, {f"column {i}": c for i, c in enumerate(columns)}, same_shape=False)
         return loss
@@ -305,14 +313,13 @@ class MultipleNegativesLoss(nn.Module):
             chosen = ~own_positive
         return torch.where(chosen, self.hardness_strength * s.detach(), s.new_zeros(()))
 
-    def _terms(self, pos: torch.Tensor, s: torch.Tensor, mask: torch.Tensor, num_neg: int,
-               log_w: torch.Tensor | None, copies: int) -> torch.Tensor:
+    def _terms(self, pos: torch.Tensor, s: torch.Tensor, mask: torch.Tensor, num_neg: int | torch.Tensor,
+               log_w: torch.Tensor | None, copies: int, same: torch.Tensor | None = None) -> torch.Tensor:
         """Per-anchor loss [n] of positive similarities pos [n] against the negatives' similarities s [n, K]
-        where mask (num_neg of them per anchor), each negative's exponential times w (log_w, or 1); copies:
-        further copies of the positive pair in the partition (joint doc_to_query)."""
-        if num_neg < 1:
-            raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of at "
-                             "least 2")
+        where mask (num_neg of them per anchor: one number, or [n] with labels), each negative's exponential
+        times w (log_w, or 1); copies: further copies of the positive pair in the partition (joint
+        doc_to_query); same [n, K]: the candidates that are positives too (same_label="positive")."""
+        self._check_negatives(num_neg)
         scale = self.objective.default_logit_scale()
         logits = s * scale if log_w is None else s * scale + log_w
         logits = logits.masked_fill(~mask, float("-inf"))
@@ -321,6 +328,14 @@ class MultipleNegativesLoss(nn.Module):
             return cacr_stat_terms(pos[:, None], (pi * s).sum(dim=1), t_pos=self.objective.t_pos).loss
         neg_lse = torch.logsumexp(logits, dim=1)
         p = pos[:, None] * scale
+        if same is not None:  # SupCon's L_out over P(i): the pair, once per direction holding it, and the label's
+            weight = self.objective.positive_weight(pos[:, None])  # DCLW's on the pair; the label's weigh 1
+            pair = 1 + copies
+            pos_sum = pair * (p if weight is None else weight * p)[:, 0] + (s * scale * same).sum(dim=1)
+            pos_mean = pos_sum / (pair + same.sum(dim=1))
+            pos_lse = torch.logsumexp(torch.cat([p + math.log(pair), (s * scale).masked_fill(~same, float("-inf"))],
+                                                dim=1), dim=1)
+            return self.objective.label_terms(pos_mean, pos_lse, neg_lse, num_neg).loss
         if self.name in ("infonce", "eqco"):
             if self.name == "eqco":
                 neg_lse = eqco_negatives(neg_lse, self.objective.alpha, num_neg)
@@ -330,6 +345,20 @@ class MultipleNegativesLoss(nn.Module):
         # dcl, dclw: every copy of the positive out of the denominator; DCLW's weight over all processes' pairs
         weight = self.objective.positive_weight(pos[:, None])
         return softmax_terms(p, neg_lse, keep_positive=False, pos_weight=weight).loss
+
+    def _check_negatives(self, num_neg: int | torch.Tensor) -> None:
+        """Every anchor needs a negative: a ValueError, or with labels on CUDA a device-side assertion (no
+        host read)."""
+        if isinstance(num_neg, int):
+            if num_neg < 1:
+                raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of "
+                                 "at least 2")
+        elif host_checks_allowed(num_neg):
+            if bool((num_neg < 1).any()):
+                raise ValueError(f"{self.name}: an anchor has no negative left: every candidate shares its label; "
+                                 "a batch needs pairs of at least two labels")
+        elif num_neg.is_cuda and not torch.compiler.is_compiling():
+            torch._assert_async((num_neg >= 1).all(), f"{self.name}: an anchor has no negative left")
 
     @property
     def temperature(self) -> float | None:
