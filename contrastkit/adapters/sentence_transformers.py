@@ -54,13 +54,25 @@ chunk_size, backend).
 
 Labels. sentence-transformers hands a loss the dataset's ``label`` column (or ``labels``, ``score``,
 ``scores``: its collator's first found) as ``labels``; MNRL ignores it. Here an integer column is each pair's
-label (a class, or a sample id shared by duplicates): queries whose labels are equal are not each other's
-negatives. ``same_label="mask"`` (default) leaves the other same-label pairs' documents (and, with
-doc_to_query, their queries) out of an anchor's negatives; ``"positive"`` makes them its positives (SupCon's
-L_out; the loss core's ContrastiveLoss says what each objective does). Hard negatives carry no label and stay
-negatives. A floating-point column (a similarity score) is not a label and is ignored, as MNRL ignores it.
-Labels take the loss core's path (below): with another direction or a hardness_mode they are a ValueError
-for now; UniGrad takes none.
+label (a class, or a sample id shared by duplicates; gathered with the rows under gather_across_devices):
+pairs whose labels are equal are not each other's negatives. In every direction a candidate of the anchor's
+pair label (its query or positive document; the anchor's own positive and, in query_to_query and doc_to_doc,
+its own row are out already) is, by ``same_label``:
+
+- ``"mask"`` (default): left out of the anchor's negatives; the loss is otherwise the one without labels
+  (EqCo's K counts the negatives left, per anchor and partition).
+- ``"positive"``: one of the anchor's positives P(i), SupCon's L_out as the loss core's ContrastiveLoss
+  defines it per objective. P(i) is the partition's: the positive pair once per direction that holds it
+  (as above) and every same-label candidate of its directions, the label's at weight 1 (DCLW's weight is
+  the pair's only) and never hardness-weighted. InfoNCE: -1/|P| sum_P s_p + log(sum_P e^s_p + sum_k w_k
+  e^n_k); EqCo the same with alpha / K_i on the negatives' sum; DCL and DCLW -1/|P| sum_P w_p s_p + log
+  sum_k w_k e^n_k. CACR refuses it (its constructor: a ValueError), as the core does; ``"mask"`` works.
+
+Hard negative columns carry no label: they stay negatives in every direction (query_to_doc, doc_to_doc),
+whatever the labels, and keep their hardness weights. With every label distinct the loss is the one without
+labels. Every anchor needs a negative left in each partition (a ValueError on the CPU; a device-side
+assertion on CUDA). A floating-point column (a similarity score) is not a label and is ignored, as MNRL
+ignores it. UniGrad takes no labels.
 
 Two paths give these values. MNRL's defaults (query_to_doc alone, or query_to_doc and doc_to_query with
 per_direction; no hardness) take the loss core's ``query_key``: exact, blockwise, memory linear in the
@@ -263,25 +275,26 @@ class MultipleNegativesLoss(nn.Module):
             own_doc = (column % total)[None] == own[:, None]  # [n, (C - 1) T]: query i's documents
             own_positive = own_doc & (column < total)[None]
             other_query = torch.arange(total, device=device)[None] != own[:, None]  # [n, T]
-            same_query = same_doc = None  # [n, T], [n, (C - 1) T]: the candidates of the anchor's pair label
-            if labels is not None:
-                same_query = (gather_no_grad(labels) if self.gather_across_devices else labels)[None] == labels[:, None]
-                same_doc = torch.cat([same_query, same_query.new_zeros(n, (c - 2) * total)], dim=1)  # hard: no label
 
             # Per direction: (similarities, negatives mask, number of negatives per anchor, holds the positive
-            # pair, same-label candidates or None)
-            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True, same_doc)}
+            # pair, the candidates that are positives too: same_label="positive", else None)
+            rows: dict[str, tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, bool, torch.Tensor | None]]
+            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True, None)}
             if "query_to_query" in self._chosen:
-                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False, same_query)
+                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False, None)
             if "doc_to_query" in self._chosen:
-                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True, same_query)
+                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True, None)
             if "doc_to_doc" in self._chosen:
-                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False, same_doc)
+                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False, None)
             log_w = self._log_weights(rows["query_to_doc"][0], own_doc, own_positive)  # query_to_doc's only
             if labels is not None:  # the label's candidates leave the negatives; with "positive" join the positives
+                same_query = (gather_no_grad(labels) if self.gather_across_devices else labels)[None] == labels[:, None]
+                same_doc = torch.cat([same_query, same_query.new_zeros(n, (c - 2) * total)], dim=1)  # hard: no label
                 positive = self.objective.same_label == "positive"
-                rows = {key: (s, mask & ~same, (mask & ~same).sum(dim=1), held, mask & same if positive else None)
-                        for key, (s, mask, _, held, same) in rows.items()}
+                for key, (s, mask, _, held, _) in rows.items():
+                    of_label = mask & (same_doc if key.endswith("_doc") else same_query)
+                    kept = mask & ~of_label
+                    rows[key] = (s, kept, kept.sum(dim=1), held, of_label if positive else None)
 
             if self.partition_mode == "per_direction":
                 per_anchor = [self._terms(pos, s, mask, k, log_w if key == "query_to_doc" else None, 0, same)
@@ -293,7 +306,8 @@ class MultipleNegativesLoss(nn.Module):
                 mask = torch.cat([p[1] for p in parts], dim=1)
                 if log_w is not None:
                     log_w = torch.cat([log_w, *(torch.zeros_like(p[0]) for p in parts[1:])], dim=1)
-                same = None if parts[0][4] is None else torch.cat([p[4] for p in parts], dim=1)
+                positives = [p[4] for p in parts if p[4] is not None]
+                same = torch.cat(positives, dim=1) if positives else None
                 copies = sum(p[3] for p in parts) - 1  # the positive pair again: doc_to_query's
                 loss = self._terms(pos, s, mask, sum(p[2] for p in parts), log_w, copies, same).mean()
         if host_checks_allowed(loss) and not bool(torch.isfinite(loss)):
