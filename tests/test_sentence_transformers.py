@@ -214,14 +214,12 @@ GTE_WEIGHTED = {"directions": ("query_to_doc", "query_to_query", "doc_to_query",
                 "partition_mode": "joint", "hardness_mode": "all_negatives", "hardness_strength": 5.0}
 
 
-@pytest.mark.parametrize("same_label", [None, "mask", "positive"])
-@pytest.mark.parametrize("kind", list(OPTIONS))
+@pytest.mark.parametrize("kind,same_label", [(k, m) for k in OPTIONS for m in (None, "mask", "positive")
+                                             if (k, m) != ("cacr", "positive")])
 def test_score_matrix_path_has_no_host_sync(kind, same_label, device_path):  # noqa: F811 (the imported fixture)
     """The score-matrix path on the CPU with the device's branches (host_checks_allowed False) under
     test_host_sync's detector: no value read on the host, no value-dependent shape, in forward or backward;
-    without labels and with a label column (same_label)."""
-    if (kind, same_label) == ("cacr", "positive"):
-        pytest.skip("cacr takes same_label='mask' only")
+    without labels and with a label column (same_label; CACR takes "mask" only)."""
     columns = [c.detach().float().requires_grad_() for c in _columns(6, 1, seed=2)]
     labelled = {} if same_label is None else {"same_label": same_label}
     loss_fn = MultipleNegativesLoss(STAND_IN, kind, gather_across_devices=True, **GTE_WEIGHTED, **labelled,
