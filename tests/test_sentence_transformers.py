@@ -81,9 +81,9 @@ def _features(model, hard: int):
     return [model.preprocess(column) for column in (ANCHORS, POSITIVES, *HARD[:hard])]
 
 
-def _loss_and_grads(model, loss_fn, features):
+def _loss_and_grads(model, loss_fn, features, labels=None):
     model.zero_grad()
-    loss = loss_fn(features, None)
+    loss = loss_fn(features, labels)
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -214,14 +214,18 @@ GTE_WEIGHTED = {"directions": ("query_to_doc", "query_to_query", "doc_to_query",
                 "partition_mode": "joint", "hardness_mode": "all_negatives", "hardness_strength": 5.0}
 
 
-@pytest.mark.parametrize("kind", list(OPTIONS))
-def test_score_matrix_path_has_no_host_sync(kind, device_path):  # noqa: F811 (the imported fixture)
+@pytest.mark.parametrize("kind,same_label", [(k, m) for k in OPTIONS for m in (None, "mask", "positive")
+                                             if (k, m) != ("cacr", "positive")])
+def test_score_matrix_path_has_no_host_sync(kind, same_label, device_path):  # noqa: F811 (the imported fixture)
     """The score-matrix path on the CPU with the device's branches (host_checks_allowed False) under
-    test_host_sync's detector: no value read on the host, no value-dependent shape, in forward or backward."""
+    test_host_sync's detector: no value read on the host, no value-dependent shape, in forward or backward;
+    without labels and with a label column (same_label; CACR takes "mask" only)."""
     columns = [c.detach().float().requires_grad_() for c in _columns(6, 1, seed=2)]
-    loss_fn = MultipleNegativesLoss(STAND_IN, kind, gather_across_devices=True, **GTE_WEIGHTED, **OPTIONS[kind])
+    labelled = {} if same_label is None else {"same_label": same_label}
+    loss_fn = MultipleNegativesLoss(STAND_IN, kind, gather_across_devices=True, **GTE_WEIGHTED, **labelled,
+                                    **OPTIONS[kind])
     with no_host_sync():
-        loss = loss_fn.compute_loss_from_embeddings(columns)
+        loss = loss_fn.compute_loss_from_embeddings(columns, None if same_label is None else PAIR_LABELS)
         loss.backward()
     assert loss.dtype == torch.float32 and all(c.grad is not None for c in columns)
 
@@ -282,8 +286,12 @@ def _columns(n: int, hard: int, seed: int, d: int = 16) -> list[torch.Tensor]:
     return [c.requires_grad_() for c in (anchors, positives, *hard_columns)]
 
 
-def _value_and_grads(loss_fn, columns):
-    loss = loss_fn.compute_loss_from_embeddings(columns, None)
+def _value_and_grads(loss_fn, columns, labels=None, *, score_path=False):
+    """The loss of float64 columns and its gradients; score_path: forced onto the score-matrix path."""
+    if score_path:
+        loss = loss_fn._score_matrix_loss(columns, labels)
+    else:
+        loss = loss_fn.compute_loss_from_embeddings(columns, labels)
     return loss, torch.autograd.grad(loss, columns)
 
 
@@ -313,10 +321,12 @@ def test_infonce_is_mnrl_with_dot_score_and_its_own_scale():
     _assert_close64(_value_and_grads(MultipleNegativesLoss(STAND_IN, "infonce", **arguments), columns), expected)
 
 
-def _candidate_rows(columns, directions, hardness_mode, strength):
-    """Anchor i's candidates per direction, from the definitions: (similarity, is the positive pair, log-weight)."""
+def _candidate_rows(columns, directions, hardness_mode, strength, labels=None):
+    """Anchor i's candidates per direction, from the definitions: (similarity, is the positive pair, log-weight,
+    label). A candidate's label is its pair's (labels [n], or None for all); a hard negative has none."""
     q, *docs = [reference.unit(c) for c in columns]
     n = q.shape[0]
+    label = [None] * n if labels is None else [int(x) for x in labels]
     rows = []
     for i in range(n):
         row = {QD: []}
@@ -326,41 +336,54 @@ def _candidate_rows(columns, directions, hardness_mode, strength):
                 own = j == i
                 weighted = {None: False, "in_batch_negatives": not own, "hard_negatives": own and c > 0,
                             "all_negatives": True}[hardness_mode]
+                doc_label = label[j] if c == 0 else None
                 if (c, j) == (0, i):
-                    row[QD].append((s, True, 0.0))
+                    row[QD].append((s, True, 0.0, doc_label))
                 else:
-                    row[QD].append((s, False, strength * s.detach() if weighted else 0.0))
+                    row[QD].append((s, False, strength * s.detach() if weighted else 0.0, doc_label))
         if QQ in directions:
-            row[QQ] = [((q[i] * q[j]).sum(), False, 0.0) for j in range(n) if j != i]
+            row[QQ] = [((q[i] * q[j]).sum(), False, 0.0, label[j]) for j in range(n) if j != i]
         if DQ in directions:
-            row[DQ] = [((docs[0][i] * q[j]).sum(), j == i, 0.0) for j in range(n)]
+            row[DQ] = [((docs[0][i] * q[j]).sum(), j == i, 0.0, label[j]) for j in range(n)]
         if DD in directions:
-            row[DD] = [((docs[0][i] * column[j]).sum(), False, 0.0) for column in docs for j in range(n) if j != i]
+            row[DD] = [((docs[0][i] * column[j]).sum(), False, 0.0, label[j] if c == 0 else None)
+                       for c, column in enumerate(docs) for j in range(n) if j != i]
         rows.append(row)
     return rows
 
 
-def _one_partition(kind, p, candidates, pair_weight, **o):
-    """The objective of one anchor over one partition: positive similarity p, candidates as _candidate_rows'."""
-    negatives = [(s, w) for s, positive, w in candidates if not positive]
-    copies = sum(1 for _, positive, _ in candidates if positive)  # the positive pair, once per direction holding it
+def _one_partition(kind, p, candidates, pair_weight, label=None, same_label="mask", **o):
+    """The objective of one anchor over one partition: positive similarity p, candidates as _candidate_rows',
+    label the anchor's pair's. A candidate of its label (not the pair itself) is no negative; with
+    same_label="positive" it is a positive, weight 1 (SupCon's L_out: P(i) the pair, once per direction holding
+    it, and the label's candidates; InfoNCE and EqCo hold P(i) in the denominator, DCL and DCLW do not)."""
+    same = [s for s, positive, _, lab in candidates if not positive and label is not None and lab == label]
+    negatives = [(s, w) for s, positive, w, lab in candidates if not positive and (label is None or lab != label)]
+    copies = sum(1 for _, positive, _, _ in candidates if positive)  # the positive pair, once per direction holding it
     if kind == "cacr":  # unit vectors: cost ||u - v||^2 = 2 - 2 s; repulsion weights times the hardness weights
         cost = torch.stack([2 - 2 * s for s, _ in negatives])
         mass = torch.stack([math.exp(float(w)) * torch.exp(-o["t_neg"] * c) for (_, w), c in zip(negatives, cost)])
         return (2 - 2 * p) - (mass / mass.sum() * cost).sum()
     t = o["tau"]
     weighted_sum = torch.stack([math.exp(float(w)) * torch.exp(s / t) for s, w in negatives]).sum()
-    if kind == "infonce":
-        return -torch.log(torch.exp(p / t) / (copies * torch.exp(p / t) + weighted_sum))
-    if kind == "eqco":  # the margin tau log(alpha / K) on every copy of the positive, K the number of negatives
-        numerator = torch.exp((p - t * math.log(o["alpha"] / len(negatives))) / t)
+    # the margin tau log(alpha / K) on every positive, K the number of negatives
+    m = t * math.log(o["alpha"] / len(negatives)) if kind == "eqco" else 0.0
+    if same_label == "positive":
+        positives = [(p, pair_weight if kind == "dclw" else 1.0)] * copies + [(s, 1.0) for s in same]
+        mean = sum(w * (s - m) / t for s, w in positives) / len(positives)
+        if kind in ("infonce", "eqco"):
+            return -mean + torch.log(sum(torch.exp((s - m) / t) for s, _ in positives) + weighted_sum)
+        return -mean + torch.log(weighted_sum)
+    if kind in ("infonce", "eqco"):
+        numerator = torch.exp((p - m) / t)
         return -torch.log(numerator / (copies * numerator + weighted_sum))
     # dcl, dclw: no copy of the positive in the denominator
     return -pair_weight * p / t + torch.log(weighted_sum)
 
 
-def _formula_reference(kind, columns, directions, partition_mode, hardness_mode, strength, **o):
-    rows = _candidate_rows(columns, directions, hardness_mode, strength)
+def _formula_reference(kind, columns, directions, partition_mode, hardness_mode, strength, labels=None,
+                       same_label="mask", **o):
+    rows = _candidate_rows(columns, directions, hardness_mode, strength, labels)
     q, d = reference.unit(columns[0]), reference.unit(columns[1])
     pairs = (q * d).sum(dim=-1)
     n = len(rows)
@@ -370,8 +393,9 @@ def _formula_reference(kind, columns, directions, partition_mode, hardness_mode,
         pair_weights = 2 - n * e / e.sum()
     losses = []
     for i, row in enumerate(rows):
+        label = None if labels is None else int(labels[i])
         partitions = [sum(row.values(), [])] if partition_mode == "joint" else list(row.values())
-        losses.append(torch.stack([_one_partition(kind, pairs[i], part, pair_weights[i], **o)
+        losses.append(torch.stack([_one_partition(kind, pairs[i], part, pair_weights[i], label, same_label, **o)
                                    for part in partitions]).mean())
     return torch.stack(losses).mean()
 
@@ -394,6 +418,91 @@ def test_each_objective_matches_its_formula_in_new_combinations(kind, case):
                                        arguments["hardness_strength"], **REFERENCE[kind])
     _assert_close64(got, (expected_loss, torch.autograd.grad(expected_loss, columns)))
 
+
+
+# Pair labels with repeats (three pairs of label 0, two of 1) and one pair alone in its label (3).
+PAIR_LABELS = torch.tensor([0, 1, 0, 2, 1, 0])
+LABEL_MODES = [(k, m) for k in OPTIONS for m in ("mask", "positive") if (k, m) != ("cacr", "positive")]
+
+
+@pytest.mark.parametrize("hardness_mode", HARDNESS)
+@pytest.mark.parametrize("directions,partition_mode", PARTITIONS, ids=[_name(*p) for p in PARTITIONS])
+@pytest.mark.parametrize("kind,same_label", LABEL_MODES, ids=[f"{k}-{m}" for k, m in LABEL_MODES])
+def test_score_matrix_path_with_labels_matches_its_formula(kind, same_label, directions, partition_mode,
+                                                           hardness_mode):
+    """Every objective x same_label x direction set x partition x hardness mode, with and without hard negative
+    columns, on the score-matrix path with a label column that repeats: float64 value and gradients against
+    the loop over anchors (a same-label candidate no negative, or a positive of weight 1 with "positive"; hard
+    negatives no label); with every label distinct, the unlabelled loss."""
+    arguments = _arguments(directions, partition_mode, hardness_mode)
+    loss_fn = MultipleNegativesLoss(STAND_IN, kind, **arguments, same_label=same_label, **OPTIONS[kind])
+    forced = loss_fn._core_path  # MNRL's defaults: forced onto the score-matrix path
+    for hard in (0, 2):
+        columns = _columns(6, hard, seed=len(directions) + 7 * hard)
+        got = _value_and_grads(loss_fn, columns, PAIR_LABELS, score_path=forced)
+        distinct = _value_and_grads(loss_fn, columns, torch.tensor([5, 3, 9, 0, 1, 7]), score_path=forced)
+        _assert_close64(distinct, _value_and_grads(loss_fn, columns, score_path=forced))
+        expected = _formula_reference(kind, columns, directions, partition_mode, hardness_mode,
+                                      arguments["hardness_strength"], PAIR_LABELS, same_label, **REFERENCE[kind])
+        _assert_close64(got, (expected, torch.autograd.grad(expected, columns)))
+
+
+@pytest.mark.parametrize("kind,same_label", LABEL_MODES, ids=[f"{k}-{m}" for k, m in LABEL_MODES])
+@pytest.mark.parametrize("directions,partition_mode", [((QD,), "joint"), ((QD, DQ), "per_direction")])
+def test_score_matrix_path_with_labels_equals_the_core_on_mnrl_defaults(kind, same_label, directions,
+                                                                        partition_mode):
+    """MNRL's defaults with labels: the score-matrix path (forced; and through a hardness_mode that weights
+    nothing on pairs) equals the core's query_key path with the same labels, values and gradients."""
+    columns = _columns(6, 0, seed=5)
+    options = {"directions": directions, "partition_mode": partition_mode, "same_label": same_label, **OPTIONS[kind]}
+    core = MultipleNegativesLoss(STAND_IN, kind, **options)
+    scored = MultipleNegativesLoss(STAND_IN, kind, hardness_mode="hard_negatives", hardness_strength=STRENGTH,
+                                   **options)
+    assert core._core_path and not scored._core_path
+    expected = _value_and_grads(core, columns, PAIR_LABELS)
+    _assert_close64(_value_and_grads(core, columns, PAIR_LABELS, score_path=True), expected)
+    _assert_close64(_value_and_grads(scored, columns, PAIR_LABELS), expected)
+
+
+@pytest.mark.parametrize("kind,same_label", LABEL_MODES, ids=[f"{k}-{m}" for k, m in LABEL_MODES])
+def test_score_matrix_path_hard_negatives_stay_negatives(kind, same_label):
+    """Hard negative columns carry no label: with every pair of one label, query_to_doc's negatives are the
+    hard negatives alone (every query's) and doc_to_doc's the other queries' hard negatives, whatever
+    same_label; without a hard negative column no anchor has a negative left (a ValueError)."""
+    loss_fn = MultipleNegativesLoss(STAND_IN, kind, directions=(QD, DD), same_label=same_label, **OPTIONS[kind])
+    columns = _columns(5, 1, seed=4)
+    one_label = torch.zeros(5, dtype=torch.int64)
+    got = _value_and_grads(loss_fn, columns, one_label)
+    q, d, h = (reference.unit(c) for c in columns)
+    o, n = REFERENCE[kind], 5
+    losses = []
+    for i in range(n):  # the positive pair; same-label documents positives (weight 1) or out
+        negatives = [(q[i] * h[j]).sum() for j in range(n)] + [(d[i] * h[j]).sum() for j in range(n) if j != i]
+        p = (q[i] * d[i]).sum()
+        if kind == "cacr":
+            cost = torch.stack([2 - 2 * s for s in negatives])
+            mass = torch.exp(-o["t_neg"] * cost)
+            losses.append((2 - 2 * p) - (mass / mass.sum() * cost).sum())
+            continue
+        t = o["tau"]
+        weight = 1.0
+        if kind == "dclw":
+            e = torch.exp((q * d).sum(dim=-1).detach() / o["sigma"])
+            weight = 2 - n * e[i] / e.sum()
+        positives = [(p, weight)]
+        if same_label == "positive":
+            positives += [((q[i] * d[j]).sum(), 1.0) for j in range(n) if j != i]
+            positives += [((d[i] * d[j]).sum(), 1.0) for j in range(n) if j != i]
+        m = t * math.log(o["alpha"] / len(negatives)) if kind == "eqco" else 0.0
+        mean = sum(w * (s - m) / t for s, w in positives) / len(positives)
+        denominator = sum(torch.exp(s / t) for s in negatives)
+        if kind in ("infonce", "eqco"):
+            denominator = denominator + sum(torch.exp((s - m) / t) for s, _ in positives)
+        losses.append(-mean + torch.log(denominator))
+    expected = torch.stack(losses).mean()
+    _assert_close64(got, (expected, torch.autograd.grad(expected, columns)))
+    with pytest.raises(ValueError, match="no negative left: every candidate shares its label"):
+        loss_fn.compute_loss_from_embeddings(columns[:2], one_label)
 
 @pytest.mark.parametrize("kind", list(OPTIONS))
 @pytest.mark.parametrize("directions,partition_mode", [((QD,), "joint"), ((QD, DQ), "per_direction")])
@@ -433,6 +542,22 @@ def test_cached_equals_uncached_in_a_new_combination(minilm, kind):
         _assert_same(_loss_and_grads(minilm, theirs, _features(minilm, 1)), expected)
 
 
+
+@pytest.mark.parametrize("kind,same_label,form", [("dclw", "positive", "new"), ("infonce", "mask", "new"),
+                                                  ("cacr", "mask", "new"), ("eqco", "positive", "symmetric")])
+def test_cached_equals_uncached_with_labels(minilm, kind, same_label, form):
+    """GradCache (mini-batches of 4 in the batch of 6) with a label column that repeats, on the score-matrix
+    path (doc_to_doc and doc_to_query in one partition, in-batch negatives weighted) and on the core's: loss
+    and every gradient equal the uncached loss's, which the labels change."""
+    options = _arguments((QD, DQ, DD), "joint", "in_batch_negatives") if form == "new" else SYMMETRIC
+    options = {**options, "same_label": same_label}
+    features = _features(minilm, 1)
+    expected = _loss_and_grads(minilm, MultipleNegativesLoss(minilm, kind, **options), features, PAIR_LABELS)
+    cached = CachedMultipleNegativesLoss(minilm, kind, mini_batch_size=4, **options)
+    _assert_same(_loss_and_grads(minilm, cached, _features(minilm, 1), PAIR_LABELS), expected)
+    unlabelled = _loss_and_grads(minilm, MultipleNegativesLoss(minilm, kind, **options), features)
+    assert abs(unlabelled[0] - expected[0]) > 1e-3
+
 def test_mnrl_argument_errors_name_the_problem(caplog):
     with pytest.raises(ValueError, match="unknown 'query_to_passage'"):
         MultipleNegativesLoss(STAND_IN, "dcl", directions=(QD, "query_to_passage"))
@@ -470,13 +595,16 @@ def _gathered_worker(rank, world, init_file, out, cases):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = []
-        for kind, directions, partition_mode, hardness_mode, hard in cases:
+        for kind, directions, partition_mode, hardness_mode, hard, same_label in cases:
             rows = slice(rank * 4, (rank + 1) * 4)
             columns = [c.detach()[rows].clone().requires_grad_() for c in _columns(4 * world, hard, 9)]
             arguments = {**_arguments(directions, partition_mode, hardness_mode), "gather_across_devices": True}
-            ours = _value_and_grads(MultipleNegativesLoss(STAND_IN, kind, **arguments, **OPTIONS[kind]), columns)
+            labels = None if same_label is None else GATHER_LABELS[rows]
+            loss_fn = MultipleNegativesLoss(STAND_IN, kind, **arguments, same_label=same_label or "mask",
+                                            **OPTIONS[kind])
+            ours = _value_and_grads(loss_fn, columns, labels)
             theirs = None
-            if kind == "infonce":
+            if kind == "infonce" and labels is None:
                 theirs = _value_and_grads(MultipleNegativesRankingLoss(STAND_IN, **arguments), columns)
             results.append((ours, theirs))
         torch.save(results, f"{out}/rank{rank}.pt")
@@ -484,28 +612,34 @@ def _gathered_worker(rank, world, init_file, out, cases):
         end_process_group()
 
 
-GATHER_CASES = [("infonce", (QD, QQ, DQ, DD), "joint", "all_negatives", 1),
-                ("infonce", (QD, DQ), "per_direction", "in_batch_negatives", 2),
-                ("dcl", (QD, QQ, DQ, DD), "joint", "hard_negatives", 1),
-                ("dclw", (QD, DQ), "joint", "in_batch_negatives", 0),
-                ("eqco", (QD, DD), "joint", "all_negatives", 1),
-                ("cacr", (QD, DQ), "per_direction", "all_negatives", 1)]
+# (kind, directions, partition_mode, hardness_mode, hard negative columns, same_label: None without labels)
+GATHER_CASES = [("infonce", (QD, QQ, DQ, DD), "joint", "all_negatives", 1, None),
+                ("infonce", (QD, DQ), "per_direction", "in_batch_negatives", 2, None),
+                ("dcl", (QD, QQ, DQ, DD), "joint", "hard_negatives", 1, None),
+                ("dclw", (QD, DQ), "joint", "in_batch_negatives", 0, None),
+                ("eqco", (QD, DD), "joint", "all_negatives", 1, None),
+                ("cacr", (QD, DQ), "per_direction", "all_negatives", 1, None),
+                ("infonce", (QD, QQ, DQ, DD), "joint", "all_negatives", 1, "positive"),
+                ("dclw", (QD, DQ), "per_direction", "in_batch_negatives", 1, "positive"),
+                ("eqco", (QD, DD), "joint", None, 1, "mask"),
+                ("cacr", (QD, QQ), "joint", "hard_negatives", 1, "mask")]
+GATHER_LABELS = torch.tensor([0, 1, 0, 2, 1, 0, 3, 1])  # the two processes' rows share labels
 
 
 def test_two_gathering_processes_equal_one_in_new_combinations(tmp_path):
     """2 gloo processes with 4 rows each and gather_across_devices=True against one process on the 8 rows:
     the mean of their losses is the one loss, and each process's gradient of its rows (its own loss's and,
     through the gather, the other's) is 2 times the one loss's; for infonce each process's loss and gradient
-    also equal MNRL's gathered ones."""
+    also equal MNRL's gathered ones. With a label column too (each process its rows' labels)."""
     world = 2
     mp.start_processes(_gathered_worker, args=(world, str(tmp_path / "init"), str(tmp_path), GATHER_CASES),
                        nprocs=world, start_method="spawn", join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for c, (kind, directions, partition_mode, hardness_mode, hard) in enumerate(GATHER_CASES):
+    for c, (kind, directions, partition_mode, hardness_mode, hard, same_label) in enumerate(GATHER_CASES):
         columns = _columns(4 * world, hard, 9)
         one = MultipleNegativesLoss(STAND_IN, kind, **_arguments(directions, partition_mode, hardness_mode),
-                                    **OPTIONS[kind])
-        loss, grads = _value_and_grads(one, columns)
+                                    same_label=same_label or "mask", **OPTIONS[kind])
+        loss, grads = _value_and_grads(one, columns, None if same_label is None else GATHER_LABELS)
         mean = sum(ranks[r][c][0][0] for r in range(world)) / world
         torch.testing.assert_close(mean, loss.detach(), rtol=1e-10, atol=1e-12, msg=lambda m: f"{c}: {m}")
         for r in range(world):
@@ -540,7 +674,8 @@ def test_label_column_matches_reference(kind, mode, hard):
 
 def test_label_column_symmetric_and_scores():
     """doc_to_query (per_direction) takes the labels too; a floating-point column (scores) is ignored, as MNRL
-    ignores it; distinct labels change nothing; the score-matrix path and UniGrad refuse labels."""
+    ignores it, on the score-matrix path too; distinct labels change nothing; UniGrad refuses labels, CACR
+    same_label="positive" (on either path), and a column of the wrong length is a ValueError."""
     columns = _columns(6, 0, seed=3)
     labels = torch.tensor([0, 1, 0, 2, 1, 0])
     loss_fn = MultipleNegativesLoss(STAND_IN, "dcl", **SYMMETRIC)
@@ -551,9 +686,15 @@ def test_label_column_symmetric_and_scores():
     plain = loss_fn.compute_loss_from_embeddings(columns, None)
     assert torch.equal(loss_fn.compute_loss_from_embeddings(columns, torch.rand(6, dtype=torch.float64)), plain)
     assert torch.equal(loss_fn.compute_loss_from_embeddings(columns, torch.arange(6)), plain)
-    with pytest.raises(ValueError, match="label column is used on the loss core's path only"):
-        MultipleNegativesLoss(STAND_IN, "dcl", hardness_mode="hard_negatives", hardness_strength=2.0) \
-            .compute_loss_from_embeddings(columns, labels)
+    scored = MultipleNegativesLoss(STAND_IN, "dcl", directions=(QD, QQ), hardness_mode="all_negatives",
+                                   hardness_strength=2.0)
+    plain = scored.compute_loss_from_embeddings(columns, None)  # the score-matrix path ignores scores too
+    assert torch.equal(scored.compute_loss_from_embeddings(columns, torch.rand(6, dtype=torch.float64)), plain)
+    assert not torch.equal(scored.compute_loss_from_embeddings(columns, labels), plain)
+    with pytest.raises(ValueError, match="cacr: same_label='positive' is not supported"):
+        MultipleNegativesLoss(STAND_IN, "cacr", directions=(QD, QQ), same_label="positive")
+    with pytest.raises(ValueError, match=r"labels must be \[6\]"):
+        scored.compute_loss_from_embeddings(columns, labels[:4])
     with pytest.raises(ValueError, match="unigrad: labels have no meaning"):
         MultipleNegativesLoss(STAND_IN, "unigrad").compute_loss_from_embeddings(columns, labels)
 

@@ -54,13 +54,25 @@ chunk_size, backend).
 
 Labels. sentence-transformers hands a loss the dataset's ``label`` column (or ``labels``, ``score``,
 ``scores``: its collator's first found) as ``labels``; MNRL ignores it. Here an integer column is each pair's
-label (a class, or a sample id shared by duplicates): queries whose labels are equal are not each other's
-negatives. ``same_label="mask"`` (default) leaves the other same-label pairs' documents (and, with
-doc_to_query, their queries) out of an anchor's negatives; ``"positive"`` makes them its positives (SupCon's
-L_out; the loss core's ContrastiveLoss says what each objective does). Hard negatives carry no label and stay
-negatives. A floating-point column (a similarity score) is not a label and is ignored, as MNRL ignores it.
-Labels take the loss core's path (below): with another direction or a hardness_mode they are a ValueError
-for now; UniGrad takes none.
+label (a class, or a sample id shared by duplicates; gathered with the rows under gather_across_devices):
+pairs whose labels are equal are not each other's negatives. In every direction a candidate of the anchor's
+pair label (its query or positive document; the anchor's own positive and, in query_to_query and doc_to_doc,
+its own row are out already) is, by ``same_label``:
+
+- ``"mask"`` (default): left out of the anchor's negatives; the loss is otherwise the one without labels
+  (EqCo's K counts the negatives left, per anchor and partition).
+- ``"positive"``: one of the anchor's positives P(i), SupCon's L_out as the loss core's ContrastiveLoss
+  defines it per objective. P(i) is the partition's: the positive pair once per direction that holds it
+  (as above) and every same-label candidate of its directions, the label's at weight 1 (DCLW's weight is
+  the pair's only) and never hardness-weighted. InfoNCE: -1/|P| sum_P s_p + log(sum_P e^s_p + sum_k w_k
+  e^n_k); EqCo the same with alpha / K_i on the negatives' sum; DCL and DCLW -1/|P| sum_P w_p s_p + log
+  sum_k w_k e^n_k. CACR refuses it (its constructor: a ValueError), as the core does; ``"mask"`` works.
+
+Hard negative columns carry no label: they stay negatives in every direction (query_to_doc, doc_to_doc),
+whatever the labels, and keep their hardness weights. With every label distinct the loss is the one without
+labels. Every anchor needs a negative left in each partition (a ValueError on the CPU; a device-side
+assertion on CUDA). A floating-point column (a similarity score) is not a label and is ignored, as MNRL
+ignores it. UniGrad takes no labels.
 
 Two paths give these values. MNRL's defaults (query_to_doc alone, or query_to_doc and doc_to_query with
 per_direction; no hardness) take the loss core's ``query_key``: exact, blockwise, memory linear in the
@@ -89,9 +101,9 @@ from sentence_transformers.base.losses.gradcache import (CachedLossMixin, _valid
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import nn
 
-from contrastkit.distributed import gather_with_grad
+from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import check_features
+from contrastkit.losses.base import check_features, check_labels
 from contrastkit.losses.chunked import host_checks_allowed, no_autocast
 from contrastkit.losses.functional import (_compute_dtype, cacr_stat_terms, eqco_negatives, normalize_rows,
                                            softmax_terms)
@@ -215,11 +227,7 @@ class MultipleNegativesLoss(nn.Module):
             self.objective.train(self.model.training)  # the correlation is updated in training only
             return self.objective(anchors, positives, labels=labels)
         if not self._core_path:
-            if labels is not None:
-                raise ValueError(f"{self.name}: the dataset's label column is used on the loss core's path only "
-                                 "(directions query_to_doc, or with doc_to_query per_direction; no hardness_mode) "
-                                 "for now; drop the label column or these arguments")
-            return self._score_matrix_loss(list(embeddings))
+            return self._score_matrix_loss(list(embeddings), labels)
         negatives = torch.stack(hard, dim=1) if hard else None
         loss = self.objective.query_key(anchors, positives, negatives=negatives, labels=labels)
         if self._chosen == SYMMETRIC:  # the positives as anchors against the anchors (MNRL's doc_to_query)
@@ -241,11 +249,13 @@ class MultipleNegativesLoss(nn.Module):
 
     # ------------------------------------------------------------------ the score-matrix path
 
-    def _score_matrix_loss(self, columns: list[torch.Tensor]) -> torch.Tensor:
+    def _score_matrix_loss(self, columns: list[torch.Tensor], labels: torch.Tensor | None = None) -> torch.Tensor:
         """Every direction's [n, candidates] similarities (this process's rows against every process's
-        candidates), the objective's per-anchor terms on each partition, their mean."""
+        candidates), the objective's per-anchor terms on each partition, their mean. labels [n]: the pairs'."""
         check_features(self.name, {f"column {i}": c for i, c in enumerate(columns)}, values=False)
         device = columns[0].device
+        if labels is not None:
+            check_labels(self.name, labels, columns[0].shape[0], device)
         with no_autocast(device.type):
             dtype = _compute_dtype(*columns)
             x = torch.stack([c.to(dtype) for c in columns], dim=1)  # [n, C, D]: query, positive, hard negatives
@@ -266,19 +276,29 @@ class MultipleNegativesLoss(nn.Module):
             own_positive = own_doc & (column < total)[None]
             other_query = torch.arange(total, device=device)[None] != own[:, None]  # [n, T]
 
-            # Per direction: (similarities, negatives mask, number of negatives per anchor, holds the positive pair)
-            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True)}
+            # Per direction: (similarities, negatives mask, number of negatives per anchor, holds the positive
+            # pair, the candidates that are positives too: same_label="positive", else None)
+            rows: dict[str, tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, bool, torch.Tensor | None]]
+            rows = {"query_to_doc": (query @ docs.T, ~own_positive, (c - 1) * total - 1, True, None)}
             if "query_to_query" in self._chosen:
-                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False)
+                rows["query_to_query"] = (query @ queries.T, other_query, total - 1, False, None)
             if "doc_to_query" in self._chosen:
-                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True)
+                rows["doc_to_query"] = (doc @ queries.T, other_query, total - 1, True, None)
             if "doc_to_doc" in self._chosen:
-                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False)
+                rows["doc_to_doc"] = (doc @ docs.T, ~own_doc, (c - 1) * (total - 1), False, None)
             log_w = self._log_weights(rows["query_to_doc"][0], own_doc, own_positive)  # query_to_doc's only
+            if labels is not None:  # the label's candidates leave the negatives; with "positive" join the positives
+                same_query = (gather_no_grad(labels) if self.gather_across_devices else labels)[None] == labels[:, None]
+                same_doc = torch.cat([same_query, same_query.new_zeros(n, (c - 2) * total)], dim=1)  # hard: no label
+                positive = self.objective.same_label == "positive"
+                for key, (s, mask, _, held, _) in rows.items():
+                    of_label = mask & (same_doc if key.endswith("_doc") else same_query)
+                    kept = mask & ~of_label
+                    rows[key] = (s, kept, kept.sum(dim=1), held, of_label if positive else None)
 
             if self.partition_mode == "per_direction":
-                per_anchor = [self._terms(pos, s, mask, k, log_w if key == "query_to_doc" else None, copies=0)
-                              for key, (s, mask, k, _) in rows.items()]
+                per_anchor = [self._terms(pos, s, mask, k, log_w if key == "query_to_doc" else None, 0, same)
+                              for key, (s, mask, k, _, same) in rows.items()]
                 loss = torch.stack(per_anchor).mean(dim=0).mean()
             else:  # one partition: the directions' rows side by side, query_to_doc's first
                 parts = list(rows.values())
@@ -286,8 +306,10 @@ class MultipleNegativesLoss(nn.Module):
                 mask = torch.cat([p[1] for p in parts], dim=1)
                 if log_w is not None:
                     log_w = torch.cat([log_w, *(torch.zeros_like(p[0]) for p in parts[1:])], dim=1)
+                positives = [p[4] for p in parts if p[4] is not None]
+                same = torch.cat(positives, dim=1) if positives else None
                 copies = sum(p[3] for p in parts) - 1  # the positive pair again: doc_to_query's
-                loss = self._terms(pos, s, mask, sum(p[2] for p in parts), log_w, copies).mean()
+                loss = self._terms(pos, s, mask, sum(p[2] for p in parts), log_w, copies, same).mean()
         if host_checks_allowed(loss) and not bool(torch.isfinite(loss)):
             check_features(self.name, {f"column {i}": c for i, c in enumerate(columns)}, same_shape=False)
         return loss
@@ -305,14 +327,13 @@ class MultipleNegativesLoss(nn.Module):
             chosen = ~own_positive
         return torch.where(chosen, self.hardness_strength * s.detach(), s.new_zeros(()))
 
-    def _terms(self, pos: torch.Tensor, s: torch.Tensor, mask: torch.Tensor, num_neg: int,
-               log_w: torch.Tensor | None, copies: int) -> torch.Tensor:
+    def _terms(self, pos: torch.Tensor, s: torch.Tensor, mask: torch.Tensor, num_neg: int | torch.Tensor,
+               log_w: torch.Tensor | None, copies: int, same: torch.Tensor | None = None) -> torch.Tensor:
         """Per-anchor loss [n] of positive similarities pos [n] against the negatives' similarities s [n, K]
-        where mask (num_neg of them per anchor), each negative's exponential times w (log_w, or 1); copies:
-        further copies of the positive pair in the partition (joint doc_to_query)."""
-        if num_neg < 1:
-            raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of at "
-                             "least 2")
+        where mask (num_neg of them per anchor: one number, or [n] with labels), each negative's exponential
+        times w (log_w, or 1); copies: further copies of the positive pair in the partition (joint
+        doc_to_query); same [n, K]: the candidates that are positives too (same_label="positive")."""
+        self._check_negatives(num_neg)
         scale = self.objective.default_logit_scale()
         logits = s * scale if log_w is None else s * scale + log_w
         logits = logits.masked_fill(~mask, float("-inf"))
@@ -321,6 +342,14 @@ class MultipleNegativesLoss(nn.Module):
             return cacr_stat_terms(pos[:, None], (pi * s).sum(dim=1), t_pos=self.objective.t_pos).loss
         neg_lse = torch.logsumexp(logits, dim=1)
         p = pos[:, None] * scale
+        if same is not None:  # SupCon's L_out over P(i): the pair, once per direction holding it, and the label's
+            weight = self.objective.positive_weight(pos[:, None])  # DCLW's on the pair; the label's weigh 1
+            pair = 1 + copies
+            pos_sum = pair * (p if weight is None else weight * p)[:, 0] + (s * scale * same).sum(dim=1)
+            pos_mean = pos_sum / (pair + same.sum(dim=1))
+            pos_lse = torch.logsumexp(torch.cat([p + math.log(pair), (s * scale).masked_fill(~same, float("-inf"))],
+                                                dim=1), dim=1)
+            return self.objective.label_terms(pos_mean, pos_lse, neg_lse, num_neg).loss
         if self.name in ("infonce", "eqco"):
             if self.name == "eqco":
                 neg_lse = eqco_negatives(neg_lse, self.objective.alpha, num_neg)
@@ -330,6 +359,20 @@ class MultipleNegativesLoss(nn.Module):
         # dcl, dclw: every copy of the positive out of the denominator; DCLW's weight over all processes' pairs
         weight = self.objective.positive_weight(pos[:, None])
         return softmax_terms(p, neg_lse, keep_positive=False, pos_weight=weight).loss
+
+    def _check_negatives(self, num_neg: int | torch.Tensor) -> None:
+        """Every anchor needs a negative: a ValueError, or with labels on CUDA a device-side assertion (no
+        host read)."""
+        if isinstance(num_neg, int):
+            if num_neg < 1:
+                raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of "
+                                 "at least 2")
+        elif host_checks_allowed(num_neg):
+            if bool((num_neg < 1).any()):
+                raise ValueError(f"{self.name}: an anchor has no negative left: every candidate shares its label; "
+                                 "a batch needs pairs of at least two labels")
+        elif num_neg.is_cuda and not torch.compiler.is_compiling():
+            torch._assert_async((num_neg >= 1).all(), f"{self.name}: an anchor has no negative left")
 
     @property
     def temperature(self) -> float | None:
