@@ -81,7 +81,8 @@ def test_triton_backend_with_bf16_features_compiles(setting):
 
 
 LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "image_text"), ("eqco", "positive", "queue"),
-            ("dclw", "positive", "query_key"), ("cacr", "mask", "three_views"), ("eqco", "mask", "two_views")]
+            ("dclw", "positive", "query_key"), ("cacr", "mask", "three_views"), ("eqco", "mask", "two_views"),
+            ("cacr", "positive", "queue")]
 
 
 @pytest.mark.parametrize("name, mode, setting", LABELLED)

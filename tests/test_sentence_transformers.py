@@ -214,12 +214,11 @@ GTE_WEIGHTED = {"directions": ("query_to_doc", "query_to_query", "doc_to_query",
                 "partition_mode": "joint", "hardness_mode": "all_negatives", "hardness_strength": 5.0}
 
 
-@pytest.mark.parametrize("kind,same_label", [(k, m) for k in OPTIONS for m in (None, "mask", "positive")
-                                             if (k, m) != ("cacr", "positive")])
+@pytest.mark.parametrize("kind,same_label", [(k, m) for k in OPTIONS for m in (None, "mask", "positive")])
 def test_score_matrix_path_has_no_host_sync(kind, same_label, device_path):  # noqa: F811 (the imported fixture)
     """The score-matrix path on the CPU with the device's branches (host_checks_allowed False) under
     test_host_sync's detector: no value read on the host, no value-dependent shape, in forward or backward;
-    without labels and with a label column (same_label; CACR takes "mask" only)."""
+    without labels and with a label column (same_label)."""
     columns = [c.detach().float().requires_grad_() for c in _columns(6, 1, seed=2)]
     labelled = {} if same_label is None else {"same_label": same_label}
     loss_fn = MultipleNegativesLoss(STAND_IN, kind, gather_across_devices=True, **GTE_WEIGHTED, **labelled,
@@ -363,7 +362,12 @@ def _one_partition(kind, p, candidates, pair_weight, label=None, same_label="mas
     if kind == "cacr":  # unit vectors: cost ||u - v||^2 = 2 - 2 s; repulsion weights times the hardness weights
         cost = torch.stack([2 - 2 * s for s, _ in negatives])
         mass = torch.stack([math.exp(float(w)) * torch.exp(-o["t_neg"] * c) for (_, w), c in zip(negatives, cost)])
-        return (2 - 2 * p) - (mass / mass.sum() * cost).sum()
+        repulsion = -(mass / mass.sum() * cost).sum()
+        if same_label != "positive":
+            return (2 - 2 * p) + repulsion
+        # the attraction over P(i), weights softmax(t_pos c) over it, detached
+        pos_cost = torch.stack([2 - 2 * s for s in [p] * copies + same])
+        return (torch.softmax(o["t_pos"] * pos_cost.detach(), dim=0) * pos_cost).sum() + repulsion
     t = o["tau"]
     weighted_sum = torch.stack([math.exp(float(w)) * torch.exp(s / t) for s, w in negatives]).sum()
     # the margin tau log(alpha / K) on every positive, K the number of negatives
@@ -422,7 +426,7 @@ def test_each_objective_matches_its_formula_in_new_combinations(kind, case):
 
 # Pair labels with repeats (three pairs of label 0, two of 1) and one pair alone in its label (3).
 PAIR_LABELS = torch.tensor([0, 1, 0, 2, 1, 0])
-LABEL_MODES = [(k, m) for k in OPTIONS for m in ("mask", "positive") if (k, m) != ("cacr", "positive")]
+LABEL_MODES = [(k, m) for k in OPTIONS for m in ("mask", "positive")]
 
 
 @pytest.mark.parametrize("hardness_mode", HARDNESS)
@@ -482,7 +486,12 @@ def test_score_matrix_path_hard_negatives_stay_negatives(kind, same_label):
         if kind == "cacr":
             cost = torch.stack([2 - 2 * s for s in negatives])
             mass = torch.exp(-o["t_neg"] * cost)
-            losses.append((2 - 2 * p) - (mass / mass.sum() * cost).sum())
+            attraction = 2 - 2 * p
+            if same_label == "positive":  # over the pair and the same-label documents, softmax(t_pos c) detached
+                pos_cost = 2 - 2 * torch.stack([p] + [(q[i] * d[j]).sum() for j in range(n) if j != i]
+                                               + [(d[i] * d[j]).sum() for j in range(n) if j != i])
+                attraction = (torch.softmax(o["t_pos"] * pos_cost.detach(), dim=0) * pos_cost).sum()
+            losses.append(attraction - (mass / mass.sum() * cost).sum())
             continue
         t = o["tau"]
         weight = 1.0
@@ -657,8 +666,7 @@ LABEL_REFERENCE = {"infonce": {"tau": 0.05}, "dcl": {"tau": 0.05}, "dclw": {"tau
 
 
 @pytest.mark.parametrize("hard", [0, 1])
-@pytest.mark.parametrize("kind,mode", [(k, m) for k in LABEL_REFERENCE for m in ("mask", "positive")
-                                       if (k, m) != ("cacr", "positive")])
+@pytest.mark.parametrize("kind,mode", [(k, m) for k in LABEL_REFERENCE for m in ("mask", "positive")])
 def test_label_column_matches_reference(kind, mode, hard):
     """An integer label column: pairs of one label are not each other's negatives ("mask") or are each
     other's positives ("positive"), hard negatives stay negatives; float64 value and gradients against the
@@ -674,8 +682,7 @@ def test_label_column_matches_reference(kind, mode, hard):
 
 def test_label_column_symmetric_and_scores():
     """doc_to_query (per_direction) takes the labels too; a floating-point column (scores) is ignored, as MNRL
-    ignores it, on the score-matrix path too; distinct labels change nothing; UniGrad refuses labels, CACR
-    same_label="positive" (on either path), and a column of the wrong length is a ValueError."""
+    ignores it, on the score-matrix path too; distinct labels change nothing; UniGrad refuses labels, and a column of the wrong length is a ValueError."""
     columns = _columns(6, 0, seed=3)
     labels = torch.tensor([0, 1, 0, 2, 1, 0])
     loss_fn = MultipleNegativesLoss(STAND_IN, "dcl", **SYMMETRIC)
@@ -691,8 +698,6 @@ def test_label_column_symmetric_and_scores():
     plain = scored.compute_loss_from_embeddings(columns, None)  # the score-matrix path ignores scores too
     assert torch.equal(scored.compute_loss_from_embeddings(columns, torch.rand(6, dtype=torch.float64)), plain)
     assert not torch.equal(scored.compute_loss_from_embeddings(columns, labels), plain)
-    with pytest.raises(ValueError, match="cacr: same_label='positive' is not supported"):
-        MultipleNegativesLoss(STAND_IN, "cacr", directions=(QD, QQ), same_label="positive")
     with pytest.raises(ValueError, match=r"labels must be \[6\]"):
         scored.compute_loss_from_embeddings(columns, labels[:4])
     with pytest.raises(ValueError, match="unigrad: labels have no meaning"):

@@ -66,7 +66,8 @@ its own row are out already) is, by ``same_label``:
   (as above) and every same-label candidate of its directions, the label's at weight 1 (DCLW's weight is
   the pair's only) and never hardness-weighted. InfoNCE: -1/|P| sum_P s_p + log(sum_P e^s_p + sum_k w_k
   e^n_k); EqCo the same with alpha / K_i on the negatives' sum; DCL and DCLW -1/|P| sum_P w_p s_p + log
-  sum_k w_k e^n_k. CACR refuses it (its constructor: a ValueError), as the core does; ``"mask"`` works.
+  sum_k w_k e^n_k. CACR: its attraction over P(i), weights softmax(t_pos c) detached (the pair's copies
+  each one positive), its repulsion over the negatives left (see CACRLoss).
 
 Hard negative columns carry no label: they stay negatives in every direction (query_to_doc, doc_to_doc),
 whatever the labels, and keep their hardness weights. With every label distinct the loss is the one without
@@ -105,8 +106,8 @@ from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
 from contrastkit.losses.base import check_features, check_labels
 from contrastkit.losses.chunked import host_checks_allowed, no_autocast
-from contrastkit.losses.functional import (_compute_dtype, cacr_stat_terms, eqco_negatives, normalize_rows,
-                                           softmax_terms)
+from contrastkit.losses.functional import (_compute_dtype, cacr_positive_stat_terms, cacr_stat_terms, eqco_negatives,
+                                           normalize_rows, softmax_terms)
 
 logger = logging.getLogger(__name__)
 
@@ -338,8 +339,17 @@ class MultipleNegativesLoss(nn.Module):
         logits = s * scale if log_w is None else s * scale + log_w
         logits = logits.masked_fill(~mask, float("-inf"))
         if self.name == "cacr":  # the repulsion's softmax over the negatives, times their weights
-            pi = torch.softmax(logits, dim=1)
-            return cacr_stat_terms(pos[:, None], (pi * s).sum(dim=1), t_pos=self.objective.t_pos).loss
+            neg_mean = (torch.softmax(logits, dim=1) * s).sum(dim=1)
+            if same is None:
+                return cacr_stat_terms(pos[:, None], neg_mean, t_pos=self.objective.t_pos).loss
+            # the attraction over P(i) (the pair once per direction holding it, the label's candidates), weights
+            # softmax(t_pos c) = softmax(-2 t_pos s), from the positives' lse and mean as in the loss core
+            pos_scale = -2.0 * self.objective.t_pos
+            both = torch.cat([pos[:, None] * pos_scale + math.log(1 + copies),
+                              (s * pos_scale).masked_fill(~same, float("-inf"))], dim=1)
+            pos_lse = torch.logsumexp(both, dim=1)
+            pos_mean = (torch.softmax(both, dim=1) * torch.cat([pos[:, None], s], dim=1)).sum(dim=1)
+            return cacr_positive_stat_terms(pos_lse, pos_mean, neg_mean, pos_scale=pos_scale).loss
         neg_lse = torch.logsumexp(logits, dim=1)
         p = pos[:, None] * scale
         if same is not None:  # SupCon's L_out over P(i): the pair, once per direction holding it, and the label's
