@@ -222,7 +222,8 @@ def test_gather_uses_the_collectives_current_names(tmp_path):
 
 LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "three_views"), ("eqco", "positive", "image_text"),
             ("dclw", "positive", "query_key"), ("cacr", "mask", "hard_negatives"), ("eqco", "mask", "two_views"),
-            ("dclw", "mask", "image_text"), ("infonce", "positive", "hard_negatives")]
+            ("dclw", "mask", "image_text"), ("infonce", "positive", "hard_negatives"),
+            ("cacr", "positive", "image_text")]
 
 
 def _labelled_call(name, mode, setting, x, labels, gather=False):
