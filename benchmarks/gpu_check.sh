@@ -12,9 +12,9 @@
 # 2. benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
 #    -triton-band, -triton-dense, -triton-fused: each source forced), the cuBLAS floor of the same matrix (timed
 #    in the same process), open_clip's ClipLoss, lightly's NTXentLoss and Inf-CL. quick, in order of what the
-#    issues need: bf16 at N = 4096 and 32768 (the issue's targets), bf16 at N = 64 .. 1024 (where the e2e run
-#    found the Triton path's fixed cost, 3.6 ms at N = 64, four times open_clip's: the torch kernel, the dense
-#    path and the peers beside it), float32 with TF32 at 32768, and image-text at N = 1048576 (a million pairs on one GPU: the floor and the default path only, one timed round); full:
+#    issues need: bf16 at N = 64 .. 4096 (where the e2e run found the Triton path's fixed cost, 3.6 ms at
+#    N = 64, four times open_clip's: the dense path, auto's choice there since, the torch kernel and the peers
+#    beside it), bf16 at N = 4096 and 32768 (the issue's targets), float32 with TF32 at 32768, and image-text at N = 1048576 (a million pairs on one GPU: the floor and the default path only, one timed round); full:
 #    bf16, fp16 and float32 at N = 256 .. 262144, every method. Each writes losses.md, losses.json and
 #    losses.png to docs/gpu/<device name>/<job>/, saving its table after every size, so a run cut off keeps
 #    what it measured; every stage prints its seconds, so the next plan can be sized from them.
@@ -96,9 +96,10 @@ if [ "${BENCH:-1}" = 0 ]; then
 elif [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only methods are skipped, named)
   MEMORY=--no-memory
   small() { [ "$DRY" = 1 ] && echo 64 || echo "$1"; }
-  bench bfloat16 bfloat16 "$(small 4096,32768)" 3 "$TWO_VIEW_QUICK,$IMAGE_TEXT_QUICK"
-  bench bfloat16-small bfloat16 "$(small 64,256,1024)" 3 \
+  # first the small sizes (seconds; where auto's dense bound, base.DENSE_AUTO_LOGITS, is to be set from)
+  bench bfloat16-small bfloat16 "$(small 64,256,1024,4096)" 3 \
     "floor-2v,dcl,dcl-triton,dcl-torch,dcl-dense,lightly-ntxent,floor-clip,clip-dcl,clip-dcl-triton,clip-dcl-torch,clip-dcl-dense,openclip"
+  bench bfloat16 bfloat16 "$(small 4096,32768)" 3 "$TWO_VIEW_QUICK,$IMAGE_TEXT_QUICK"
   bench float32-tf32 float32 "$(small 32768)" 2 \
     "floor-2v,dcl-triton,infonce-torch,floor-clip,clip-dcl-triton,clip-torch,openclip" --tf32
   bench image-text-1m bfloat16 "$(small 1048576)" 1 "floor-clip,clip-dcl-triton"
