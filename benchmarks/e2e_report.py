@@ -15,7 +15,7 @@ from pathlib import Path
 ENTRY_POINTS = {
     "clip": ("`accelerate launch recipes/clip/train.py` (main job)", "open_clip ClipLoss"),
     "vision_simclr": ("recipes/vision SimCLR", "contrastkit InfoNCE"),
-    "vision_moco": ("recipes/vision MoCo", "contrastkit InfoNCE"),
+    "vision_moco": ("recipes/vision MoCo (`backend=triton`)", "contrastkit InfoNCE"),
     "wav2vec2": ("recipes/wav2vec2 (Hugging Face backend)", "Wav2Vec2ForPreTraining's"),
     "clap": ("recipes/clap", "transformers clip_loss"),
     "open_clip": ("`python -m contrastkit.adapters.open_clip` (open_clip_train)", "open_clip ClipLoss"),

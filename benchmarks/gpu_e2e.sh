@@ -45,7 +45,7 @@ if [ "$MODE" = dry ]; then
   "$PY" benchmarks/e2e_data.py "$W" --small > "$W/data.log" 2>&1 || { cat "$W/data.log"; exit 1; }
   LAUNCH=("$PY" -m accelerate.commands.launch --cpu --num_processes 1 --num_machines 1 --mixed_precision no
           --dynamo_backend no)
-  TRAINER_BF16=(); ST_BF16=(); OPEN_CLIP_PRECISION=(--precision fp32 --device cpu)
+  TRAINER_BF16=(); ST_BF16=(); OPEN_CLIP_PRECISION=(--precision fp32 --device cpu); INTERPRET=(TRITON_INTERPRET=1)
   STEPS=8; CLIP_STEPS=8; SPEECH_STEPS=8; BATCH=32; WORKERS=0; PAIRS=256; ZEROSHOT=4; IMAGES=256
   STAGE_TIMEOUT=${STAGE_TIMEOUT:-600}
 else
@@ -61,7 +61,7 @@ else
   "$PY" benchmarks/e2e_data.py "$W" > "$W/data.log" 2>&1 || { cat "$W/data.log"; exit 1; }
   LAUNCH=("$PY" -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision bf16
           --dynamo_backend no)
-  TRAINER_BF16=(--bf16 --tf32 True); ST_BF16=(--bf16); OPEN_CLIP_PRECISION=(--precision amp_bf16)
+  TRAINER_BF16=(--bf16 --tf32 True); ST_BF16=(--bf16); OPEN_CLIP_PRECISION=(--precision amp_bf16); INTERPRET=()
   # wav2vec 2.0 from scratch sits on its plateau (every candidate alike) for its first ~180 steps
   # (tests/test_wav2vec2_recipe.py): 100 steps fell 0.1 % on the first GPU run, so 400 (~15 s)
   STEPS=100; CLIP_STEPS=200; SPEECH_STEPS=400; BATCH=64; WORKERS=8; PAIRS=4096; ZEROSHOT=50; IMAGES=4096
@@ -115,8 +115,10 @@ fi
 VISION=(recipes/vision/train.py --loss dcl --steps "$STEPS" --batch-size "$BATCH" --train-images "$IMAGES"
         --test-images 256 --image-size 32 --eval-every 0 --workers "$WORKERS" --no-progress)
 stage vision_simclr contrastkit -- "${LAUNCH[@]}" $PROBE "${VISION[@]}" --method simclr --out-dir "$RUN/simclr"
-stage vision_moco contrastkit -- "${LAUNCH[@]}" $PROBE "${VISION[@]}" --method moco --queue-size 256 \
-  --out-dir "$RUN/moco"
+# MoCo on the Triton kernels, forced: at these sizes "auto" takes the dense path (base.DENSE_AUTO_LOGITS), so
+# this is the one training loop here that runs them (the CPU dry-run under Triton's interpreter)
+stage vision_moco contrastkit "${INTERPRET[@]}" -- "${LAUNCH[@]}" $PROBE "${VISION[@]}" --method moco \
+  --queue-size 256 --loss-options backend=triton --out-dir "$RUN/moco"
 stage wav2vec2 hf_wav2vec2 -- "${LAUNCH[@]}" $PROBE recipes/wav2vec2/train.py --backend hf --loss dcl \
   --data "$SPEECH/fsc" --steps "$SPEECH_STEPS" --batch-size "$BATCH" --no-pretext-eval --out-dir "$RUN/wav2vec2"
 # a CLAP batch holds different intents: at most the 12 of the small speech set
