@@ -233,15 +233,14 @@ def test_backward_called_inside_autocast(name, setting, backend, device_path):
 def _operators(call, monkeypatch) -> int:
     """Operators a forward and backward issues that launch work on a device (views, allocations and detaches
     launch nothing), the Triton operators' bodies counted inside, each kernel launch one."""
+    from test_memory import triton_ops
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import launch
 
     count = [0]
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: count.__setitem__(0, count[0] + 1))
-    bodies = {f"contrastkit::{name}": getattr(triton_stats, f"_{name}")._init_fn
-              for name in ("negative_stats", "negative_stats_backward")}
+    bodies = triton_ops()
     free = ("view", "slice", "select", "detach", "unsqueeze", "alias", "expand", "as_strided", "aten.t.",
             "transpose", "permute", "empty", "squeeze")
 

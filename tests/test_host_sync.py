@@ -108,9 +108,9 @@ def no_host_sync(inside=None):
 def triton_launches_excused(monkeypatch):
     """The Triton operators' bodies for no_host_sync(inside=...), each interpreted kernel launch run with the
     check paused (on CUDA a launch is asynchronous; the interpreter computes it on the host)."""
+    from test_memory import triton_ops
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import launch
 
     original = launch.run
@@ -124,8 +124,7 @@ def triton_launches_excused(monkeypatch):
                 _NoHostSync.paused = False
 
     monkeypatch.setattr(launch, "run", run_paused)
-    return {f"contrastkit::{name}": getattr(triton_stats, f"_{name}")._init_fn
-            for name in ("negative_stats", "negative_stats_backward")}
+    return triton_ops()
 
 
 @pytest.fixture

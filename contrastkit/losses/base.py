@@ -15,7 +15,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from contrastkit.distributed import gather_no_grad, gather_with_grad
+from contrastkit.distributed import gather_no_grad, gather_with_grad, world
 from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
 from contrastkit.losses.functional import (NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines,
                                            softmax_mean)
@@ -603,9 +603,7 @@ class ContrastiveLoss(Objective):
     def _processes(self) -> int:
         """How many processes' candidates a call gathers (1 without gather_distributed): for the size of its
         matrix (uneven batches: counted as this process's)."""
-        if self.gather_distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_world_size()
-        return 1
+        return world()[1] if self.gather_distributed else 1
 
     def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None,
                          dtype: torch.dtype | None = None, logits: int | None = None) -> str:
