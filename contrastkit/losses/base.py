@@ -34,7 +34,8 @@ KEEP_MAX_ELEMENTS = 2**26
 DEVICE_BLOCK_ELEMENTS = 2**24
 # On CUDA, "auto" takes the dense path for a call whose matrix has at most this many logits (4096 x 4096: 64
 # MiB in float32): there the work is host-bound and the dense path issues the fewest operators (DCL
-# image-text at N = 64: 82 against the Triton path's 129; tests/test_device_path.py counts them). Measured
+# image-text at N = 64: 57 against the Triton path's 123, and no more than open_clip's ClipLoss with its
+# normalisation, 64 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
 # on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): the Triton path's fixed cost, 3.6 ms at N = 64 against
 # open_clip's ClipLoss 0.92 ms (run 6), and 5.4-7.0 ms at N = 4096 against 3.2 ms (run 3). The dense path
 # itself is not timed on a GPU yet: benchmarks/gpu_check.sh's small-N job does, to set this bound from it.
@@ -348,11 +349,6 @@ class ContrastiveLoss(Objective):
         recomputes otherwise. Subclasses without it: blocks kept or recomputed."""
         raise NotImplementedError
 
-    def terms(self, pos: torch.Tensor, neg_logits: torch.Tensor, num_neg: int, scale) -> Terms:
-        """Per-anchor terms from positive cosines [M, P] and negative logits [M, K] (cosines times
-        ``scale``, -inf where masked); num_neg is the number of valid negatives per anchor."""
-        return self.stat_terms(pos, torch.logsumexp(neg_logits, dim=1), None, num_neg, scale)
-
     def label_terms(self, pos_mean: torch.Tensor, pos_lse: torch.Tensor, neg_lse: torch.Tensor,
                     num_neg: torch.Tensor) -> Terms:
         """Per-anchor terms of same_label="positive" (see the class docstring) from the mean of the positives'
@@ -546,23 +542,25 @@ class ContrastiveLoss(Objective):
             total = all_a.shape[0]
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
-            own = (start + torch.arange(n, device=a.device))[:, None]
-            partners = own if raw else None
             # CACR's mean of the columns: the exact path only (the CPU's fast path takes each direction on its own).
             columns_mean = raw and not host_checks_allowed(a)
             ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
             alone = total != n or ids is not None or (backend != "dense" and self.needs_mean and not columns_mean)
+            if backend == "dense" and not alone:
+                # One process: one product serves both directions, its diagonal (the positives) masked in place,
+                # and the terms of both directions come from one call: the fewest operators (host-bound sizes).
+                assert pos is not None  # dense is never raw
+                logits = (a * scale) @ b.T
+                logits.masked_fill_(torch.eye(n, dtype=torch.bool, device=a.device), float("-inf"))
+                stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
+                return self._reduce(self._stat_terms(pos.repeat(2, 1), stats, total - 1, scale), output_dict, features)
+            own = (start + torch.arange(n, device=a.device))[:, None]
+            partners = own if raw else None
             if alone:  # each direction alone
                 image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
                                                   partners=partners, labels=ids, itself=None, backend=backend)
                 text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
                                                  partners=partners, labels=ids, itself=None, backend=backend)
-            elif backend == "dense":  # one process: one product serves both directions
-                assert pos is not None  # dense is never raw
-                logits = (a * scale) @ b.T
-                logits = logits.index_put_((own[:, 0], own[:, 0]), a.new_full((), float("-inf")))
-                image_terms = self.terms(pos, logits, total - 1, scale)
-                text_terms = self.terms(pos, logits.T, total - 1, scale)
             else:  # one process: the columns' statistics come from the same blocks
                 stats = self._negative_stats(backend, a, b, scale, own, low, columns=True, partners=partners)
                 if raw:
@@ -688,7 +686,8 @@ class ContrastiveLoss(Objective):
                 return self._label_positive_terms(backend, stats, pos, anchors, candidates, exclude, num_neg, same,
                                                   scale, low, labels, itself, raw)
         if backend == "dense":
-            return self.terms(pos, self._dense_logits(anchors, candidates, scale, exclude, labels), num_neg, scale)
+            return self._stat_terms(pos, self._stats(backend, anchors, candidates, scale, exclude, low, labels=labels),
+                                    num_neg, scale)
         row_grad = None
         if backend == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
             count = anchors.shape[0] if mean_over is None else mean_over
@@ -769,7 +768,10 @@ class ContrastiveLoss(Objective):
         if backend != "dense":
             return self._negative_stats(backend, anchors, candidates, scale, exclude, low, partners=partners,
                                         raw=raw, labels=labels, same_label=same_label)
-        logits = self._dense_logits(anchors, candidates, scale, exclude, labels, same_label)
+        return self._dense_stats(self._dense_logits(anchors, candidates, scale, exclude, labels, same_label), scale)
+
+    def _dense_stats(self, logits, scale):
+        """The statistics [S, M] of the rows of whole logits [M, K] (masked at -inf): lse, and CACR's mean."""
         lse = torch.logsumexp(logits, dim=1)
         return torch.stack([lse, softmax_mean(logits, scale)]) if self.needs_mean else lse[None]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import (Terms, _check_temperature, cacr_positive_stat_terms, cacr_stat_terms,
-                                           cacr_terms)
+from contrastkit.losses.functional import Terms, _check_temperature, cacr_positive_stat_terms, cacr_stat_terms
 
 
 class CACRLoss(ContrastiveLoss):
@@ -47,9 +46,6 @@ class CACRLoss(ContrastiveLoss):
 
     def default_logit_scale(self) -> float:
         return 2.0 * self.t_neg  # softmax(-t_neg (2 - 2 s)) = softmax(2 t_neg s)
-
-    def terms(self, pos, neg_logits, num_neg, scale) -> Terms:
-        return cacr_terms(pos, neg_logits, t_pos=self.t_pos, neg_scale=scale)
 
     def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
         return cacr_stat_terms(pos, neg_mean, t_pos=self.t_pos)

@@ -22,6 +22,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from contrastkit.losses.chunked import host_checks_allowed, no_autocast
 
@@ -45,20 +46,19 @@ _NORM_EPS = 1e-12  # F.normalize's default
 class _NormalizeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        inv = 1.0 / norm.clamp_min(_NORM_EPS)
-        y = x * inv
-        # Rows whose norm was clamped are divided by a constant: their gradient is only grad * inv.
-        ctx.save_for_backward(y, inv, norm >= _NORM_EPS)
+        divisor = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_NORM_EPS)
+        y = x / divisor
+        ctx.save_for_backward(y, divisor)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        y, inv, unclamped = ctx.saved_tensors
+        y, divisor = ctx.saved_tensors
         with no_autocast(grad.device.type):  # in the features' dtype, also where backward() runs under autocast
-            along = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1) * unclamped
-            return torch.addcmul(grad, y, along, value=-1.0).mul_(inv)
+            # A row whose norm was clamped (divisor eps) is divided by a constant: its gradient is grad / eps.
+            along = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1) * (divisor > _NORM_EPS)
+            return torch.addcmul(grad, y, along, value=-1.0).div_(divisor)
 
 
 # Rows per pass of the row helpers below: their float32 work stays within 2^22 elements (16 MiB).
@@ -243,6 +243,9 @@ def _valid_count(neg: torch.Tensor, neg_mask: torch.Tensor | None) -> torch.Tens
 # directly on the similarity matrix they build once, the public kernels below after validation.
 
 
+_SOFTPLUS_EXACT = 40.0  # softplus(x) = x + log1p(e^-x) = x to float64's precision from here on
+
+
 def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_positive: bool,
                   pos_weight: torch.Tensor | None = None) -> Terms:
     """InfoNCE-family per-anchor loss from positive logits [M, P] and the negatives' logsumexp [M].
@@ -253,11 +256,11 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     gap = neg_lse[:, None] - pos_logits
     npc = torch.sigmoid(gap).mean(dim=1).detach()
     if keep_positive:
-        # softplus(gap) = logaddexp(gap, 0), exactly: F.softplus returns gap itself past gap = 20, off by
-        # up to e^-20 = 2e-9 (and its gradient by as much), far above float64's rounding.
-        per_pos = torch.logaddexp(gap, torch.zeros_like(gap))
-        neg_term = torch.logaddexp(pos_logits, neg_lse[:, None]).mean(dim=1)
-        return Terms(per_pos.mean(dim=1), (-pos_logits.mean(dim=1)).detach(), neg_term.detach(), npc)
+        # softplus(gap) = log(1 + e^gap); past the threshold it returns gap itself, off by e^-40 = 4e-18: below
+        # float64's rounding there (F.softplus's default threshold 20 would be off by 2e-9).
+        loss = F.softplus(gap, threshold=_SOFTPLUS_EXACT).mean(dim=1)
+        pos_mean = pos_logits.mean(dim=1).detach()
+        return Terms(loss, -pos_mean, loss.detach() + pos_mean, npc)  # neg_term: log(e^p + sum e^n), averaged
     weighted = pos_logits if pos_weight is None else pos_weight * pos_logits
     pos_term = -weighted.mean(dim=1)
     return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
