@@ -9,7 +9,8 @@ A path's time is the sum of three terms, each from a measured or stated rate (no
 - its global-memory traffic: bytes per logit (one entry of the [M, K] matrix; reads + writes, counted pass
   by pass below) times M K, plus each block's operand and float32 accumulator traffic, at the measured
   copy bandwidth;
-- its kernel launches at a fixed cost each (an assumption: see LAUNCH_S).
+- its kernel launches at a fixed cost each (an assumption: see LAUNCH_S): per block, and per call the built
+  path's operators (BUILT_OPERATORS, counted).
 
 The terms are added, not overlapped: cuBLAS's output write is counted as bytes although the measured rate
 already includes writing a bf16 output, so the model errs slow by up to 2 B per logit written by a GEMM.
@@ -67,11 +68,11 @@ SETTINGS = (TWO_VIEW, IMAGE_TEXT)
 SIZES = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 1048576)
 PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
 
-# Launches the design makes once per call whatever the size (counted as it would be written: not built yet).
-# two views: stack the views, inverse norms, positives' cosines, the loss's mean; backward: the
-# normalisation's backward (2). image-text: inverse norms (2), positives, columns' lse combine, the mean;
-# backward: dB's float32 accumulator zeroed and cast back, the normalisation's backward (2 per side).
-FIXED_LAUNCHES = {TWO_VIEW: 6, IMAGE_TEXT: 11}
+# Operators a built path issues per call (forward + backward), counted on the path of CUDA at N = 64 (one
+# block, a second call: the first adds a few) by tests/test_device_path.py's counter: DCL, float32, image-text with a learnable logit scale as CLIP
+# trains (the peers' counts below are theirs under the same conditions, bf16 autocast). "band" is the Triton
+# path (its float32 product is band's), "dense" the dense path; tests/test_perf_model.py recounts them.
+BUILT_OPERATORS = {"band": {TWO_VIEW: 102, IMAGE_TEXT: 129}, "dense": {TWO_VIEW: 61, IMAGE_TEXT: 65}}
 
 # Measured on the H100 (docs/gpu/NVIDIA-H100-80GB-HBM3/README.md, run 3, bf16 autocast, D = 512, the minimum
 # of 3 rounds), ms; InfoNCE for the Triton and torch paths. floor-2v timed 3 GEMMs (S, S B, S^T A): two views'
@@ -152,6 +153,13 @@ def launches_per_block(path: str, setting: str) -> int:
     forward = {"band": 2, "band+fwd": 0, "dense": 2, "dense+epilogue": 1}[path]
     backward = (1 if path in ("band", "band+fwd") else 0) + 1 + _products(setting)  # recompute, pass, products
     return forward + backward
+
+
+def fixed_launches(path: str, setting: str) -> int:
+    """Launches a call makes whatever its size: the built path's operators less its one block's. band+fwd has
+    band's host code (its fused forward replaces launches counted per block), dense+epilogue (not built) dense's."""
+    built = "band" if path.startswith("band") else "dense"
+    return BUILT_OPERATORS[built][setting] - launches_per_block(built, setting)
 
 
 def resident_bytes_per_logit(dtype: str) -> int:
@@ -253,7 +261,7 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
                             + (blk.rows if blk.col_blocks > 1 else 0))
     traffic = m * k * bytes_per_logit(path, setting, dtype) + blk.count * (operands + accumulators)
     measured = 0.0
-    launches = FIXED_LAUNCHES[setting] + blk.count * launches_per_block(path, setting)
+    launches = fixed_launches(path, setting) + blk.count * launches_per_block(path, setting)
     if path == "band+fwd":
         measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD * (1 if dtype == "bf16" else 2)
         launches += 1

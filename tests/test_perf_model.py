@@ -88,7 +88,7 @@ def test_prediction_is_products_plus_bytes_plus_launches():
     assert p.gemm_s == pytest.approx(4 * pm.gemm_s(m, k, 512))
     assert p.bytes_s >= 22 * m * k / pm.HBM_BYTES_PER_S  # plus the blocks' operands and accumulators
     assert p.bytes_s < 1.1 * 22 * m * k / pm.HBM_BYTES_PER_S
-    assert p.launches == pm.FIXED_LAUNCHES[IT] + p.blocks.count * 6
+    assert p.launches == pm.fixed_launches("band", IT) + p.blocks.count * 6
     assert p.seconds == pytest.approx(p.gemm_s + p.bytes_s + p.launch_s)
     # small N is not free: launches dominate
     small = pm.predict("band", IT, 256)
@@ -146,21 +146,43 @@ def test_lightly_model_is_a_lower_bound_of_its_measurement():
 
 def test_done_when_at_32768():
     t = pm.targets(N)
-    # image-text <= 3x its 3-GEMM floor: the band path alone misses by 3 % at a 1 GiB budget (its blocks'
-    # operand and accumulator traffic and launches); with the measured fused forward it holds
-    assert t[(IT, "band")] == pytest.approx(3.09, abs=0.02) and t[(IT, "band")] > 3.0
-    assert t[(IT, "band+fwd")] == pytest.approx(2.75, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
+    # image-text <= 3x its 3-GEMM floor: the band path alone misses by 7 % at a 1 GiB budget (its blocks'
+    # operand and accumulator traffic and the built path's launches); with the measured fused forward it holds
+    assert t[(IT, "band")] == pytest.approx(3.21, abs=0.02) and t[(IT, "band")] > 3.0
+    assert t[(IT, "band+fwd")] == pytest.approx(2.86, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
     assert t[(IT, "best")] <= 3.0
     # two views <= 3.5x its 2-GEMM floor: band alone misses (3.8), band with the fused forward holds (3.3)
-    assert t[(TV, "band")] == pytest.approx(3.83, abs=0.02) and t[(TV, "band")] > 3.5
-    assert t[(TV, "band+fwd")] == pytest.approx(3.29, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    assert t[(TV, "band")] == pytest.approx(3.86, abs=0.02) and t[(TV, "band")] > 3.5
+    assert t[(TV, "band+fwd")] == pytest.approx(3.32, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: missed (its products take twice as long, and they are half of bf16's time)
-    assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.72, abs=0.02)
-    assert t[(TV, "best", "tf32/bf16")] == pytest.approx(1.71, abs=0.02)
+    assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.70, abs=0.02)
+    assert t[(TV, "best", "tf32/bf16")] == pytest.approx(1.70, abs=0.02)
     # today: Triton measured 20.9 ms image-text (4.2x) and 183.9 ms two views (13.8x the 2-GEMM model floor)
     assert 20.9e-3 / pm.floor_s(IT, N) == pytest.approx(4.2, abs=0.05)
     assert 183.9e-3 / pm.floor_s(TV, N) == pytest.approx(13.8, abs=0.1)
+
+
+@pytest.mark.parametrize("setting", [TV, IT])
+def test_launches_per_call_are_the_built_paths_operators(setting, monkeypatch):
+    """The model's fixed launches are what the built paths issue, counted as tests/test_device_path.py counts
+    (DCL, float32, N = 64, on the path of CUDA): a change of either path shows here until the model follows."""
+    import torch
+    from test_device_path import _operators
+
+    import contrastkit.losses.base as base
+    import contrastkit.losses.chunked as chunked
+    from contrastkit.losses import build_loss
+
+    for module in (base, chunked):
+        monkeypatch.setattr(module, "host_checks_allowed", lambda x: False)
+    a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
+    scale = torch.tensor(14.0, requires_grad=True)
+    for path, backend in (("band", "triton"), ("dense", "dense")):
+        fn = build_loss("dcl", backend=backend)
+        call = (lambda: fn.cross_modal(a, b, logit_scale=scale)) if setting == IT else (lambda: fn(a, b))
+        call().backward()  # a first call issues a few more (the Triton path's first launches)
+        assert _operators(call, monkeypatch) == pm.BUILT_OPERATORS[path][setting], (path, setting)
 
 
 @pytest.mark.parametrize("launch_s", [pm.LAUNCH_S, 33e-6])
