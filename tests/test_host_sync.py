@@ -23,13 +23,11 @@ differ from CUDA's in sizes only.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
 from contrastkit.losses.frames import KERNELS, FrameObjective
 
@@ -125,15 +123,6 @@ def triton_launches_excused(monkeypatch):
 
     monkeypatch.setattr(launch, "run", run_paused)
     return triton_ops()
-
-
-@pytest.fixture
-def device_path(monkeypatch):
-    """CPU calls take the path of CUDA: host_checks_allowed is False wherever a contrastkit module asks it."""
-    original = chunked.host_checks_allowed
-    for name, module in list(sys.modules.items()):
-        if name.startswith("contrastkit") and getattr(module, "host_checks_allowed", None) is original:
-            monkeypatch.setattr(module, "host_checks_allowed", lambda x: False)
 
 
 def _leaves(*shapes, seed=0):

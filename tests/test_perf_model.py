@@ -146,10 +146,10 @@ def test_lightly_model_is_a_lower_bound_of_its_measurement():
 
 def test_done_when_at_32768():
     t = pm.targets(N)
-    # image-text <= 3x its 3-GEMM floor: the band path alone misses by 7 % at a 1 GiB budget (its blocks'
+    # image-text <= 3x its 3-GEMM floor: the band path alone misses by 6 % at a 1 GiB budget (its blocks'
     # operand and accumulator traffic and the built path's launches); with the measured fused forward it holds
-    assert t[(IT, "band")] == pytest.approx(3.21, abs=0.02) and t[(IT, "band")] > 3.0
-    assert t[(IT, "band+fwd")] == pytest.approx(2.86, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
+    assert t[(IT, "band")] == pytest.approx(3.19, abs=0.02) and t[(IT, "band")] > 3.0
+    assert t[(IT, "band+fwd")] == pytest.approx(2.84, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
     assert t[(IT, "best")] <= 3.0
     # two views <= 3.5x its 2-GEMM floor: band alone misses (3.8), band with the fused forward holds (3.3)
     assert t[(TV, "band")] == pytest.approx(3.86, abs=0.02) and t[(TV, "band")] > 3.5
@@ -164,18 +164,14 @@ def test_done_when_at_32768():
 
 
 @pytest.mark.parametrize("setting", [TV, IT])
-def test_launches_per_call_are_the_built_paths_operators(setting, monkeypatch):
+def test_launches_per_call_are_the_built_paths_operators(setting, device_path, monkeypatch):
     """The model's fixed launches are what the built paths issue, counted as tests/test_device_path.py counts
     (DCL, float32, N = 64, on the path of CUDA): a change of either path shows here until the model follows."""
     import torch
     from test_device_path import _operators
 
-    import contrastkit.losses.base as base
-    import contrastkit.losses.chunked as chunked
     from contrastkit.losses import build_loss
 
-    for module in (base, chunked):
-        monkeypatch.setattr(module, "host_checks_allowed", lambda x: False)
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     scale = torch.tensor(14.0, requires_grad=True)
     for path, backend in (("band", "triton"), ("dense", "dense")):

@@ -34,7 +34,7 @@ KEEP_MAX_ELEMENTS = 2**26
 DEVICE_BLOCK_ELEMENTS = 2**24
 # On CUDA, "auto" takes the dense path for a call whose matrix has at most this many logits (4096 x 4096: 64
 # MiB in float32): there the work is host-bound and the dense path issues the fewest operators (DCL
-# image-text at N = 64: 59 against the Triton path's 123, and no more than open_clip's ClipLoss with its
+# image-text at N = 64: 59 against the Triton path's 108, and no more than open_clip's ClipLoss with its
 # normalisation, 65 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
 # on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): the Triton path's fixed cost, 3.6 ms at N = 64 against
 # open_clip's ClipLoss 0.92 ms (run 6), and 5.4-7.0 ms at N = 4096 against 3.2 ms (run 3). The dense path
@@ -546,28 +546,30 @@ class ContrastiveLoss(Objective):
             columns_mean = raw and not host_checks_allowed(a)
             ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
             alone = total != n or ids is not None or (backend != "dense" and self.needs_mean and not columns_mean)
-            if backend == "dense" and not alone:
-                # One process: one product serves both directions, its diagonal (the positives) masked in place,
-                # and the terms of both directions come from one call: the fewest operators (host-bound sizes).
-                assert pos is not None  # dense is never raw
-                logits = (a * scale) @ b.T
-                logits.masked_fill_(torch.eye(n, dtype=torch.bool, device=a.device), float("-inf"))
-                stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
+            if not alone:
+                # One process: one product (dense, its diagonal, the positives, masked in place) or one pass of
+                # the kernel gives both directions' statistics, and one call of the terms takes both: the fewest
+                # operators, which is what counts at the host-bound sizes.
+                if backend == "dense":
+                    logits = (a * scale) @ b.T
+                    logits.masked_fill_(torch.eye(n, dtype=torch.bool, device=a.device), float("-inf"))
+                    stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
+                else:  # [2 S, N] (the images' statistics, then the texts') to [S, 2 N]
+                    own = torch.arange(n, device=a.device)[:, None]
+                    stats = self._negative_stats(backend, a, b, scale, own, low, columns=True,
+                                                 partners=own if raw else None)
+                    if raw:
+                        stats, pos = stats
+                    stats = stats.reshape(2, -1, n).transpose(0, 1).reshape(-1, 2 * n)
+                assert pos is not None
                 return self._reduce(self._stat_terms(pos.repeat(2, 1), stats, total - 1, scale), output_dict, features)
+            # each direction alone (gathered columns, labels, CACR's column mean off the torch kernel's exact path)
             own = (start + torch.arange(n, device=a.device))[:, None]
             partners = own if raw else None
-            if alone:  # each direction alone
-                image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
-                                                  partners=partners, labels=ids, itself=None, backend=backend)
-                text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
-                                                 partners=partners, labels=ids, itself=None, backend=backend)
-            else:  # one process: the columns' statistics come from the same blocks
-                stats = self._negative_stats(backend, a, b, scale, own, low, columns=True, partners=partners)
-                if raw:
-                    stats, pos = stats
-                half = stats.shape[0] // 2
-                image_terms = self._stat_terms(pos, stats[:half], total - 1, scale)
-                text_terms = self._stat_terms(pos, stats[half:], total - 1, scale)
+            image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
+                                              partners=partners, labels=ids, itself=None, backend=backend)
+            text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
+                                             partners=partners, labels=ids, itself=None, backend=backend)
             terms = Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms)))
             return self._reduce(terms, output_dict, features)
 
