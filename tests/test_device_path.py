@@ -257,15 +257,15 @@ def _operators(call, monkeypatch) -> int:
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])
 def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_path, monkeypatch):
     """Why "auto" takes the dense path for small matrices on CUDA (DENSE_AUTO_LOGITS): there each operator
-    costs host time, not bandwidth, and the dense path issues about a third fewer than the Triton path (DCL
-    at N = 64 on the path of CUDA: two views 61 against 102, image-text 59 against 108)."""
+    costs host time, not bandwidth, and the dense path issues about a quarter fewer than the Triton path (DCL
+    at N = 64 on the path of CUDA, a second call: two views 61 against 83, image-text 59 against 86)."""
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     counts = {}
     for backend in ("dense", "triton"):
         fn = build_loss("dcl", backend=backend)
         counts[backend] = _operators(lambda: fn.cross_modal(a, b) if setting == "image_text" else fn(a, b),
                                      monkeypatch)
-    assert counts["dense"] <= 0.75 * counts["triton"], counts
+    assert counts["dense"] <= 0.8 * counts["triton"], counts
 
 
 @pytest.mark.parametrize("name", ["infonce", "dcl"])

@@ -148,15 +148,15 @@ def test_done_when_at_32768():
     t = pm.targets(N)
     # image-text <= 3x its 3-GEMM floor: the band path alone misses by 6 % at a 1 GiB budget (its blocks'
     # operand and accumulator traffic and the built path's launches); with the measured fused forward it holds
-    assert t[(IT, "band")] == pytest.approx(3.19, abs=0.02) and t[(IT, "band")] > 3.0
-    assert t[(IT, "band+fwd")] == pytest.approx(2.84, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
+    assert t[(IT, "band")] == pytest.approx(3.17, abs=0.02) and t[(IT, "band")] > 3.0
+    assert t[(IT, "band+fwd")] == pytest.approx(2.82, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
     assert t[(IT, "best")] <= 3.0
     # two views <= 3.5x its 2-GEMM floor: band alone misses (3.8), band with the fused forward holds (3.3)
-    assert t[(TV, "band")] == pytest.approx(3.86, abs=0.02) and t[(TV, "band")] > 3.5
-    assert t[(TV, "band+fwd")] == pytest.approx(3.32, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    assert t[(TV, "band")] == pytest.approx(3.85, abs=0.02) and t[(TV, "band")] > 3.5
+    assert t[(TV, "band+fwd")] == pytest.approx(3.31, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: missed (its products take twice as long, and they are half of bf16's time)
-    assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.70, abs=0.02)
+    assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.71, abs=0.02)
     assert t[(TV, "best", "tf32/bf16")] == pytest.approx(1.70, abs=0.02)
     # today: Triton measured 20.9 ms image-text (4.2x) and 183.9 ms two views (13.8x the 2-GEMM model floor)
     assert 20.9e-3 / pm.floor_s(IT, N) == pytest.approx(4.2, abs=0.05)

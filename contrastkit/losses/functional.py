@@ -70,15 +70,33 @@ def _row_chunks(rows: int, d: int):
     return ((r0, min(r0 + step, rows)) for r0 in range(0, rows, step))
 
 
+def _by_chunks(rows: int, d: int, fn):
+    """fn(r0, r1) -> a tuple of tensors over rows r0:r1, over all rows: fn's own result where one chunk covers
+    them (no copy: an operator fewer per call, which counts where a step is host-bound), else written into
+    buffers chunk by chunk (no list of chunks held beside the result)."""
+    chunks = list(_row_chunks(rows, d))
+    if len(chunks) == 1:
+        return fn(0, rows)
+    out = None
+    for r0, r1 in chunks:
+        part = fn(r0, r1)
+        if out is None:
+            out = tuple(t.new_empty((rows, *t.shape[1:])) for t in part)
+        for buffer, t in zip(out, part):
+            buffer[r0:r1] = t
+    return out
+
+
 def inverse_norms(x: torch.Tensor) -> torch.Tensor:
     """1 / max(||x_i||, eps) per row of x [rows, D] (F.normalize's divisor), float32, computed in chunks of rows
     (no float32 copy of x), no gradient: the Triton kernels scale the products of the features as given by
     them, so that no unit vectors are made (issue 40)."""
-    out = x.new_empty(x.shape[0], dtype=torch.float32)
+    def rows(r0, r1):
+        norm = torch.linalg.vector_norm(x[r0:r1], dim=-1, dtype=torch.float32)
+        return (norm.clamp_min_(_NORM_EPS).reciprocal_(),)
+
     with torch.no_grad():
-        for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
-            out[r0:r1] = 1.0 / torch.linalg.vector_norm(x[r0:r1].float(), dim=-1).clamp_min(_NORM_EPS)
-    return out
+        return _by_chunks(x.shape[0], x.shape[1], rows)[0]
 
 
 # inverse_norms' value for a clamped row, float32's 1 / eps, made on the host once: a tensor made from a Python
@@ -93,52 +111,59 @@ def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor
     for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
         p, v, i = pre[r0:r1].float(), x[r0:r1].float(), inv[r0:r1, None]
         along = torch.linalg.vecdot(p, v, dim=-1)[:, None] * i * i * (i < _CLAMPED_INVERSE)
-        out[r0:r1] = torch.addcmul(p, v, along, value=-1.0)
+        torch.addcmul(p, v, along, value=-1.0, out=out[r0:r1])
 
 
 class _RowCosines(torch.autograd.Function):
     """cos(a_i, b_i) per row in float32 from features in any dtype (the products exact, the sums float32),
-    keeping only the features as given for backward (the caller's tensors: nothing new), chunked. With
-    ``normalize`` False the plain dot products."""
+    keeping the features as given and their rows' float32 divisors max(||x||, eps) and cosines for backward
+    (12 bytes a row), chunked. With ``normalize`` False the plain dot products."""
 
     @staticmethod
     def forward(ctx, a, b, normalize):
-        out = a.new_empty(a.shape[:-1], dtype=torch.float32)
-        flat_a, flat_b, flat_out = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), out.view(-1)
-        for r0, r1 in _row_chunks(flat_a.shape[0], flat_a.shape[1]):
+        flat_a, flat_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+
+        def rows(r0, r1):
             x, y = flat_a[r0:r1].float(), flat_b[r0:r1].float()
             dot = torch.linalg.vecdot(x, y, dim=-1)
-            if normalize:
-                dot = dot / (torch.linalg.vector_norm(x, dim=-1).clamp_min(_NORM_EPS)
-                             * torch.linalg.vector_norm(y, dim=-1).clamp_min(_NORM_EPS))
-            flat_out[r0:r1] = dot
-        ctx.save_for_backward(a, b)
+            if not normalize:
+                return (dot,)
+            divisor = torch.stack([torch.linalg.vector_norm(x, dim=-1), torch.linalg.vector_norm(y, dim=-1)], dim=1)
+            return dot, divisor.clamp_min_(_NORM_EPS)
+
+        out, *divisor = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
+        if normalize:
+            divisor = divisor[0]  # [rows, 2]: a's, b's
+            out = out / (divisor[:, 0] * divisor[:, 1])
+            ctx.save_for_backward(a, b, divisor, out)
+        else:
+            ctx.save_for_backward(a, b)
         ctx.normalize = normalize
-        return out
+        return out.view(a.shape[:-1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
+        a, b, *saved = ctx.saved_tensors
         with no_autocast(grad.device.type):
-            da, db = torch.empty_like(a), torch.empty_like(b)
-            flat = [t.reshape(-1, t.shape[-1]) for t in (a, b)]
-            flat_d = [t.view(-1, t.shape[-1]) for t in (da, db)]
-            flat_g = grad.reshape(-1, 1)
-            for r0, r1 in _row_chunks(flat[0].shape[0], flat[0].shape[1]):
-                x, y, g = flat[0][r0:r1].float(), flat[1][r0:r1].float(), flat_g[r0:r1].float()
+            flat_a, flat_b, g = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), grad.reshape(-1, 1).float()
+            if ctx.normalize:
+                # d cos / d x = y / (|x| |y|) - cos x / |x|^2, the second term dropped for a row whose norm was
+                # clamped to eps (F.normalize's constant divisor): per row one factor on y and one on x.
+                divisor, cos = saved[0], saved[1][:, None]
+                on_other = g / (divisor[:, :1] * divisor[:, 1:])
+                on_own = (g * cos) * (divisor > _NORM_EPS) / divisor.square()  # [rows, 2]: for a, for b
+
+            def rows(r0, r1):
+                x, y = flat_a[r0:r1].float(), flat_b[r0:r1].float()
                 if not ctx.normalize:
-                    flat_d[0][r0:r1], flat_d[1][r0:r1] = g * y, g * x
-                    continue
-                nx = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-                ny = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
-                ix, iy = 1.0 / nx.clamp_min(_NORM_EPS), 1.0 / ny.clamp_min(_NORM_EPS)
-                u, v = x * ix, y * iy
-                cos = torch.linalg.vecdot(u, v, dim=-1).unsqueeze(-1)
-                # d cos / d x = (v - cos u) / ||x|| (a clamped row: v / eps, F.normalize's constant divisor)
-                flat_d[0][r0:r1] = g * torch.where(nx >= _NORM_EPS, v - cos * u, v) * ix
-                flat_d[1][r0:r1] = g * torch.where(ny >= _NORM_EPS, u - cos * v, u) * iy
-            return da, db, None
+                    return (g[r0:r1] * y).to(a.dtype), (g[r0:r1] * x).to(b.dtype)
+                other, own = on_other[r0:r1], on_own[r0:r1]
+                return (torch.addcmul(y * other, x, own[:, :1], value=-1.0).to(a.dtype),
+                        torch.addcmul(x * other, y, own[:, 1:], value=-1.0).to(b.dtype))
+
+            da, db = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
+            return da.view(a.shape), db.view(b.shape), None
 
 
 def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True) -> torch.Tensor:
