@@ -101,6 +101,34 @@ def test_collapsed_dcl_value_is_the_analytic_one():
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.parametrize("name", ["dcl", "cacr"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("backend", ["dense", "torch", "triton"])
+def test_a_tiny_row_takes_f_normalize_s_gradient(name, setting, backend):
+    """A feature row whose norm is under F.normalize's eps (1e-12; an all-zero row is the common case, but there
+    the projection that clamping drops is 0 anyway): x / eps, and its gradient that of a constant divisor, 1 / eps
+    times the unit vector's, without the projection onto it, as autograd through F.normalize gives it, on
+    every backend (the Triton path's positives' cosines and inverse norms included). Float32 against float64."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
+    a[3], b[7] = a[3] / a[3].norm() * 5e-13, b[7] / b[7].norm() * 2e-13  # unit vectors of norm 0.5 and 0.2
+
+    def call(fn, x, y):
+        return fn.cross_modal(x, y) if setting == "image_text" else fn(x, y)
+
+    leaves = [t.double().requires_grad_() for t in (a, b)]
+    reference = build_loss(name, backend="dense", normalize=False)
+    want = call(reference, *(torch.nn.functional.normalize(t, dim=-1) for t in leaves))
+    want_grads = torch.autograd.grad(want, leaves)
+    ours = [t.clone().requires_grad_() for t in (a, b)]
+    got = call(build_loss(name, backend=backend), *ours)
+    got_grads = torch.autograd.grad(got, ours)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    for gg, w in zip(got_grads, want_grads):
+        assert w.abs().max() > 1e9  # the zero row's gradient: 1 / eps times its unit vector's
+        torch.testing.assert_close(gg.double(), w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+
+
 @pytest.mark.parametrize("name", available_losses())
 def test_batch_of_one_is_an_error_that_says_why(name):
     z = torch.randn(1, 8)
