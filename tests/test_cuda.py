@@ -191,7 +191,7 @@ def _extra_memory(n, d, setting, backend, calls=1):
 
 # Triton's autotuner, at a launch's first sizes, times each candidate after filling a 256 MiB buffer (its L2
 # flush) and cloning the outputs a launch adds into: the first GPU run measured 1182-1192 MiB for the first call
-# of the Triton path at N = 262144 (the CPU count, tests/test_memory.py, 954-974 MiB for every later one).
+# of the Triton path at N = 262144 (the CPU count, tests/test_memory.py, 957-963 MiB for every later one).
 AUTOTUNE_BYTES = 256 * 2**20
 
 

@@ -291,7 +291,7 @@ def test_triton_path_within_one_gib_at_262144(monkeypatch, forward, name, settin
     beyond the inputs and their gradients at any time, and between forward and backward at most one row of
     the inputs' dtype (two views: their stack) and 64 bytes per input row. The kernels take the features as
     given and their inverse norms, so neither unit vectors nor their gradient exist, and the forward's split
-    partials are combined per launch: peaks of 954-974 MiB (1517-1767 MiB before, at 8302646)."""
+    partials are combined per launch: peaks of 957-963 MiB (1517-1767 MiB before, at 8302646)."""
     from contrastkit.losses import triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)

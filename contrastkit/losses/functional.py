@@ -168,7 +168,8 @@ class _RowCosines(torch.autograd.Function):
 
 def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     """cos(a_i, b_i) (with ``normalize`` False: a_i . b_i) over the last dimension, in float32, exactly as the
-    float32 unit vectors would give it, from features in any dtype, keeping nothing new for backward."""
+    float32 unit vectors would give it, from features in any dtype, keeping for backward only 12 bytes a row
+    (the rows' divisors and the cosine: backward then needs no norms again)."""
     return _RowCosines.apply(a, b, normalize)
 
 
