@@ -146,10 +146,10 @@ def test_lightly_model_is_a_lower_bound_of_its_measurement():
 
 def test_done_when_at_32768():
     t = pm.targets(N)
-    # image-text <= 3x its 3-GEMM floor: the band path alone misses by 6 % at a 1 GiB budget (its blocks'
+    # image-text <= 3x its 3-GEMM floor: the band path alone misses by 5 % at a 1 GiB budget (its blocks'
     # operand and accumulator traffic and the built path's launches); with the measured fused forward it holds
-    assert t[(IT, "band")] == pytest.approx(3.17, abs=0.02) and t[(IT, "band")] > 3.0
-    assert t[(IT, "band+fwd")] == pytest.approx(2.82, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
+    assert t[(IT, "band")] == pytest.approx(3.16, abs=0.02) and t[(IT, "band")] > 3.0
+    assert t[(IT, "band+fwd")] == pytest.approx(2.81, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
     assert t[(IT, "best")] <= 3.0
     # two views <= 3.5x its 2-GEMM floor: band alone misses (3.8), band with the fused forward holds (3.3)
     assert t[(TV, "band")] == pytest.approx(3.85, abs=0.02) and t[(TV, "band")] > 3.5

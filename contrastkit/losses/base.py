@@ -34,8 +34,8 @@ KEEP_MAX_ELEMENTS = 2**26
 DEVICE_BLOCK_ELEMENTS = 2**24
 # On CUDA, "auto" takes the dense path for a call whose matrix has at most this many logits (4096 x 4096: 64
 # MiB in float32): there the work is host-bound and the dense path issues the fewest operators (DCL
-# image-text at N = 64: 59 against the Triton path's 86, and no more than open_clip's ClipLoss with its
-# normalisation, 65 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
+# image-text at N = 64: 56 against the Triton path's 83, and fewer than open_clip's ClipLoss with its
+# normalisation, 62 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
 # on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): the Triton path's fixed cost, 3.6 ms at N = 64 against
 # open_clip's ClipLoss 0.92 ms (run 6), and 5.4-7.0 ms at N = 4096 against 3.2 ms (run 3). The dense path
 # itself is not timed on a GPU yet: benchmarks/gpu_check.sh's small-N job does, to set this bound from it.

@@ -269,6 +269,12 @@ def _valid_count(neg: torch.Tensor, neg_mask: torch.Tensor | None) -> torch.Tens
 # directly on the similarity matrix they build once, the public kernels below after validation.
 
 
+def _over_positives(x: torch.Tensor) -> torch.Tensor:
+    """The mean over an anchor's positives, x [M, P] -> [M]: with one positive (two views, image-text, one key)
+    the column itself, a view, not a reduction (an operator fewer in forward and backward)."""
+    return x[:, 0] if x.shape[1] == 1 else x.mean(dim=1)
+
+
 _SOFTPLUS_EXACT = 40.0  # softplus(x) = x + log1p(e^-x) = x to float64's precision from here on
 
 
@@ -280,15 +286,15 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     keep_positive=False: the decoupled loss (DCL paper, Prop. 2), -w p + lse_n.
     """
     gap = neg_lse[:, None] - pos_logits
-    npc = torch.sigmoid(gap).mean(dim=1).detach()
+    npc = _over_positives(torch.sigmoid(gap)).detach()
     if keep_positive:
         # softplus(gap) = log(1 + e^gap); past the threshold it returns gap itself, off by e^-40 = 4e-18: below
         # float64's rounding there (F.softplus's default threshold 20 would be off by 2e-9).
-        loss = F.softplus(gap, threshold=_SOFTPLUS_EXACT).mean(dim=1)
-        pos_mean = pos_logits.mean(dim=1).detach()
+        loss = _over_positives(F.softplus(gap, threshold=_SOFTPLUS_EXACT))
+        pos_mean = _over_positives(pos_logits).detach()
         return Terms(loss, -pos_mean, loss.detach() + pos_mean, npc)  # neg_term: log(e^p + sum e^n), averaged
     weighted = pos_logits if pos_weight is None else pos_weight * pos_logits
-    pos_term = -weighted.mean(dim=1)
+    pos_term = -_over_positives(weighted)
     return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
 
 
