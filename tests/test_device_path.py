@@ -258,7 +258,7 @@ def _operators(call, monkeypatch) -> int:
 def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_path, monkeypatch):
     """Why "auto" takes the dense path for small matrices on CUDA (DENSE_AUTO_LOGITS): there each operator
     costs host time, not bandwidth, and the dense path issues about a quarter fewer than the Triton path (DCL
-    at N = 64 on the path of CUDA, a second call: two views 58 against 80, image-text 56 against 83)."""
+    at N = 64 on the path of CUDA, a second call: two views 56 against 80, image-text 58 against 83)."""
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     counts = {}
     for backend in ("dense", "triton"):
@@ -273,7 +273,7 @@ def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_pat
 def test_dense_issues_no_more_operators_than_the_peers(name, setting, device_path, monkeypatch):
     """Where "auto" takes the dense path a step is host-bound (each operator one launch), and there the dense
     path issues no more operators than open_clip's ClipLoss with its normalisation (image-text, a learnable
-    logit scale: 62 against 67 for DCL at N = 64) and lightly's NTXentLoss (two views: 58 against 83), counted
+    logit scale: 64 against 67 for DCL at N = 64) and lightly's NTXentLoss (two views: 56 against 83), counted
     alike on the path of CUDA (no host checks)."""
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     scale = torch.tensor(14.0, requires_grad=True)

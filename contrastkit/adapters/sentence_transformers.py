@@ -104,7 +104,7 @@ from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import check_features, check_labels
+from contrastkit.losses.base import check_features, check_labels, require_negatives
 from contrastkit.losses.chunked import host_checks_allowed, no_autocast
 from contrastkit.losses.functional import (_compute_dtype, cacr_positive_stat_terms, cacr_stat_terms, eqco_negatives,
                                            normalize_rows, softmax_terms)
@@ -371,18 +371,12 @@ class MultipleNegativesLoss(nn.Module):
         return softmax_terms(p, neg_lse, keep_positive=False, pos_weight=weight).loss
 
     def _check_negatives(self, num_neg: int | torch.Tensor) -> None:
-        """Every anchor needs a negative: a ValueError, or with labels on CUDA a device-side assertion (no
-        host read)."""
-        if isinstance(num_neg, int):
-            if num_neg < 1:
-                raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of "
-                                 "at least 2")
-        elif host_checks_allowed(num_neg):
-            if bool((num_neg < 1).any()):
-                raise ValueError(f"{self.name}: an anchor has no negative left: every candidate shares its label; "
-                                 "a batch needs pairs of at least two labels")
-        elif num_neg.is_cuda and not torch.compiler.is_compiling():
-            torch._assert_async((num_neg >= 1).all(), f"{self.name}: an anchor has no negative left")
+        """Every anchor needs a negative: a ValueError, or with labels (num_neg per anchor) the loss core's check."""
+        if not isinstance(num_neg, int):
+            require_negatives(self.name, num_neg)
+        elif num_neg < 1:
+            raise ValueError(f"{self.name}: an anchor has no negatives (a batch of one pair); use a batch of "
+                             "at least 2")
 
     @property
     def temperature(self) -> float | None:

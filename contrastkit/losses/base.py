@@ -34,8 +34,8 @@ KEEP_MAX_ELEMENTS = 2**26
 DEVICE_BLOCK_ELEMENTS = 2**24
 # On CUDA, "auto" takes the dense path for a call whose matrix has at most this many logits (4096 x 4096: 64
 # MiB in float32): there the work is host-bound and the dense path issues the fewest operators (DCL
-# image-text at N = 64: 56 against the Triton path's 83, and fewer than open_clip's ClipLoss with its
-# normalisation, 62 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
+# image-text at N = 64: 58 against the Triton path's 83, and fewer than open_clip's ClipLoss with its
+# normalisation, 64 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
 # on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): the Triton path's fixed cost, 3.6 ms at N = 64 against
 # open_clip's ClipLoss 0.92 ms (run 6), and 5.4-7.0 ms at N = 4096 against 3.2 ms (run 3). The dense path
 # itself is not timed on a GPU yet: benchmarks/gpu_check.sh's small-N job does, to set this bound from it.
@@ -180,6 +180,20 @@ def label_ids(row_labels: torch.Tensor, col_labels: torch.Tensor,
     if col_known is not None:
         col_ids = torch.where(col_known, col_ids, -1)
     return row_ids, col_ids
+
+
+def require_negatives(name: str, left: torch.Tensor) -> None:
+    """Every anchor needs a negative left (``left`` [M]: how many, per anchor, once labels took theirs out): a
+    ValueError where host reads are free, a device-side assertion on CUDA (no host read), unchecked under
+    torch.compile."""
+    if host_checks_allowed(left):
+        empty = int((left < 1).sum())
+        if empty:
+            raise ValueError(f"{name}: an anchor has no negative left: every candidate shares its label ({empty} "
+                             f"of {left.shape[0]} anchors); a batch needs samples of at least two labels")
+    elif left.is_cuda and not torch.compiler.is_compiling():
+        torch._assert_async((left >= 1).all(), f"{name}: an anchor has no negative left (every candidate shares "
+                            "its label)")
 
 
 def _per_id(col_ids: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
@@ -550,12 +564,11 @@ class ContrastiveLoss(Objective):
                 # One process: one product (dense, its diagonal, the positives, masked in place) or one pass of
                 # the kernel gives both directions' statistics, and one call of the terms takes both: the fewest
                 # operators, which is what counts at the host-bound sizes.
+                own = torch.arange(n, device=a.device)[:, None]
                 if backend == "dense":
-                    logits = (a * scale) @ b.T
-                    logits.masked_fill_(torch.eye(n, dtype=torch.bool, device=a.device), float("-inf"))
+                    logits = self._dense_logits(a, b, scale, own)
                     stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
                 else:  # [2 S, N] (the images' statistics, then the texts') to [S, 2 N]
-                    own = torch.arange(n, device=a.device)[:, None]
                     stats = self._negative_stats(backend, a, b, scale, own, low, columns=True,
                                                  partners=own if raw else None)
                     if raw:
@@ -653,9 +666,8 @@ class ContrastiveLoss(Objective):
         chunked's finite excluded logit instead: a row may hold none of its label, and its lse then stays finite
         and takes no gradient, as the kernel's)."""
         logits = (anchors * scale) @ candidates.T
-        if exclude is not None:
-            rows = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(exclude.shape[1])
-            logits = logits.index_put_((rows, exclude.reshape(-1)), logits.new_full((), float("-inf")))
+        if exclude is not None:  # masked in place: fewer operators than an index_put (host-bound sizes)
+            logits.masked_fill_(torch.zeros_like(logits, dtype=torch.bool).scatter_(1, exclude, True), float("-inf"))
         if labels is not None:
             row_ids, col_ids = labels
             hit = row_ids[:, None] == col_ids[None] if same_label else row_ids[:, None] != col_ids[None]
@@ -715,14 +727,7 @@ class ContrastiveLoss(Objective):
         if exclude is not None:
             same = same - exclude.shape[1]
         left = num_neg - same
-        if host_checks_allowed(left):
-            empty = int((left < 1).sum())
-            if empty:
-                raise ValueError(f"{self.name}: {empty} of {left.shape[0]} anchors have no negative left: every "
-                                 "candidate shares their label; a batch needs samples of at least two labels")
-        elif left.is_cuda and not torch.compiler.is_compiling():
-            torch._assert_async((left >= 1).all(), f"{self.name}: an anchor has no negative left (every "
-                                "candidate shares its label)")
+        require_negatives(self.name, left)
         return left, same
 
     def _label_positive_terms(self, backend, stats, pos, anchors, candidates, exclude, num_neg, same, scale, low,

@@ -131,9 +131,10 @@ class _RowCosines(torch.autograd.Function):
             divisor = torch.stack([torch.linalg.vector_norm(x, dim=-1), torch.linalg.vector_norm(y, dim=-1)], dim=1)
             return dot, divisor.clamp_min_(_NORM_EPS)
 
-        out, *divisor = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
+        parts = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
+        out = parts[0]
         if normalize:
-            divisor = divisor[0]  # [rows, 2]: a's, b's
+            divisor = parts[1]  # [rows, 2]: a's, b's
             out = out / (divisor[:, 0] * divisor[:, 1])
             ctx.save_for_backward(a, b, divisor, out)
         else:
