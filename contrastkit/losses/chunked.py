@@ -175,7 +175,7 @@ def _blocks(m, k, block, keep):
 
 # ----------------------------------------------------------------------------- features: raw rows, unit rows
 
-_NORM_EPS = 1e-12  # F.normalize's default, as functional.normalize_rows
+NORM_EPS = 1e-12  # F.normalize's default
 
 
 def _compute_dtype(x):
@@ -185,7 +185,7 @@ def _compute_dtype(x):
 def _inverse_norms(x):
     """(1 / max(||x_i||, eps), ||x_i|| >= eps) per row, in float32 (float64 for float64) whatever x's dtype."""
     norm = torch.linalg.vector_norm(x, dim=1, dtype=_compute_dtype(x))
-    return 1.0 / norm.clamp_min(_NORM_EPS), norm >= _NORM_EPS
+    return 1.0 / norm.clamp_min(NORM_EPS), norm >= NORM_EPS
 
 
 def _unit_rows(x, inv, _unclamped=None):
@@ -194,13 +194,19 @@ def _unit_rows(x, inv, _unclamped=None):
     return x if inv is None else x * inv[:, None]
 
 
+def drop_along(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None):
+    """grad - x (grad . x) weight per row (grad, x [rows, D], weight [rows, 1]): the one formula of every
+    backward of F.normalize here. The unit vectors' gradient loses its part along them, (grad - u <grad, u>)
+    / ||x||: weight 1 with x = u, 1 / ||x||^2 with the features as given (the Triton path makes no unit
+    vectors), 0 for a row whose norm was clamped to eps (a constant divisor, no projection)."""
+    along = torch.linalg.vecdot(grad, x, dim=-1).unsqueeze(-1) * weight
+    return torch.addcmul(grad, x, along, value=-1.0, out=out)
+
+
 def _unit_backward(grad, u, inv, unclamped):
     """The features' gradient from their unit vectors' (u = x inv): (grad - u <grad, u>) inv, rows whose norm
     was clamped only grad inv (as functional.normalize_rows); grad itself without normalisation."""
-    if inv is None:
-        return grad
-    along = torch.linalg.vecdot(grad, u, dim=-1).unsqueeze(-1) * unclamped[:, None]
-    return torch.addcmul(grad, u, along, value=-1.0).mul_(inv[:, None])
+    return grad if inv is None else drop_along(grad, u, unclamped[:, None]).mul_(inv[:, None])
 
 
 def _partner_rows(b, partners, inv_b=None):

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from contrastkit.losses.chunked import host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import NORM_EPS, drop_along, host_checks_allowed, no_autocast
 
 __all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights", "normalize_rows"]
 
@@ -40,13 +40,11 @@ class Terms(NamedTuple):
 
 # ----------------------------------------------------------------------------- features
 
-_NORM_EPS = 1e-12  # F.normalize's default
-
 
 class _NormalizeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        divisor = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_NORM_EPS)
+        divisor = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(NORM_EPS)
         y = x / divisor
         ctx.save_for_backward(y, divisor)
         return y
@@ -57,8 +55,7 @@ class _NormalizeRows(torch.autograd.Function):
         y, divisor = ctx.saved_tensors
         with no_autocast(grad.device.type):  # in the features' dtype, also where backward() runs under autocast
             # A row whose norm was clamped (divisor eps) is divided by a constant: its gradient is grad / eps.
-            along = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1) * (divisor > _NORM_EPS)
-            return torch.addcmul(grad, y, along, value=-1.0).div_(divisor)
+            return drop_along(grad, y, divisor > NORM_EPS).div_(divisor)
 
 
 # Rows per pass of the row helpers below: their float32 work stays within 2^22 elements (16 MiB).
@@ -93,7 +90,7 @@ def inverse_norms(x: torch.Tensor) -> torch.Tensor:
     them, so that no unit vectors are made (issue 40)."""
     def rows(r0, r1):
         norm = torch.linalg.vector_norm(x[r0:r1], dim=-1, dtype=torch.float32)
-        return (norm.clamp_min_(_NORM_EPS).reciprocal_(),)
+        return (norm.clamp_min_(NORM_EPS).reciprocal_(),)
 
     with torch.no_grad():
         return _by_chunks(x.shape[0], x.shape[1], rows)[0]
@@ -101,7 +98,7 @@ def inverse_norms(x: torch.Tensor) -> torch.Tensor:
 
 # inverse_norms' value for a clamped row, float32's 1 / eps, made on the host once: a tensor made from a Python
 # number on CUDA in a training step is a host-to-device copy (a sync; the first GPU run found one here).
-_CLAMPED_INVERSE = float(1.0 / torch.tensor(_NORM_EPS, dtype=torch.float32))
+_CLAMPED_INVERSE = float(1.0 / torch.tensor(NORM_EPS, dtype=torch.float32))
 
 
 def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor) -> None:
@@ -110,8 +107,7 @@ def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor
     constant divisor). out may be pre itself; the float32 work goes in chunks of rows."""
     for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
         p, v, i = pre[r0:r1].float(), x[r0:r1].float(), inv[r0:r1, None]
-        along = torch.linalg.vecdot(p, v, dim=-1)[:, None] * i * i * (i < _CLAMPED_INVERSE)
-        torch.addcmul(p, v, along, value=-1.0, out=out[r0:r1])
+        drop_along(p, v, i * i * (i < _CLAMPED_INVERSE), out=out[r0:r1])
 
 
 class _RowCosines(torch.autograd.Function):
@@ -129,7 +125,7 @@ class _RowCosines(torch.autograd.Function):
             if not normalize:
                 return (dot,)
             divisor = torch.stack([torch.linalg.vector_norm(x, dim=-1), torch.linalg.vector_norm(y, dim=-1)], dim=1)
-            return dot, divisor.clamp_min_(_NORM_EPS)
+            return dot, divisor.clamp_min_(NORM_EPS)
 
         parts = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
         out = parts[0]
@@ -153,7 +149,7 @@ class _RowCosines(torch.autograd.Function):
                 # clamped to eps (F.normalize's constant divisor): per row one factor on y and one on x.
                 divisor, cos = saved[0], saved[1][:, None]
                 on_other = g / (divisor[:, :1] * divisor[:, 1:])
-                on_own = (g * cos) * (divisor > _NORM_EPS) / divisor.square()  # [rows, 2]: for a, for b
+                on_own = (g * cos) * (divisor > NORM_EPS) / divisor.square()  # [rows, 2]: for a, for b
 
             def rows(r0, r1):
                 x, y = flat_a[r0:r1].float(), flat_b[r0:r1].float()
