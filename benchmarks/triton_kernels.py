@@ -123,31 +123,32 @@ def main(argv=None) -> int:
     m2 = 2 * n  # two views
     z = torch.nn.functional.normalize(torch.randn(m2, d, device=device, generator=gen), dim=1).to(dtype)
     diagonal = torch.arange(m2, device=device)[:, None]
+
+    def inputs(columns, tiles, rows=m2):  # the kernels' shared inputs: rows' own pairs excluded, no mean, no TF32
+        return launch.KernelInputs(scale, diagonal[:rows], False, columns, False, tiles)
     if {"stats_fwd", "two_view_grad", "two_view_bands"} & set(kernels):
         cublas((m2, m2, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]  # not autotuned: ncu sees only timed launches
-        stats = torch.stack(stats_fwd.forward_stats(z, z, scale, diagonal, False, False, False, first))
+        stats = torch.stack(stats_fwd.forward_stats(z, z, inputs(False, first)))
         grad = torch.full_like(stats, 1.0 / m2)
     if "stats_fwd" in kernels:
         for config in entries(stats_fwd, d, z.element_size(), extra, args.first):
             report("stats_fwd", config, 1, (m2, m2, d),
-                   lambda c=config: stats_fwd.forward_stats(z, z, scale, diagonal, False, False, False, c))
+                   lambda c=config: stats_fwd.forward_stats(z, z, inputs(False, c)))
     if "two_view_grad" in kernels:
         for config in entries(two_view_grad, d, z.element_size(), extra, args.first):
             report("two_view_grad", config, math.ceil(d / two_view_grad.D_OUT_MAX) + 1, (m2, m2, d),
-                   lambda c=config: two_view_grad.two_view_gradient(z, scale, factor, diagonal, stats, grad, False,
-                                                                    False, c))
+                   lambda c=config: two_view_grad.two_view_gradient(z, inputs(False, c), stats, grad, factor))
     if "two_view_bands" in kernels:  # dlogits' space for the d logits, cuBLAS for the products
         for config in entries(dlogits, d, z.element_size(), extra, args.first):
             report("two_view_bands", config, 3, (m2, m2, d),
-                   lambda c=config: triton_stats._band_gradients(z, z, scale, factor, diagonal, stats, grad, False,
-                                                                 False, False, c))
+                   lambda c=config: triton_stats._band_gradients(z, z, inputs(False, c), stats, grad, factor))
     if {"dlogits", "band_products"} & set(kernels):  # image-text: the first band of d logits, its products
         a, b = z[:n], z[n:]
         rows, cols = dlogits.block_shape(n, n, a.element_size())
         cublas((rows, cols, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]
-        pair = torch.cat([stats_fwd.forward_stats(a, b, scale, diagonal[:n], False, True, False, first)[i][None]
+        pair = torch.cat([stats_fwd.forward_stats(a, b, inputs(True, first, n))[i][None]
                           for i in (0, 1)])
         pair_grad = torch.full_like(pair, 0.5 / n)
         block = a.new_empty((rows, cols))
@@ -157,8 +158,8 @@ def main(argv=None) -> int:
         if "dlogits" in kernels:
             for config in entries(dlogits, d, a.element_size(), extra, args.first):
                 report("dlogits", config, 1, (rows, cols, d),
-                       lambda c=config: dlogits.write_dlogits(a, b, scale, diagonal[:n], pair, pair_grad, block, ds,
-                                                              0, rows, 0, cols, splits, share, False, True, False, c))
+                       lambda c=config: dlogits.write_dlogits(a, b, inputs(True, c, n), pair, pair_grad, block, ds,
+                                                              0, rows, 0, cols, splits, share))
         if "band_products" in kernels:  # dA's and dB's, as triton_stats._band_gradients makes them
             out_b = torch.zeros(cols, d, device=device)
             report("band_products", {}, 2, (rows, cols, d),

@@ -37,10 +37,10 @@ def test_band_dlogits_equal_torch(normalize):
     band = torch.full((40, 37), float("nan"), device=DEVICE)  # the block: rows 5:30, columns 3:35
     ds = torch.zeros(splits, 25, device=DEVICE)  # the block's rows
     exclude = torch.arange(37, device=DEVICE)[:, None]
-    to = [t.to(DEVICE) for t in (a, b, scale, stats, grad)]
+    a, b, scale, stats, grad = (t.to(DEVICE) for t in (a, b, scale, stats, grad))
     norms = (inv_a.float().to(DEVICE), inv_b.float().to(DEVICE)) if normalize else None
-    dlogits.write_dlogits(*to[:3], exclude, *to[3:], band, ds, 5, 30, 3, 35, splits, share, False, True, False,
-                          dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16), inverse_norms=norms)
+    inputs = launch.KernelInputs(scale, exclude, False, True, False, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16), norms)
+    dlogits.write_dlogits(a, b, inputs, stats, grad, band, ds, 5, 30, 3, 35, splits, share)
     written = want * inv_a[:, None] * inv_b[None, :]
     torch.testing.assert_close(band[:25, :32].double().cpu(), written[5:30, 3:35], rtol=1e-5, atol=1e-6)
     assert torch.isnan(band[25:]).all() and torch.isnan(band[:, 32:]).all()  # nothing past the block

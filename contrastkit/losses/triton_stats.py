@@ -99,21 +99,22 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
-    b, inv_b = (a, inv_a) if b is None else (b, inv_b)
+    inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
+    b = a if b is None else b
     product = None
     if forward_logits in ("cublas", "dense"):
         def product(r0, r1, out):
             _write_product(out, a[r0:r1], b.T)
     kept = a.new_empty((a.shape[0], b.shape[0]) if forward_logits == "dense" else (0, 0), dtype=torch.float32)
-    stats = forward_stats(a, b, scale, exclude, with_mean, columns, tf32, _tiles(blocks), product,
-                          kept if forward_logits == "dense" else None, None if inv_a is None else (inv_a, inv_b),
-                          _labels(ids_a, ids_b, labels))
+    stats = forward_stats(a, b, inputs, product, kept if forward_logits == "dense" else None)
     return torch.stack(stats), kept
 
 
-def _labels(ids_a, ids_b, labels):
-    """The kernels' labels argument: (a's ids, b's ids, LABELS), or None."""
-    return None if labels == 0 else (ids_a, ids_a if ids_b is None else ids_b, labels)
+def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels):
+    """The kernels' shared inputs from the operators' flat arguments (b None: a's norms and ids serve b)."""
+    norms = None if inv_a is None else (inv_a, inv_a if inv_b is None else inv_b)
+    by_label = None if labels == 0 else (ids_a, ids_a if ids_b is None else ids_b, labels)
+    return launch.KernelInputs(scale, exclude, with_mean, columns, tf32, _tiles(blocks), norms, by_label)
 
 
 def _add_product(out, x, y, scale, accumulate):
@@ -128,20 +129,21 @@ def _add_product(out, x, y, scale, accumulate):
         out.copy_(part)
 
 
-def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, columns, tf32, tiles, from_cublas=False,
-                    symmetric=False, kept=None, norms=None, labels=None):
-    """(dA, dB, the rows' d scale terms / factor) of two operands: per block of d logits (a band of rows and
-    every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py), then its two
-    products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
+def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmetric=False, kept=None):
+    """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their
+    upstream gradient dL / factor and the call's inputs (launch.KernelInputs): per block of d logits (a band
+    of rows and every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py),
+    then its two products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
     ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32.
     from_cublas: the block's logits recomputed by cuBLAS into a float32 buffer that the d logits kernel reads
     (the band design; the buffer, not d logits, is then what BAND_BYTES bounds); kept: the whole matrix's
     float32 logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
-    a): d logits dL + dL^T, one product, dA is dz and dB empty. norms: (a's, b's) inverse norms where a and b
-    are the features as given: the products give the unit vectors' gradients times the inverse norms, in
+    a): d logits dL + dL^T, one product, dA is dz and dB empty. Where the inputs carry inverse norms (a and b
+    the features as given) the products give the unit vectors' gradients times the inverse norms, in
     float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
-    a band's rows as the band completes, b's once every band has added to them. labels: as write_dlogits'."""
+    a band's rows as the band completes, b's once every band has added to them."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
+    norms = inputs.inverse_norms
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(b, memory_format=torch.contiguous_format)
@@ -155,7 +157,7 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
     ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas and kept is None else None
-    step = scale * factor  # the products' scale, once
+    step = inputs.scale * factor  # the products' scale, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
@@ -166,8 +168,8 @@ def _band_gradients(a, b, scale, factor, exclude, stats, grad, with_mean, column
             if logits is not None:
                 products = logits[: r1 - r0, : c1 - c0]
                 _write_product(products, a[r0:r1], b[c0:c1].T)
-            write_dlogits(a, b, scale, exclude, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits,
-                          share, with_mean, columns, tf32, tiles, products, symmetric, norms, labels)
+            write_dlogits(a, b, inputs, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits, share,
+                          products, symmetric)
             _add_product(da_band, block, b[c0:c1], step, c0 > 0)
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
@@ -193,9 +195,7 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...). kept: the
     forward's logits (the dense path), else empty; inv_a, inv_b: as the forward's (the gradients are then the
     features' own)."""
-    tiles = _tiles(blocks)
-    norms = None if inv_a is None else (inv_a, inv_a if b is None else inv_b)
-    by_label = _labels(ids_a, ids_b, labels)
+    inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
     grad = grad / factor
     dense = forward_logits == "dense"
@@ -203,14 +203,11 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     logits = kept if dense else None
     if b is None and not columns:
         if from_cublas:  # the band design: dL + dL^T per band, one product
-            dz, _, ds = _band_gradients(a, a, scale, factor, exclude, stats, grad, with_mean, False, tf32, tiles,
-                                        from_cublas=True, symmetric=True, kept=logits, norms=norms,
-                                        labels=by_label)
+            dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, True, symmetric=True, kept=logits)
         else:
-            dz, ds = two_view_gradient(a, scale, factor, exclude, stats, grad, with_mean, tf32, tiles)
+            dz, ds = two_view_gradient(a, inputs, stats, grad, factor)
         return dz, a.new_empty(0), ds * factor
-    da, db, ds = _band_gradients(a, a if b is None else b, scale, factor, exclude, stats, grad, with_mean, columns,
-                                 tf32, tiles, from_cublas, kept=logits, norms=norms, labels=by_label)
+    da, db, ds = _band_gradients(a, a if b is None else b, inputs, stats, grad, factor, from_cublas, kept=logits)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor

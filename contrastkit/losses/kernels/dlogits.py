@@ -119,23 +119,14 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_
     tl.store(ds_ptr + tl.program_id(1) * s_ds + rows - R0, ds, mask=inside)
 
 
-def write_dlogits(a, b, scale, exclude, stats, grad, dl, ds, r0, r1, c0, c1, splits, share, with_mean, columns,
-                  tf32, blocks=None, logits=None, symmetric=False, inverse_norms=None, labels=None):
+def write_dlogits(a, b, inputs: launch.KernelInputs, stats, grad, dl, ds, r0, r1, c0, c1, splits, share,
+                  logits=None, symmetric=False):
     """dl[:r1 - r0, :c1 - c0] = dL' of rows r0:r1 and columns c0:c1 (in a's dtype), ds[:, :r1 - r0] their d scale
-    terms per split of the columns (splits, share: launch.split). logits: the block's products a.b in float32
-    (cuBLAS's), else the kernel computes them; symmetric: dL' + dL'^T (two views, b is a); inverse_norms:
-    (a's, b's) where a and b are the features as given (the kernel's NORMALIZE); labels: (a's ids, b's ids,
-    LABELS) where pairs are left out by label too."""
-    m, k = a.shape[0], b.shape[0]
+    terms per split of the columns (splits, share: launch.split), from the forward's statistics and their
+    upstream gradient dL / factor (stats, grad [S, M]) and the call's inputs. logits: the block's products a.b
+    in float32 (cuBLAS's), else the kernel computes them; symmetric: dL' + dL'^T (two views, b is a)."""
     launch.run(dlogits, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "FROM_LOGITS", "NORMALIZE", "LABELS"), a, b,
-               dl if logits is None else logits, scale, *(inverse_norms or (scale, scale)),
-               a if exclude is None else exclude, *(labels[:2] if labels else (scale, scale)), stats, grad, dl, ds, M=m,
-               K=k, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share, s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0),
-               s_bd=b.stride(1), s_pr=0 if logits is None else logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0),
-               D=a.shape[1],
-               E=0 if exclude is None else exclude.shape[1], LABELS=labels[2] if labels else 0, WITH_MEAN=with_mean,
-               COLUMNS=columns,
-               SYMMETRIC=symmetric, FROM_LOGITS=logits is not None, NORMALIZE=inverse_norms is not None,
-               PRECISION=launch.precision(a.dtype, tf32),
-               UPCAST=launch.upcast(a.dtype), blocks=blocks)
+               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "FROM_LOGITS", "NORMALIZE", "LABELS"),
+               *inputs.pointers(a, b, logits), stats, grad, dl, ds, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share,
+               s_pr=0 if logits is None else logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0),
+               SYMMETRIC=symmetric, FROM_LOGITS=logits is not None, **inputs.constants(a, b), blocks=inputs.blocks)

@@ -11,6 +11,7 @@ under TRITON_INTERPRET=1 (the CPU tests) it runs the production default (the fir
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -18,6 +19,38 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import custom_op, triton_op, wrap_triton
 
 SPLIT_ALIGN = 64  # a split's share of the other axis: a multiple of 64 rows (a partial tile where a tile is 128)
+
+
+class KernelInputs(NamedTuple):
+    """What every launch of one call of the statistics shares (stats_fwd.py, dlogits.py, two_view_grad.py):
+    the logit scale (a 0-d float32 tensor on the device: never read on the host), the excluded pairs [M, E]
+    (None: none), the objective's form (with_mean: CACR's softmax mean; columns: image-text's column
+    statistics), TF32 for float32 products, fixed tiles (None: the autotune space), the rows' inverse norms
+    (a's, b's) where a and b are the features as given (the kernels normalise), and the labels (a's ids, b's
+    ids, LABELS: common.kept_by_label) where pairs are also left out by label."""
+    scale: torch.Tensor
+    exclude: torch.Tensor | None
+    with_mean: bool
+    columns: bool
+    tf32: bool
+    blocks: dict | None = None
+    inverse_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    labels: tuple | None = None
+
+    def pointers(self, a: torch.Tensor, b: torch.Tensor, products: torch.Tensor | None) -> tuple:
+        """The kernels' first arguments, in their order: a, b, the float32 products they read, the scale, the
+        inverse norms, the exclusions, the ids; the scale stands in for what is absent (never read there)."""
+        s = self.scale
+        return (a, b, s if products is None else products, s, *(self.inverse_norms or (s, s)),
+                a if self.exclude is None else self.exclude, *(self.labels[:2] if self.labels else (s, s)))
+
+    def constants(self, a: torch.Tensor, b: torch.Tensor) -> dict:
+        """The kernels' shared keyword arguments: sizes, strides and the setting's constexprs."""
+        return dict(M=a.shape[0], K=b.shape[0], s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0),
+                    s_bd=b.stride(1), D=a.shape[1], E=0 if self.exclude is None else self.exclude.shape[1],
+                    LABELS=self.labels[2] if self.labels else 0, WITH_MEAN=self.with_mean, COLUMNS=self.columns,
+                    NORMALIZE=self.inverse_norms is not None, PRECISION=precision(a.dtype, self.tf32),
+                    UPCAST=upcast(a.dtype))
 
 
 @triton.jit

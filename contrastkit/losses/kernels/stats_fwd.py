@@ -104,16 +104,14 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_
         tl.store(mean_ptr + out, w / l / scale, mask=inside)
 
 
-def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, product=None, logits=None,
-                  inverse_norms=None, labels=None):
-    """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each. blocks: fixed tiles (BLOCK_M, BLOCK_N,
-    BLOCK_D), else the space's. The columns split over b's rows where a has few row tiles. product(r0, r1,
+def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None):
+    """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each (inputs: the call's scale, exclusions,
+    form, tiles, norms and labels). The columns split over b's rows where a has few row tiles. product(r0, r1,
     out): where given, the band's products a[r0:r1] b^T written into out (cuBLAS: the band design), in bands
     of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them; into the rows of
-    ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward). inverse_norms:
-    (a's, b's) float32 inverse norms where a and b are the features as given (the kernel normalises).
-    labels: (a's ids, b's ids, LABELS) where pairs are left out by label too (common.kept_by_label)."""
+    ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward)."""
     m, k = a.shape[0], b.shape[0]
+    with_mean, columns, blocks = inputs.with_mean, inputs.columns, inputs.blocks
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
     chunk = m
     if columns:  # the partials' buffer bounded: launches of at most COLUMN_PARTIAL_BYTES
@@ -139,19 +137,13 @@ def forward_stats(a, b, scale, exclude, with_mean, columns, tf32, blocks=None, p
         if band is not None:
             product(r0, r1, band[: r1 - r0])
         launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS", "NORMALIZE", "LABELS"), a, b, lse if band is None else band,
-                   scale, *(inverse_norms or (scale, scale)), a if exclude is None else exclude,
-                   *(labels[:2] if labels else (scale, scale)), lse,
-                   lse if mean is None else mean, cpart, M=m, K=k, R0=r0, R1=r1, SPLIT=share,
-                   s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0), s_bd=b.stride(1),
-                   s_pr=0 if band is None else band.stride(0), s_part=lse.stride(0), D=a.shape[1],
-                   E=0 if exclude is None else exclude.shape[1], LABELS=labels[2] if labels else 0,
-                   WITH_MEAN=with_mean, COLUMNS=columns, FROM_LOGITS=band is not None,
-                   NORMALIZE=inverse_norms is not None,
-                   PRECISION=launch.precision(a.dtype, tf32), UPCAST=launch.upcast(a.dtype), blocks=blocks)
+                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS", "NORMALIZE", "LABELS"), *inputs.pointers(a, b, band), lse,
+                   lse if mean is None else mean, cpart, R0=r0, R1=r1, SPLIT=share,
+                   s_pr=0 if band is None else band.stride(0), s_part=lse.stride(0), FROM_LOGITS=band is not None,
+                   **inputs.constants(a, b), blocks=blocks)
         part = lse[:, : r1 - r0]
         total[r0:r1] = torch.logsumexp(part, dim=0) if splits > 1 else part[0]  # the splits' partials, exactly
-        if with_mean:
+        if mean is not None and row_mean is not None:  # with_mean
             mean_part = mean[:, : r1 - r0]
             row_mean[r0:r1] = (torch.exp(part - total[r0:r1]) * mean_part).sum(0) if splits > 1 else mean_part[0]
         if columns:

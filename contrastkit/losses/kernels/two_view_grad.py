@@ -96,10 +96,12 @@ def two_view_grad(z_ptr, scale_ptr, factor_ptr, ex_ptr, stats_ptr, grad_ptr, out
         tl.store(ds_ptr + tl.program_id(2) * M + rows, ds, mask=inside)
 
 
-def two_view_gradient(z, scale, factor, exclude, stats, grad, with_mean, tf32, blocks=None):
-    """(dz in z's dtype, the rows' d scale terms [M] (times 1 / factor)): one launch, split over z's rows
-    where z has few row tiles."""
+def two_view_gradient(z, inputs: launch.KernelInputs, stats, grad, factor):
+    """(dz in z's dtype, the rows' d scale terms [M] (times 1 / factor)) from the forward's statistics and
+    their upstream gradient dL / factor: one launch, split over z's rows where z has few row tiles (inputs:
+    the call's; neither normalisation nor labels)."""
     m, d = z.shape
+    exclude, blocks = inputs.exclude, inputs.blocks
     whole = triton.next_power_of_2(d)
     chunks = triton.cdiv(d, min(whole, D_OUT_MAX))
     if blocks is not None:
@@ -110,9 +112,9 @@ def two_view_gradient(z, scale, factor, exclude, stats, grad, with_mean, tf32, b
         z, memory_format=torch.contiguous_format)
     ds = z.new_empty((splits, m), dtype=torch.float32)
     launch.run(two_view_grad, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(d, meta["D_OUT"]), splits),
-               space, ("M", "D"), z, scale, factor, z if exclude is None else exclude, stats, grad, out, ds, M=m,
+               space, ("M", "D"), z, inputs.scale, factor, z if exclude is None else exclude, stats, grad, out, ds, M=m,
                SPLIT=share, s_zr=z.stride(0), s_zd=z.stride(1), D=d, E=0 if exclude is None else exclude.shape[1],
-               WITH_MEAN=with_mean, PARTIAL=partial, PRECISION=launch.precision(z.dtype, tf32),
+               WITH_MEAN=inputs.with_mean, PARTIAL=partial, PRECISION=launch.precision(z.dtype, inputs.tf32),
                UPCAST=launch.upcast(z.dtype), blocks=blocks)
     if partial:
         out = out.sum(0).to(z.dtype)
