@@ -86,7 +86,7 @@ def compile_kernel(case: dict) -> dict:
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = _ptxas(arch)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
         log = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}",
@@ -100,6 +100,17 @@ def compile_kernel(case: dict) -> dict:
     instruction = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none (FMA)"
     return dict(case, instruction=instruction, registers=registers, spill_bytes=spills, shared_bytes=shared,
                 blocks_per_sm=blocks)
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas triton itself assembles this architecture's PTX with: triton 3.9 emits PTX 9.4 for sm_90 and
+    takes the CUDA 13 ptxas it ships (ptxas-blackwell) there, whose CUDA 12.9 ptxas stops at PTX 8.8; older
+    releases take one ptxas for every architecture (3.5: get_ptxas() has no argument)."""
+    from triton.backends.nvidia import compiler
+
+    if inspect.signature(compiler.get_ptxas).parameters:
+        return compiler.get_ptxas(arch).path
+    return compiler.get_ptxas().path
 
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
