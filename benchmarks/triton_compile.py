@@ -36,16 +36,18 @@ _FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_
 _DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64", "dl_ptr": "x"}
 # NORMALIZE: the losses' calls (the features as given, scaled by their inverse norms in the kernels); LABELS 1:
 # pairs left out by label too (issue 41), in the two-view backward, which masks twice (its transposed term).
+# TRIANGLE: the two-view backward over the upper triangle (the default where it fits), a superset of full rows.
 KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, NORMALIZE=True, LABELS=0)),
            "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, NORMALIZE=True, LABELS=0)),
            "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False,
-                                                                  NORMALIZE=True, LABELS=0)),
+                                                                  TRIANGLE=False, NORMALIZE=True, LABELS=0)),
            "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False,
-                                                                       NORMALIZE=True, LABELS=0)),
+                                                                       TRIANGLE=False, NORMALIZE=True, LABELS=0)),
            "two-view-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
-                                                                        NORMALIZE=True, LABELS=0)),
+                                                                        TRIANGLE=True, NORMALIZE=True, LABELS=0)),
            "two-view-band-labels": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
-                                                                               NORMALIZE=True, LABELS=1)),
+                                                                               TRIANGLE=True, NORMALIZE=True,
+                                                                               LABELS=1)),
            "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
 BAND = ("fwd-band", "dlogits-band", "two-view-band", "two-view-band-labels")  # no product inside: no tensor-core instruction expected
 

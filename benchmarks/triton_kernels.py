@@ -163,8 +163,8 @@ def main(argv=None) -> int:
         if "band_products" in kernels:  # dA's and dB's, as triton_stats._band_gradients makes them
             out_b = torch.zeros(cols, d, device=device)
             report("band_products", {}, 2, (rows, cols, d),
-                   lambda: (triton_stats._add_product(out, block, b, scale, False),
-                            triton_stats._add_product(out_b, block.T, a[:rows], scale, False)))
+                   lambda: (triton_stats._add_product(out, block, b, False),
+                            triton_stats._add_product(out_b, block.T, a[:rows], False)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(n=n, d=d, dtype=args.dtype, lines=lines, device=torch.cuda.get_device_name()

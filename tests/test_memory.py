@@ -304,3 +304,45 @@ def test_triton_path_within_one_gib_at_262144(monkeypatch, forward, name, settin
     stack = 2 * n * d * 2 if setting == "two_views" else 0
     assert kept <= stack + ROW_BYTES * rows and saved <= stack + ROW_BYTES * rows, (kept / MiB, saved / MiB)
     assert peak <= LIMIT, f"{peak / MiB:.0f} MiB at the peak"
+
+
+@pytest.mark.parametrize("forward", ["kernel", "cublas"])
+def test_triangle_within_one_gib_at_its_bound(monkeypatch, forward):
+    """Two views' backward over the upper triangle sums dz in float32, M D 4 bytes: it is taken up to
+    TRIANGLE_BYTES (256 MiB, N = 65536 at D = 512 bf16; beyond, full rows), and there the peak stays within
+    1 GiB (807 MiB, against full rows' 551), nothing more kept from forward to backward."""
+    from contrastkit.losses import triton_stats
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    n, d = 65536, 512
+    assert 2 * n * d * 4 == triton_stats.TRIANGLE_BYTES
+    call, inputs = TRITON_SETTINGS["two_views"]
+    fn = build_loss("dcl", backend="triton")
+    taken = []
+    triangle = triton_stats._triangle_gradients
+    monkeypatch.setattr(triton_stats, "_triangle_gradients", lambda *a, **k: (taken.append(1), triangle(*a, **k))[1])
+    kept, saved, peak = count(lambda *x: call(fn, x), _features(n, d, inputs), inside=triton_ops())
+    assert taken, "the triangle was not taken"
+    assert kept <= 2 * n * d * 2 + ROW_BYTES * 2 * n, kept / MiB
+    assert peak <= LIMIT, f"{peak / MiB:.0f} MiB at the peak"
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_fake_tensors_before_torch_2_13_write_then_add(monkeypatch, setting):
+    """addmm with out_dtype fails under fake tensors before torch 2.13 (the GPU machine's 2.11 compiling the
+    loss): there the bf16 products' float32 sums are written by mm, then added. The meta device takes that
+    path too here, at most one product's float32 [rows, D] more at the peak."""
+    from contrastkit.losses import triton_stats
+
+    n, d = 4096, 512
+    peaks, products, written = {}, {}, []
+    product = triton_stats._mm_f32
+    monkeypatch.setattr(triton_stats, "_mm_f32", lambda *a: (written.append(1), product(*a))[1])
+    for flag in (True, False):
+        monkeypatch.setattr(triton_stats, "_FAKE_ADDMM_OUT_DTYPE", flag)
+        written.clear()
+        call = _setting_call(build_loss("dcl", backend="triton"), setting)
+        peaks[flag] = count(call, _features(n, d), inside=triton_ops())[2]
+        products[flag] = len(written)
+    assert products[True] == 0 and products[False] >= 1  # the fallback's: dA's and dB's, or dz's
+    assert peaks[True] <= peaks[False] <= peaks[True] + 2 * n * d * 4, {k: v / MiB for k, v in peaks.items()}

@@ -151,16 +151,35 @@ def test_done_when_at_32768():
     assert t[(IT, "band")] == pytest.approx(3.16, abs=0.02) and t[(IT, "band")] > 3.0
     assert t[(IT, "band+fwd")] == pytest.approx(2.81, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
     assert t[(IT, "best")] <= 3.0
-    # two views <= 3.5x its 2-GEMM floor: band alone misses (3.8), band with the fused forward holds (3.3)
-    assert t[(TV, "band")] == pytest.approx(3.85, abs=0.02) and t[(TV, "band")] > 3.5
-    assert t[(TV, "band+fwd")] == pytest.approx(3.31, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    # two views <= 3.5x its 2-GEMM floor: with the backward over the upper triangle both band paths hold (full
+    # rows: band 3.85, band+fwd 3.31)
+    assert t[(TV, "band")] == pytest.approx(3.18, abs=0.02) and t[(TV, "band")] <= 3.5
+    assert t[(TV, "band+fwd")] == pytest.approx(2.65, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: missed (its products take twice as long, and they are half of bf16's time)
     assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.71, abs=0.02)
-    assert t[(TV, "best", "tf32/bf16")] == pytest.approx(1.70, abs=0.02)
+    assert t[(TV, "best", "tf32/bf16")] == pytest.approx(1.75, abs=0.02)
     # today: Triton measured 20.9 ms image-text (4.2x) and 183.9 ms two views (13.8x the 2-GEMM model floor)
     assert 20.9e-3 / pm.floor_s(IT, N) == pytest.approx(4.2, abs=0.05)
     assert 183.9e-3 / pm.floor_s(TV, N) == pytest.approx(13.8, abs=0.1)
+
+
+def test_two_views_backward_over_the_triangle_where_dz_fits(monkeypatch):
+    """The model's triangle is the code's: the same bound on dZ's float32 sum (N <= 65536 at D = 512), the
+    band paths only; over R row blocks it recomputes (R + 1) / 2R of the matrix and keeps the products whole."""
+    from contrastkit.losses import triton_stats
+
+    assert pm.TRIANGLE_BYTES == triton_stats.TRIANGLE_BYTES
+    assert pm.triangle("band", TV, 65536, 512) and not pm.triangle("band", TV, 65537, 512)
+    assert not pm.triangle("dense", TV, N, 512) and not pm.triangle("band", IT, N, 512)
+    blk = pm.Blocks(2688, 65536, 25, 1)
+    assert pm.triangle_shares(blk) == (pytest.approx(26 / 50), pytest.approx(24 / 50))
+    with_triangle = pm.predict("band", TV, N)
+    monkeypatch.setattr(pm, "TRIANGLE_BYTES", 0)
+    full = pm.predict("band", TV, N)
+    saved = (1 - 26 / 50) * pm.gemm_s(65536, 65536, 512)  # the recompute's unvisited share
+    assert full.gemm_s - with_triangle.gemm_s == pytest.approx(saved)
+    assert with_triangle.seconds < 0.85 * full.seconds
 
 
 @pytest.mark.parametrize("setting", [TV, IT])

@@ -456,6 +456,58 @@ def test_one_tensor_as_image_and_text(small_buffers, as_given, logits_from):
              columns=True, normalize=as_given)
 
 
+@pytest.fixture(params=["triangle", "full rows"])
+def two_view_backward(request, monkeypatch):
+    """Two views' backward in the band design: over the upper triangle (the default where dz's float32 sum
+    fits TRIANGLE_BYTES) or over full rows (beyond it)."""
+    from contrastkit.losses import triton_stats
+
+    monkeypatch.setattr(triton_stats, "TRIANGLE_BYTES", 2**62 if request.param == "triangle" else 0)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype, with_mean, labelled", [(torch.float32, False, False), (torch.float32, True, False),
+                                                        (torch.bfloat16, False, False), (torch.float32, False, True)])
+def test_two_views_in_bands(small_buffers, two_view_backward, dtype, with_mean, labelled, as_given, logits_from):
+    """Two views in 3 bands (16 + 16 + 8 rows) or blocks of 16 x 16, over the upper triangle (each band's
+    blocks from its first row on; the rows past the band from the transposed product; the unvisited lower
+    triangle's d scale terms) or over full rows. Exclusions not symmetric (each row itself and one random
+    column: the transposed term reads row k's own), CACR's mean, bf16, labels."""
+    if logits_from == "kernel" and labelled:
+        pytest.skip("the first design's two-view kernel takes no labels")
+    g = torch.Generator().manual_seed(17 + with_mean + 2 * labelled)
+    z = _features(g, 40, 24, dtype).to(DEVICE)
+    own = torch.arange(40)
+    exclude = torch.stack([own, torch.randint(0, 40, (40,), generator=g)], dim=1).to(DEVICE)
+    labels = (_ids(g, 40, 5),) * 2 if labelled else None
+    grad_tol = 2e-6 if dtype == torch.float32 else 1e-2
+    _compare(z, z, 10.0, 2e-6, grad_tol, scale_tol=1e-5, same=True, exclude=exclude, with_mean=with_mean,
+             labels=labels, normalize=as_given)
+
+
+def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
+    """Two views' backward over the upper triangle writes each band's logits from its first row on (40 rows
+    in bands of 16: 16 x 40 + 16 x 24 + 8 x 8 = 1088 logits), against the full rows' 40 x 40 = 1600."""
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import dlogits
+
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
+    monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0)
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
+    written = []
+    write = triton_stats._write_product
+    monkeypatch.setattr(triton_stats, "_write_product", lambda out, x, y: (written.append(out.numel()),
+                                                                           write(out, x, y)))
+    z = _features(torch.Generator().manual_seed(18), 40, 24).to(DEVICE).requires_grad_()
+    exclude = torch.arange(40, device=DEVICE)[:, None]
+    for bound, logits in ((2**62, 1088), (0, 1600)):
+        monkeypatch.setattr(triton_stats, "TRIANGLE_BYTES", bound)
+        written.clear()
+        negative_stats_triton(z, z, 10.0, exclude=exclude, backward_logits="cublas").sum().backward()
+        assert sum(written) == logits
+
+
 # The production configuration under the interpreter: the default tiles (the first entry of each kernel's
 # space: forward 128 x 64 (D in chunks of 64, float32 32), d logits 128 x 64 (chunks of 32; float32 128 x 32, chunks of 32),
 # products 128 x 128, two-view backward 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on

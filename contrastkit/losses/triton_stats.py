@@ -9,10 +9,12 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
 - backward, per block of rows and columns (a band of rows and every column up to large sizes): the block's
   logits recomputed by cuBLAS in float32, d loss / d logits written once in the inputs' dtype by an
-  elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += scale dL b[cols] and dB[cols] += scale dL^T
-  a[rows] (image-text, query/queue), or for two views dz[rows] += scale (dL + dL^T) z[cols], one product
-  (L = z z^T is symmetric: dL^T's entries come from the columns' own statistics), each gradient summed over
-  the blocks in float32.
+  elementwise kernel (dlogits.py, with the logit scale folded in), then on cuBLAS dA[rows] += dL b[cols]
+  and dB[cols] += dL^T a[rows] (image-text, query/queue), or for two views dz[rows] += (dL + dL^T) z[cols],
+  one product (L = z z^T is symmetric: dL^T's entries come from the columns' own statistics), and where
+  dz's float32 sum fits TRIANGLE_BYTES over the upper triangle alone (_triangle_gradients: the rows past
+  each band from the same block's transposed product); each gradient summed in float32 in cuBLAS's
+  epilogue (addmm with out_dtype).
 
 Where each pass's logits come from is FORWARD_LOGITS / BACKWARD_LOGITS ("kernel": the Triton kernels compute
 their own products; "cublas": the band design above, every kernel elementwise). The first design, still one
@@ -20,6 +22,7 @@ argument away: the backward's products inside the kernels, and two views in one 
 which an H100 measured latency-bound. Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
 
     two views      forward 1, backward 2 (recompute, (dL + dL^T) z)   = 3   (first design: c + 2 = 4 at D = 512)
+      triangle     forward 1, backward (R + 1) / 2R + 1, R row blocks ~ 2.5
     image-text     forward 1, backward 3 (recompute, dA, dB)          = 4
     rows only      forward 1, backward 3                              = 4
 
@@ -34,8 +37,8 @@ small entries stay in float16's range; the factor is put back on the float32 sum
 Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
 values. Memory beyond the inputs, their gradients and the statistics: in forward the columns' partials
 (at most COLUMN_PARTIAL_BYTES, 128 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
-its products in float32 (its rows and columns times D times 4 bytes) and, for half-precision inputs, the
-gradients' float32 sums where there are several blocks (dB: K D 4 bytes; dA: a band's rows D 4 bytes).
+and, for half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes; dA: a band's rows D 4 bytes;
+two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
+from torch._subclasses.fake_tensor import is_fake
 
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
 from contrastkit.losses.functional import inverse_norms, normalization_backward
@@ -77,6 +81,9 @@ LOGITS = ("kernel", "cublas")
 FORWARD_LOGITS = "auto"
 BACKWARD_LOGITS = "cublas"
 DENSE_BYTES = 2**29
+# Two views' backward over the upper triangle (_triangle_gradients) where its float32 sum of dz, M D 4 bytes,
+# fits this (up to N = 65536 at D = 512; beyond it the full rows of _band_gradients, whose sums are a band's).
+TRIANGLE_BYTES = 2**28
 
 
 def _write_product(out, x, y):
@@ -117,16 +124,37 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
     return launch.KernelInputs(scale, exclude, with_mean, columns, tf32, _tiles(blocks), norms, by_label)
 
 
-def _add_product(out, x, y, scale, accumulate):
-    """out (+ out where ``accumulate``) = scale x @ y with float32 sums, on cuBLAS: bfloat16/float16 operands
-    written in float32 (out_dtype), float32 ones in TF32 where torch's own setting allows it (as the user's
+# addmm with out_dtype under fake tensors (torch.compile, the meta device) fails before torch 2.13: its
+# decomposition took out_dtype for beta (pytorch/pytorch#179634, in 2.13; 2.11 and 2.12.1 still have it).
+_FAKE_ADDMM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
+def _add_product(out, x, y, accumulate):
+    """out (+ out where ``accumulate``) = x @ y with float32 sums, one cuBLAS call whose epilogue adds out (beta
+    1): bfloat16/float16 operands written in float32 (addmm's out_dtype, as Liger-Kernel's fused linear
+    cross-entropy sums its gradients), float32 ones in TF32 where torch's own setting allows it (as the user's
     other float32 products); under the interpreter (the CPU tests) from float32 copies (chunked._operand)."""
     x, y = _operand(x), _operand(y)
-    part = (_mm_f32(x, y) if _low(x) else torch.mm(x, y)).mul_(scale)
-    if accumulate:
-        out.add_(part)
+    if not _low(x):
+        torch.addmm(out, x, y, beta=int(accumulate), out=out)
+    elif _FAKE_ADDMM_OUT_DTYPE or not (is_fake(out) or out.device.type == "meta"):
+        torch.addmm(out, x, y, out_dtype=torch.float32, beta=int(accumulate), out=out)
+    elif accumulate:  # traced on torch < 2.13: the product written, then added
+        out.add_(_mm_f32(x, y))
     else:
-        out.copy_(part)
+        out.copy_(_mm_f32(x, y))
+
+
+def _finish(total, x, inv, factor, out=None):
+    """A gradient from its float32 sum of products (of d logits over factor): times factor, then F.normalize's
+    backward where the rows' inverse norms ``inv`` are given (functional.normalization_backward), written
+    into ``out`` in its dtype, or in place in ``total`` where out is None."""
+    if inv is not None:
+        normalization_backward(total.mul_(factor), x, inv, total if out is None else out)
+    elif out is None:
+        total.mul_(factor)
+    else:
+        torch.mul(total, factor, out=out)
 
 
 def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmetric=False, kept=None):
@@ -147,17 +175,14 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(b, memory_format=torch.contiguous_format)
-    f32_sums = a.dtype != torch.float32 or norms is not None  # the sums that need a float32 buffer of their own
-    da_sum = a.new_empty((rows, d), dtype=torch.float32) if f32_sums and (cols < k or norms) else None
-    db_sum = db
-    if not symmetric and f32_sums and (rows < m or norms):
-        db_sum = db if db.dtype == torch.float32 else torch.empty_like(db, dtype=torch.float32)
+    low = a.dtype != torch.float32  # the products' sums then need float32 buffers: a band's rows of dA, all of dB
+    da_sum = a.new_empty((rows, d), dtype=torch.float32) if low else None
+    db_sum = torch.empty_like(db, dtype=torch.float32) if low and not symmetric else db
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
     ds = a.new_empty((triton.cdiv(k, cols), splits, rows), dtype=torch.float32)
     ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas and kept is None else None
-    step = inputs.scale * factor  # the products' scale, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
@@ -170,19 +195,55 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
                 _write_product(products, a[r0:r1], b[c0:c1].T)
             write_dlogits(a, b, inputs, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits, share,
                           products, symmetric)
-            _add_product(da_band, block, b[c0:c1], step, c0 > 0)
+            _add_product(da_band, block, b[c0:c1], c0 > 0)
             if not symmetric:
-                _add_product(db_sum[c0:c1], block.T, a[r0:r1], step, r0 > 0)
+                _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
-        if norms is not None:
-            normalization_backward(da_band, a[r0:r1], norms[0][r0:r1], da[r0:r1])
-        elif da_sum is not None:
-            da[r0:r1].copy_(da_band)
-    if norms is not None and not symmetric:
-        normalization_backward(db_sum, b, norms[1], db)
-    elif db_sum is not db:
-        db.copy_(db_sum)
+        _finish(da_band, a[r0:r1], None if norms is None else norms[0][r0:r1], factor,
+                None if da_sum is None else da[r0:r1])
+    if not symmetric:
+        _finish(db_sum, b, None if norms is None else norms[1], factor, None if db_sum is db else db)
     return da, db, ds_rows
+
+
+def _triangle_gradients(z, inputs, stats, grad, factor, kept=None):
+    """(dz, the rows' d scale terms / factor) of two views (L = s z z^T, symmetric) over the upper triangle
+    alone: per band of rows r0:r1 the blocks of columns from r0 on, their logits from cuBLAS (or the dense
+    path's ``kept``), d logits H = s (dL' + dL'^T) once (dlogits.py's SYMMETRIC, TRIANGLE), then dz[r0:r1] +=
+    H z[c0:c1] and, for the columns past the band, dz[c0:c1] += H^T z[r0:r1] (the lower triangle's share, by
+    symmetry). Against _band_gradients' full rows: half the recompute and half the d logits pass, the same
+    product FLOPs (docs/performance.md). dz is summed in float32 [M, D] (TRIANGLE_BYTES bounds it), then
+    normalised as _band_gradients' (functional.normalization_backward) where the inputs carry inverse norms."""
+    m, d = z.shape
+    norms = inputs.inverse_norms
+    rows, cols = block_shape(m, m, 4)
+    dz = z.new_empty((m, d), dtype=torch.float32)  # the first band writes every row: its own, then the rest
+    splits, share = launch.split(triton.cdiv(rows, 64), cols, z.device)
+    ds = z.new_empty((triton.cdiv(m, cols), splits, rows), dtype=torch.float32)
+    ds_rows = z.new_empty(m, dtype=torch.float32)
+    dl = z.new_empty((rows, cols))
+    logits = z.new_empty((rows, cols), dtype=torch.float32) if kept is None else None
+    for r0 in range(0, m, rows):
+        r1 = min(r0 + rows, m)
+        blocks = range(r0, m, cols)
+        for j, c0 in enumerate(blocks):
+            c1 = min(c0 + cols, m)
+            block = dl[: r1 - r0, : c1 - c0]
+            if kept is None:
+                products = logits[: r1 - r0, : c1 - c0]
+                _write_product(products, z[r0:r1], z[c0:c1].T)
+            else:
+                products = kept[r0:r1, c0:c1]
+            write_dlogits(z, z, inputs, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits, share,
+                          products, symmetric=True, triangle=True)
+            _add_product(dz[r0:r1], block, z[c0:c1], r0 > 0 or c0 > r0)
+            past = max(c0, r1)  # the block's columns past the band: their rows' share, the lower triangle's
+            if past < c1:
+                _add_product(dz[past:c1], block[:, past - c0:].T, z[r0:r1], r0 > 0)
+        ds_rows[r0:r1] = ds[: len(blocks), :, : r1 - r0].sum((0, 1))
+    out = None if z.dtype == torch.float32 else torch.empty_like(z, memory_format=torch.contiguous_format)
+    _finish(dz, z, None if norms is None else norms[0], factor, out)
+    return (dz if out is None else out), ds_rows
 
 
 @launch.operator("contrastkit::negative_stats_backward")
@@ -202,7 +263,9 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     from_cublas = backward_logits == "cublas" or dense
     logits = kept if dense else None
     if b is None and not columns:
-        if from_cublas:  # the band design: dL + dL^T per band, one product
+        if from_cublas and a.shape[0] * a.shape[1] * 4 <= TRIANGLE_BYTES:  # the upper triangle alone
+            dz, ds = _triangle_gradients(a, inputs, stats, grad, factor, kept=logits)
+        elif from_cublas:  # the band design: dL + dL^T per band, one product
             dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, True, symmetric=True, kept=logits)
         else:
             dz, ds = two_view_gradient(a, inputs, stats, grad, factor)

@@ -3,9 +3,9 @@
 read it (triton_stats.py), so dA and dB come from one recompute (image-text and query/queue: 1 recompute +
 2 products).
 
-dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
-buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the
-columns. The buffer is bounded: blocks of at most BAND_BYTES (256 MiB; block_shape): at N = 32768
+scale dL' (dL' = dL / factor, factor = max |grad|, so that float16's small entries stay in range) goes to a
+[rows, K] buffer in the inputs' dtype, the operand of the products as they stand; with it the rows' terms of
+d scale, sum_k dL'_ik a_i.b_k, per split of the columns. The buffer is bounded: blocks of at most BAND_BYTES (256 MiB; block_shape): at N = 32768
 bfloat16, 8 bands of 4096 rows and every column; at N = 262144, 23 x 23 blocks of 11520 x 11520.
 """
 
@@ -54,17 +54,22 @@ def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:
 def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, ids_b_ptr, stats_ptr, grad_ptr,
             dl_ptr, ds_ptr, M, K, R0, R1, C0, C1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_lr, s_ds, D: tl.constexpr,
             E: tl.constexpr, LABELS: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr,
-            SYMMETRIC: tl.constexpr, FROM_LOGITS: tl.constexpr,
+            SYMMETRIC: tl.constexpr, TRIANGLE: tl.constexpr, FROM_LOGITS: tl.constexpr,
             NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """dl[rows - R0, cols - C0] = dL'[rows, cols] for rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0),
-    rows < R1) and the columns C0 + [SPLIT s, SPLIT (s + 1)) (s = program_id(1), columns < C1);
-    ds[s, rows - R0] = sum over those columns of dL' a.b.
+    """dl[rows - R0, cols - C0] = scale dL'[rows, cols] (d loss / d (a.b), over factor) for rows R0 + [t BLOCK_M,
+    (t + 1) BLOCK_M) (t = program_id(0), rows < R1) and the columns C0 + [SPLIT s, SPLIT (s + 1)) (s =
+    program_id(1), columns < C1): the operand whose products with b and a are dA and dB as they stand (cuBLAS
+    adds them into float32 sums, no scaling pass); ds[s, rows - R0] = sum over those columns of dL' a.b.
     stats, grad: [S, M] (rows' lse, then mean (WITH_MEAN) or the columns' lse (COLUMNS, square)).
     FROM_LOGITS: the products a.b of the block read from p [R1 - R0, C1 - C0] float32 (cuBLAS wrote them: the
     band design), not computed here. SYMMETRIC (two views, a = b): dl = dL' + dL'^T on the block, the term
     dL'_ki from row k's statistics and exclusions (L is symmetric), so that one product gives dz; ds from
-    dL' alone. NORMALIZE: a and b are the features as given, the logits scale (a.b) inv_a inv_b
+    dL' alone. TRIANGLE (with SYMMETRIC: the band design's two views over the upper triangle, the columns from
+    the band's first row on, triton_stats._triangle_gradients): the entries (k, r) below the diagonal are never
+    visited, so ds sums H = dL' + dL'^T times a.b over the columns past the band (k >= R1) and H / 2 on the
+    band's own square (the first block's columns R0:R1, which holds both (r, k) and (k, r)). NORMALIZE: a and
+    b are the features as given, the logits scale (a.b) inv_a inv_b
     (common.scaled), ds sums dL' times those cosines, and dl is written times inv_a inv_b, so that cuBLAS's
     products of it with the features are the gradients with respect to the unit vectors, times the rows'
     inverse norms (triton_stats applies the normalisation's projection after). LABELS: pairs also left out by
@@ -107,26 +112,31 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_
         else:
             dl = anchor_dlogits(s, rows, M, stats_ptr, grad_ptr, scale, WITH_MEAN, True)
         dl = tl.where(ok, dl, 0.0)
-        ds += tl.sum(dl * products, axis=1)
+        if not TRIANGLE:
+            ds += tl.sum(dl * products, axis=1)
         if SYMMETRIC:  # + dL'_kr: the columns as anchors, their own exclusions
             ok_t = valid(ex_ptr, cols, rows, end, R1, E, False)
             if LABELS != 0:
                 ok_t = ok_t & by_label
             dl += tl.where(ok_t, anchor_dlogits(s, cols, M, stats_ptr, grad_ptr, scale, WITH_MEAN, False), 0.0)
-        dl = scaled(dl, inv_a, inv_b, NORMALIZE)
+        if TRIANGLE:  # from H = dL' + dL'^T: past the band an entry stands for itself and its unvisited mirror,
+            # on the band's own square, which holds both, H sums to twice dL' (exactly: the square is symmetric)
+            ds += tl.sum(tl.where(cols[None, :] >= R1, dl, 0.5 * dl) * products, axis=1)
+        dl = scaled(dl, inv_a, inv_b, NORMALIZE) * scale
         tl.store(dl_ptr + (rows - R0)[:, None] * s_lr + (cols - C0)[None, :], dl.to(dl_ptr.dtype.element_ty),
                  mask=inside[:, None] & (cols[None, :] < end))
     tl.store(ds_ptr + tl.program_id(1) * s_ds + rows - R0, ds, mask=inside)
 
 
 def write_dlogits(a, b, inputs: launch.KernelInputs, stats, grad, dl, ds, r0, r1, c0, c1, splits, share,
-                  logits=None, symmetric=False):
+                  logits=None, symmetric=False, triangle=False):
     """dl[:r1 - r0, :c1 - c0] = dL' of rows r0:r1 and columns c0:c1 (in a's dtype), ds[:, :r1 - r0] their d scale
     terms per split of the columns (splits, share: launch.split), from the forward's statistics and their
     upstream gradient dL / factor (stats, grad [S, M]) and the call's inputs. logits: the block's products a.b
-    in float32 (cuBLAS's), else the kernel computes them; symmetric: dL' + dL'^T (two views, b is a)."""
+    in float32 (cuBLAS's), else the kernel computes them; symmetric: dL' + dL'^T (two views, b is a);
+    triangle: the block is of the upper triangle's (the kernel's TRIANGLE)."""
     launch.run(dlogits, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "FROM_LOGITS", "NORMALIZE", "LABELS"),
+               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "TRIANGLE", "FROM_LOGITS", "NORMALIZE", "LABELS"),
                *inputs.pointers(a, b, logits), stats, grad, dl, ds, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share,
                s_pr=0 if logits is None else logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0),
-               SYMMETRIC=symmetric, FROM_LOGITS=logits is not None, **inputs.constants(a, b), blocks=inputs.blocks)
+               SYMMETRIC=symmetric, TRIANGLE=triangle, FROM_LOGITS=logits is not None, **inputs.constants(a, b), blocks=inputs.blocks)
