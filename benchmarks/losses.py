@@ -67,9 +67,12 @@ TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-tri
 # Where the Triton path's logits come from, forward and backward (triton_stats.LOGITS; "-triton" alone: its
 # defaults, dense where the matrix fits, else the kernels' forward and cuBLAS's backward): "-band" both from
 # cuBLAS per band (every kernel elementwise), "-dense" written whole once and read back, "-fused" both
-# computed inside the kernels (the first design).
-LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel")}
-TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS]
+# computed inside the kernels (the first design); two views' "-rows": "-band" with the backward over full
+# rows instead of the upper triangle (triton_stats.TRIANGLE_BYTES 0), what the triangle gains.
+LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel"),
+                   "rows": ("cublas", "cublas")}
+TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS
+           if v != "rows" or not m.startswith("clip")]
 # DCL through each torch path (the blockwise kernel, the dense matrix): where the Triton path's fixed cost
 # dominates (small N), beside it.
 GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]] + ["dcl-torch", "dcl-dense", "clip-dcl-torch",
@@ -92,7 +95,8 @@ def _step(method: str, n: int, d: int, args) -> dict:
     one entry per variant ("floor-2v/blocks", ...)."""
     base, _, variant = method.rpartition("-")
     if variant in LOGITS_VARIANTS and base.endswith("-triton"):  # the Triton path with its logits from elsewhere
-        return {method: _with_logits(fn, *LOGITS_VARIANTS[variant]) for fn in _step(base, n, d, args).values()}
+        return {method: _with_logits(fn, *LOGITS_VARIANTS[variant], full_rows=variant == "rows")
+                for fn in _step(base, n, d, args).values()}
     import torch
     import torch.nn.functional as F
 
@@ -139,17 +143,20 @@ def _step(method: str, n: int, d: int, args) -> dict:
     return {method: lambda: loss_fn(x, y).backward()}
 
 
-def _with_logits(fn, forward: str, backward: str):
-    """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS)."""
+def _with_logits(fn, forward: str, backward: str, full_rows: bool = False):
+    """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS), and
+    with ``full_rows`` two views' backward over full rows (no triangle)."""
     def run():
         from contrastkit.losses import triton_stats
 
-        saved = triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS
+        saved = triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES
         triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = forward, backward
+        if full_rows:
+            triton_stats.TRIANGLE_BYTES = 0
         try:
             fn()
         finally:
-            triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = saved
+            triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES = saved
 
     return run
 
