@@ -153,7 +153,7 @@ def test_done_when_at_32768():
     assert t[(IT, "best")] <= 3.0
     # two views <= 3.5x its 2-GEMM floor: with the backward over the upper triangle both band paths hold (full
     # rows: band 3.85, band+fwd 3.31)
-    assert t[(TV, "band")] == pytest.approx(3.18, abs=0.02) and t[(TV, "band")] <= 3.5
+    assert t[(TV, "band")] == pytest.approx(3.19, abs=0.02) and t[(TV, "band")] <= 3.5
     assert t[(TV, "band+fwd")] == pytest.approx(2.65, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: missed (its products take twice as long, and they are half of bf16's time)

@@ -9,12 +9,12 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
 - backward, per block of rows and columns (a band of rows and every column up to large sizes): the block's
   logits recomputed by cuBLAS in float32, d loss / d logits written once in the inputs' dtype by an
-  elementwise kernel (dlogits.py, with the logit scale folded in), then on cuBLAS dA[rows] += dL b[cols]
-  and dB[cols] += dL^T a[rows] (image-text, query/queue), or for two views dz[rows] += (dL + dL^T) z[cols],
+  elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += dL b[cols] and dB[cols] += dL^T a[rows]
+  (image-text, query/queue), or for two views dz[rows] += (dL + dL^T) z[cols],
   one product (L = z z^T is symmetric: dL^T's entries come from the columns' own statistics), and where
   dz's float32 sum fits TRIANGLE_BYTES over the upper triangle alone (_triangle_gradients: the rows past
   each band from the same block's transposed product); each gradient summed in float32 in cuBLAS's
-  epilogue (addmm with out_dtype).
+  epilogue (addmm with out_dtype), then times the logit scale once.
 
 Where each pass's logits come from is FORWARD_LOGITS / BACKWARD_LOGITS ("kernel": the Triton kernels compute
 their own products; "cublas": the band design above, every kernel elementwise). The first design, still one
@@ -146,7 +146,8 @@ def _add_product(out, x, y, accumulate):
 
 
 def _finish(total, x, inv, factor, out=None):
-    """A gradient from its float32 sum of products (of d logits over factor): times factor, then F.normalize's
+    """A gradient from its float32 sum of products of d logits: times ``factor`` (the logit scale, and the
+    d logits' own factor: d logits in float16 stay in range without either), then F.normalize's
     backward where the rows' inverse norms ``inv`` are given (functional.normalization_backward), written
     into ``out`` in its dtype, or in place in ``total`` where out is None."""
     if inv is not None:
@@ -183,6 +184,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
     ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas and kept is None else None
+    step = inputs.scale * factor  # on the sums, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
@@ -199,19 +201,19 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
-        _finish(da_band, a[r0:r1], None if norms is None else norms[0][r0:r1], factor,
+        _finish(da_band, a[r0:r1], None if norms is None else norms[0][r0:r1], step,
                 None if da_sum is None else da[r0:r1])
     if not symmetric:
-        _finish(db_sum, b, None if norms is None else norms[1], factor, None if db_sum is db else db)
+        _finish(db_sum, b, None if norms is None else norms[1], step, None if db_sum is db else db)
     return da, db, ds_rows
 
 
 def _triangle_gradients(z, inputs, stats, grad, factor, kept=None):
     """(dz, the rows' d scale terms / factor) of two views (L = s z z^T, symmetric) over the upper triangle
     alone: per band of rows r0:r1 the blocks of columns from r0 on, their logits from cuBLAS (or the dense
-    path's ``kept``), d logits H = s (dL' + dL'^T) once (dlogits.py's SYMMETRIC, TRIANGLE), then dz[r0:r1] +=
-    H z[c0:c1] and, for the columns past the band, dz[c0:c1] += H^T z[r0:r1] (the lower triangle's share, by
-    symmetry). Against _band_gradients' full rows: half the recompute and half the d logits pass, the same
+    path's ``kept``), d logits H = dL' + dL'^T once (dlogits.py's SYMMETRIC, TRIANGLE), then dz[r0:r1] += H
+    z[c0:c1] and, for the columns past the band, dz[c0:c1] += H^T z[r0:r1] (the lower triangle's share, by
+    symmetry), dz times the logit scale at the end. Against _band_gradients' full rows: half the recompute and half the d logits pass, the same
     product FLOPs (docs/performance.md). dz is summed in float32 [M, D] (TRIANGLE_BYTES bounds it), then
     normalised as _band_gradients' (functional.normalization_backward) where the inputs carry inverse norms."""
     m, d = z.shape
@@ -242,7 +244,7 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None):
                 _add_product(dz[past:c1], block[:, past - c0:].T, z[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[: len(blocks), :, : r1 - r0].sum((0, 1))
     out = None if z.dtype == torch.float32 else torch.empty_like(z, memory_format=torch.contiguous_format)
-    _finish(dz, z, None if norms is None else norms[0], factor, out)
+    _finish(dz, z, None if norms is None else norms[0], inputs.scale * factor, out)
     return (dz if out is None else out), ds_rows
 
 

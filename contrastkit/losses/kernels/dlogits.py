@@ -3,9 +3,10 @@
 read it (triton_stats.py), so dA and dB come from one recompute (image-text and query/queue: 1 recompute +
 2 products).
 
-scale dL' (dL' = dL / factor, factor = max |grad|, so that float16's small entries stay in range) goes to a
-[rows, K] buffer in the inputs' dtype, the operand of the products as they stand; with it the rows' terms of
-d scale, sum_k dL'_ik a_i.b_k, per split of the columns. The buffer is bounded: blocks of at most BAND_BYTES (256 MiB; block_shape): at N = 32768
+dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
+buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the
+columns. The logit scale and the factor go on the products' float32 sums once, at the end (triton_stats).
+The buffer is bounded: blocks of at most BAND_BYTES (256 MiB; block_shape): at N = 32768
 bfloat16, 8 bands of 4096 rows and every column; at N = 262144, 23 x 23 blocks of 11520 x 11520.
 """
 
@@ -57,10 +58,9 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_
             SYMMETRIC: tl.constexpr, TRIANGLE: tl.constexpr, FROM_LOGITS: tl.constexpr,
             NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """dl[rows - R0, cols - C0] = scale dL'[rows, cols] (d loss / d (a.b), over factor) for rows R0 + [t BLOCK_M,
-    (t + 1) BLOCK_M) (t = program_id(0), rows < R1) and the columns C0 + [SPLIT s, SPLIT (s + 1)) (s =
-    program_id(1), columns < C1): the operand whose products with b and a are dA and dB as they stand (cuBLAS
-    adds them into float32 sums, no scaling pass); ds[s, rows - R0] = sum over those columns of dL' a.b.
+    """dl[rows - R0, cols - C0] = dL'[rows, cols] for rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0),
+    rows < R1) and the columns C0 + [SPLIT s, SPLIT (s + 1)) (s = program_id(1), columns < C1);
+    ds[s, rows - R0] = sum over those columns of dL' a.b.
     stats, grad: [S, M] (rows' lse, then mean (WITH_MEAN) or the columns' lse (COLUMNS, square)).
     FROM_LOGITS: the products a.b of the block read from p [R1 - R0, C1 - C0] float32 (cuBLAS wrote them: the
     band design), not computed here. SYMMETRIC (two views, a = b): dl = dL' + dL'^T on the block, the term
@@ -122,7 +122,7 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_
         if TRIANGLE:  # from H = dL' + dL'^T: past the band an entry stands for itself and its unvisited mirror,
             # on the band's own square, which holds both, H sums to twice dL' (exactly: the square is symmetric)
             ds += tl.sum(tl.where(cols[None, :] >= R1, dl, 0.5 * dl) * products, axis=1)
-        dl = scaled(dl, inv_a, inv_b, NORMALIZE) * scale
+        dl = scaled(dl, inv_a, inv_b, NORMALIZE)
         tl.store(dl_ptr + (rows - R0)[:, None] * s_lr + (cols - C0)[None, :], dl.to(dl_ptr.dtype.element_ty),
                  mask=inside[:, None] & (cols[None, :] < end))
     tl.store(ds_ptr + tl.program_id(1) * s_ds + rows - R0, ds, mask=inside)
