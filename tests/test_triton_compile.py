@@ -49,10 +49,11 @@ def test_tensor_cores_no_spills_one_block_per_sm(compiled):
     """The kernels with a product inside run it on tensor cores; the band design's, elementwise, run none
     (a product there would mean the variant did not take effect). No spills, but a few bytes for the labelled
     two-view backward on sm_90 bf16, the most masks in one kernel and not the default path: triton 3.8 fits it
-    in 254 registers, 3.5.1 spills 32 bytes and 3.9.0 (torch 2.15's, with its CUDA 13 ptxas) 60."""
+    in 254 registers, 3.5.1 spills 64 bytes (76 before the triangle's d scale) and 3.9.0 (torch 2.15's, with
+    its CUDA 13 ptxas) 60."""
     for r in compiled:
         what = f"{r['kernel']} columns={r['columns']} sm_{r['arch']} {r['dtype']} {r['config']}"
         expected = "none (FMA)" if r["kernel"] in BAND else "wgmma" if r["arch"] == 90 else "mma.sync"
         assert r["instruction"] == expected, what
-        assert r["spill_bytes"] <= (64 if r["kernel"] == "two-view-band-labels" else 0), what
+        assert r["spill_bytes"] <= (80 if r["kernel"] == "two-view-band-labels" else 0), what
         assert r["registers"] <= 255 and r["blocks_per_sm"] >= 1, what
