@@ -153,10 +153,13 @@ def floor_gemms(setting: str) -> int:
     return 3 if setting == IMAGE_TEXT else 2
 
 
+def backward_launches_per_block(path: str, setting: str) -> int:
+    return (1 if path in ("band", "band+fwd") else 0) + 1 + _products(setting)  # recompute, pass, products
+
+
 def launches_per_block(path: str, setting: str) -> int:
     forward = {"band": 2, "band+fwd": 0, "dense": 2, "dense+epilogue": 1}[path]
-    backward = (1 if path in ("band", "band+fwd") else 0) + 1 + _products(setting)  # recompute, pass, products
-    return forward + backward
+    return forward + backward_launches_per_block(path, setting)
 
 
 def fixed_launches(path: str, setting: str) -> int:
@@ -289,7 +292,7 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
         traffic -= (1 - visited) * recomputed * m * k
         products -= (1 - visited) * gemm_s(m, k, d, dtype)
         traffic += (blk.row_blocks - 1) * (m / 2) * d * 8
-        backward_launches = launches_per_block(path, setting) - {"band": 2, "band+fwd": 0}[path]
+        backward_launches = backward_launches_per_block(path, setting)
         if blk.col_blocks == 1:  # bands, each one block: a second product for all but the last
             launches += blk.row_blocks - 1
         else:  # square blocks: the triangle's R (R + 1) / 2, the R (R - 1) / 2 past the diagonal with two products

@@ -158,6 +158,18 @@ def _finish(total, x, inv, factor, out=None):
         torch.mul(total, factor, out=out)
 
 
+def _block_logits(a, b, r0, r1, c0, c1, kept, buffer):
+    """The float32 logits of the block a[r0:r1] b[c0:c1]^T that the d-logits kernel reads: the dense path's kept
+    ones, else cuBLAS's written into ``buffer``, else None (the kernel computes its own products)."""
+    if kept is not None:
+        return kept[r0:r1, c0:c1]
+    if buffer is None:
+        return None
+    out = buffer[: r1 - r0, : c1 - c0]
+    _write_product(out, a[r0:r1], b[c0:c1].T)
+    return out
+
+
 def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmetric=False, kept=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their
     upstream gradient dL / factor and the call's inputs (launch.KernelInputs): per block of d logits (a band
@@ -191,10 +203,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
         for j, c0 in enumerate(range(0, k, cols)):
             c1 = min(c0 + cols, k)
             block = dl[: r1 - r0, : c1 - c0]
-            products = None if kept is None else kept[r0:r1, c0:c1]
-            if logits is not None:
-                products = logits[: r1 - r0, : c1 - c0]
-                _write_product(products, a[r0:r1], b[c0:c1].T)
+            products = _block_logits(a, b, r0, r1, c0, c1, kept, logits)
             write_dlogits(a, b, inputs, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits, share,
                           products, symmetric)
             _add_product(da_band, block, b[c0:c1], c0 > 0)
@@ -231,11 +240,7 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None):
         for j, c0 in enumerate(blocks):
             c1 = min(c0 + cols, m)
             block = dl[: r1 - r0, : c1 - c0]
-            if kept is None:
-                products = logits[: r1 - r0, : c1 - c0]
-                _write_product(products, z[r0:r1], z[c0:c1].T)
-            else:
-                products = kept[r0:r1, c0:c1]
+            products = _block_logits(z, z, r0, r1, c0, c1, kept, logits)
             write_dlogits(z, z, inputs, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits, share,
                           products, symmetric=True, triangle=True)
             _add_product(dz[r0:r1], block, z[c0:c1], r0 > 0 or c0 > r0)
