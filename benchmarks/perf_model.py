@@ -27,6 +27,9 @@ The paths (docs/performance.md, "The second design (issue 40): predicted", says 
   is 4 M K bytes (+ 2 M K for bf16 d logits).
 - dense+epilogue: dense with the rows' statistics written by the GEMM's epilogue (the stretch: no forward
   pass over the logits).
+- float32 with TF32 allowed ("tf32"): every path runs on float16 copies of the unit vectors
+  (triton_stats.HALF_UNITS_FOR_TF32), so its passes, products and memory are bf16's; the copies add, in the
+  forward and again in the backward, a read of the float32 features and a write of their float16 units.
 - open_clip's ClipLoss and lightly's NTXentLoss, as their code runs under CUDA autocast (bf16).
 """
 
@@ -43,14 +46,15 @@ from pathlib import Path
 # run 4). The image-text floor of run 3 (3 GEMMs of 32768 x 32768 x 512: 5.0 ms) is the same rate.
 CUBLAS_BF16_FLOPS = 659e12
 # TF32: not measured in this repository (the float32 run did not fit run 3's time). Assumed half of bf16's,
-# as the H100 SXM's dense peaks are (494.7 against 989.4 TFLOP/s), at the same share of peak.
+# as the H100 SXM's dense peaks are (494.7 against 989.4 TFLOP/s), at the same share of peak. contrastkit's
+# paths take float16 units instead (the bf16 rate); the rate prices TF32 products where they would run.
 CUBLAS_TF32_FLOPS = CUBLAS_BF16_FLOPS / 2
 # Copy bandwidth, bytes read + written, measured on the first H100 run (issue 40); HBM3's peak is 3.35 TB/s.
 HBM_BYTES_PER_S = 3.0e12
 # The fused Triton forward (stats_fwd, best entry 128x128x64, 8 warps, 3 stages), two views at N = 32768:
 # 11.76 ms for the [65536, 65536] matrix at D = 512, bf16 (kernels.md, run 4; the production default entry
-# 128x64x64: 13.73 ms). Scaled by M K D for other sizes; the image-text variant (rows and columns) and TF32
-# (twice the time: products at half the rate, operands twice the bytes) are assumptions, not measurements.
+# 128x64x64: 13.73 ms). Scaled by M K D for other sizes; the image-text variant (rows and columns) is an
+# assumption, not a measurement (TF32 runs the same kernel on float16 units).
 STATS_FWD_S = 11.76e-3
 STATS_FWD_MKD = 65536 * 65536 * 512
 # Per kernel launch: an assumption (a CUDA launch plus a lean host path issuing it; eager PyTorch ops cost
@@ -111,23 +115,21 @@ def _products(setting: str) -> int:
     return 2 if setting == IMAGE_TEXT else 1
 
 
-def _dl_bytes(dtype: str) -> int:
-    """d logits are written in the products' input dtype: bf16 2 B; float32 (TF32 products) 4 B."""
-    return 2 if dtype == "bf16" else 4
+DL_BYTES = 2  # d logits in the products' 16-bit dtype (bf16, or float16 for float32 under TF32)
 
 
-def passes(path: str, setting: str, dtype: str = "bf16") -> dict[str, dict[str, int]]:
+def passes(path: str, setting: str) -> dict[str, dict[str, int]]:
     """{"forward": {what: bytes per logit}, "backward": {...}}: global-memory traffic per logit, reads +
     writes, of each pass over the [M, K] matrix (the [M, D] operands and accumulators are counted per block
     in predict(); the per-row statistics are negligible)."""
-    dl = _dl_bytes(dtype)
+    dl = DL_BYTES
     reads = {f"product {i + 1} reads d logits": dl for i in range(_products(setting))}
     d_logits = {"fused pass writes d logits": dl, **reads}
     if path == "band":
         return {"forward": {"cuBLAS writes logits (float32)": 4, "fused pass reads them": 4},
                 "backward": {"cuBLAS recomputes logits (float32)": 4, "fused pass reads them": 4, **d_logits}}
     if path == "band+fwd":  # the forward's time is measured (stats_fwd), its bytes inside it
-        return {"forward": {}, "backward": passes("band", setting, dtype)["backward"]}
+        return {"forward": {}, "backward": passes("band", setting)["backward"]}
     if path == "dense":
         return {"forward": {"cuBLAS writes logits (float32, kept)": 4, "statistics pass reads them": 4},
                 "backward": {"fused pass reads the kept logits": 4, **d_logits}}
@@ -137,8 +139,8 @@ def passes(path: str, setting: str, dtype: str = "bf16") -> dict[str, dict[str, 
     raise ValueError(f"unknown path {path!r}")
 
 
-def bytes_per_logit(path: str, setting: str, dtype: str = "bf16") -> int:
-    return sum(sum(p.values()) for p in passes(path, setting, dtype).values())
+def bytes_per_logit(path: str, setting: str) -> int:
+    return sum(sum(p.values()) for p in passes(path, setting).values())
 
 
 def gemms(path: str, setting: str) -> dict[str, int]:
@@ -169,20 +171,17 @@ def fixed_launches(path: str, setting: str) -> int:
     return BUILT_OPERATORS[built][setting] - launches_per_block(built, setting)
 
 
-def resident_bytes_per_logit(dtype: str) -> int:
-    """The [M, K]-sized memory a block holds: float32 logits, and bf16 d logits beside them (float32 d
-    logits overwrite the logits in place)."""
-    return 4 + (2 if dtype == "bf16" else 0)
+RESIDENT_BYTES_PER_LOGIT = 4 + DL_BYTES  # what a block holds: float32 logits, the 16-bit d logits beside them
 
 
-def dense_memory(m: int, k: int, dtype: str = "bf16") -> int:
-    """Bytes the dense path keeps: 4 M K of float32 logits, + 2 M K of bf16 d logits."""
-    return m * k * resident_bytes_per_logit(dtype)
+def dense_memory(m: int, k: int) -> int:
+    """Bytes the dense path keeps: 4 M K of float32 logits, + 2 M K of 16-bit d logits."""
+    return m * k * RESIDENT_BYTES_PER_LOGIT
 
 
-def dense_max_n(setting: str, budget: int, dtype: str = "bf16") -> int:
+def dense_max_n(setting: str, budget: int) -> int:
     """The largest N whose dense matrix fits the budget."""
-    side = math.isqrt(budget // resident_bytes_per_logit(dtype))
+    side = math.isqrt(budget // RESIDENT_BYTES_PER_LOGIT)
     return side // 2 if setting == TWO_VIEW else side
 
 
@@ -262,35 +261,38 @@ class Prediction:
 
 def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,
             launch_s: float = LAUNCH_S) -> Prediction:
-    """Forward + backward of one loss call on ``path``, at batch ``n`` (two views: N samples)."""
+    """Forward + backward of one loss call on ``path``, at batch ``n`` (two views: N samples); dtype "bf16" or
+    "tf32" (float32 features under TF32: the same passes on float16 units, and the units' copies)."""
     m, k = shape(setting, n)
-    resident = resident_bytes_per_logit(dtype)
     if path.startswith("dense"):
         blk = Blocks(m, k, 1, 1)
-        memory = dense_memory(m, k, dtype)
+        memory = dense_memory(m, k)
     else:
-        blk = blocks(m, k, resident, budget)
-        memory = blk.rows * blk.cols * resident
+        blk = blocks(m, k, RESIDENT_BYTES_PER_LOGIT, budget)
+        memory = blk.rows * blk.cols * RESIDENT_BYTES_PER_LOGIT
     g = gemms(path, setting)
-    products = gemm_s(m, k, d, dtype) * (g["forward"] + g["backward"])
-    # Per block: each GEMM reads its operands once ([rows + cols, D] in the input dtype), and a gradient
-    # summed over several blocks is read and written in float32 by cuBLAS's epilogue (image-text dB over the
-    # row bands; dA, and two views' dZ, over the column blocks).
-    elem = 2 if dtype == "bf16" else 4
-    operands = (g["forward"] + g["backward"]) * (blk.rows + blk.cols) * d * elem
+    products = gemm_s(m, k, d) * (g["forward"] + g["backward"])
+    # Per block: each GEMM reads its 16-bit operands once ([rows + cols, D]), and a gradient summed over
+    # several blocks is read and written in float32 by cuBLAS's epilogue (image-text dB over the row bands;
+    # dA, and two views' dZ, over the column blocks).
+    operands = (g["forward"] + g["backward"]) * (blk.rows + blk.cols) * d * 2
     accumulators = 8 * d * ((blk.cols if setting == IMAGE_TEXT and blk.row_blocks > 1 else 0)
                             + (blk.rows if blk.col_blocks > 1 else 0))
-    traffic = m * k * bytes_per_logit(path, setting, dtype) + blk.count * (operands + accumulators)
+    traffic = m * k * bytes_per_logit(path, setting) + blk.count * (operands + accumulators)
     launches = fixed_launches(path, setting) + blk.count * launches_per_block(path, setting)
+    if dtype == "tf32":  # the units made in forward and in backward (read 4 B, write 2 B a feature), their
+        inputs = 1 if setting == TWO_VIEW else 2  # launches, 2 more for d logits' factor, 1 a band to finish
+        traffic += 2 * inputs * m * d * (4 + 2)
+        launches += 2 * inputs + 2 + blk.row_blocks
     if triangle(path, setting, n, d) and blk.row_blocks > 1:
         # The backward's recompute and d-logits pass over the visited share; its products whole (visited +
         # mirrored = 1), the mirrored blocks' second product adding into dZ's rows past the band (float32,
         # read and written by cuBLAS's epilogue: R - 1 bands of (M - r1) D on average half of M D).
         visited, mirrored = triangle_shares(blk)
-        recomputed = sum(v for key, v in passes(path, setting, dtype)["backward"].items()
+        recomputed = sum(v for key, v in passes(path, setting)["backward"].items()
                          if not key.startswith("product"))
         traffic -= (1 - visited) * recomputed * m * k
-        products -= (1 - visited) * gemm_s(m, k, d, dtype)
+        products -= (1 - visited) * gemm_s(m, k, d)
         traffic += (blk.row_blocks - 1) * (m / 2) * d * 8
         backward_launches = backward_launches_per_block(path, setting)
         if blk.col_blocks == 1:  # bands, each one block: a second product for all but the last
@@ -300,7 +302,7 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
             launches += -backward_launches * r * (r - 1) // 2 + r * (r - 1) // 2
     measured = 0.0
     if path == "band+fwd":
-        measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD * (1 if dtype == "bf16" else 2)
+        measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD
         launches += 1
     return Prediction(path, setting, n, dtype, products, traffic / HBM_BYTES_PER_S, measured,
                       launches * launch_s, launches, blk, memory, memory <= budget)

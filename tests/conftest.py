@@ -78,3 +78,20 @@ def device(request) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         pytest.exit("--device cuda: no CUDA device here", returncode=2)
     return torch.device(name)
+
+
+@pytest.fixture
+def float32_precision():
+    """Restores torch's float32 matmul precision after the test, whichever API set it (see precision.py)."""
+    matmul, new_api = torch.backends.cuda.matmul, hasattr(torch.backends, "fp32_precision")
+    try:
+        legacy = matmul.allow_tf32  # raises once the new API is in use
+    except RuntimeError:
+        legacy = None
+    saved = (torch.backends.fp32_precision, matmul.fp32_precision) if new_api else None
+    yield
+    if new_api:  # "none" (nothing set) unless the new API had set it; then the legacy flag as it was
+        set_legacy = legacy is not None and saved[1] != "none"
+        torch.backends.fp32_precision, matmul.fp32_precision = saved[0], "none" if set_legacy else saved[1]
+    if legacy is not None and (not new_api or set_legacy):
+        matmul.allow_tf32 = legacy

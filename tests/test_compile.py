@@ -80,6 +80,15 @@ def test_triton_backend_with_bf16_features_compiles(setting):
     _check("dcl", setting, "aot_eager", dtype=torch.bfloat16, backend="triton")
 
 
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_triton_backend_under_tf32_compiles_with_its_rounding(float32_precision, setting):
+    """float32 under TF32 on the Triton path runs on float16 unit vectors, the positives' cosines from the same
+    units (functional.half_units, an operator of its own): compiled by Inductor, which drops a float16 round
+    trip inside a fused kernel, the rounding stays, and the call equals eager (5e-5 off without it)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    _check("infonce", setting, "inductor", backend="triton")
+
+
 LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "image_text"), ("eqco", "positive", "queue"),
             ("dclw", "positive", "query_key"), ("cacr", "mask", "three_views"), ("eqco", "mask", "two_views"),
             ("cacr", "positive", "queue")]

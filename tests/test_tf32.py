@@ -48,11 +48,11 @@ def test_emulation_rounds_to_tf32():
     assert mode.products == 1
 
 
-def _errors(name, setting, chunk, inputs, reference=None):
+def _errors(name, setting, chunk, inputs, reference=None, backend="auto"):
     """Relative errors of the loss and every gradient against the float64 reference (or the results)."""
     dtype = torch.float64 if reference is None else torch.float32
     leaves = [t.detach().to(dtype).clone().requires_grad_() for t in inputs]
-    fn = build_loss(name, chunk_size=chunk)
+    fn = build_loss(name, chunk_size=chunk, backend=backend)
     with EmulateTF32() if reference is not None else contextlib.nullcontext():
         if setting == "image_text":
             loss = fn.cross_modal(leaves[0], leaves[1], logit_scale=leaves[2])
@@ -81,3 +81,73 @@ def test_blockwise_within_dense_error_under_tf32(name, setting, noise):
         blockwise = _errors(name, setting, chunk, inputs, want)
         for what, err, ref in zip(["loss", "grad a", "grad b", "grad scale"], blockwise, dense):
             assert err <= 2 * ref + 1e-6, f"{what}: blockwise {err:.2e} vs dense {ref:.2e} (chunk {chunk})"
+
+
+# The loss and the scale's gradient of a batch whose positives dominate (p_ii ~ 1 at a logit scale of 100:
+# the loss ~1e-21) carry the logits' absolute error as a relative one, which an exact positive against
+# rounded negatives (the dense path) and rounded units throughout (the Triton path) spread differently
+# (1.4e-3 against 2.2e-4 measured): those two are held to TF32's 2^-11 four times over instead.
+TF32_ROUNDING = 2**-9
+
+
+@pytest.mark.parametrize("name, setting, noise", [("infonce", "image_text", 0.3), ("infonce", "image_text", 3.0),
+                                                  ("dcl", "image_text", 0.3), ("infonce", "two_views", 0.3),
+                                                  ("dcl", "two_views", 3.0), ("cacr", "two_views", 0.3)])
+def test_triton_within_dense_error_under_tf32(float32_precision, name, setting, noise):
+    """The Triton path with TF32 allowed runs on float16 unit vectors (triton_stats.HALF_UNITS_FOR_TF32), its
+    positives from the same units: the features' gradients within twice the dense loss's error under emulated
+    TF32, the loss and the scale's gradient within that or TF32_ROUNDING."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(1024, 64, generator=g, dtype=torch.float64)
+    b = a + noise * torch.randn(1024, 64, generator=g, dtype=torch.float64)
+    inputs = [a, b, torch.tensor(100.0 if setting == "image_text" else 1.0, dtype=torch.float64)]
+    inputs = inputs if setting == "image_text" else inputs[:2]
+    want = _errors(name, setting, 0, inputs)
+    dense = _errors(name, setting, 0, inputs, want)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    triton = _errors(name, setting, None, inputs, want, backend="triton")
+    for what, err, ref in zip(["loss", "grad a", "grad b", "grad scale"], triton, dense):
+        slack = TF32_ROUNDING if what in ("loss", "grad scale") else 1e-6
+        assert err <= 2 * ref + slack, f"{what}: Triton {err:.2e} vs dense {ref:.2e}"
+
+
+def test_positive_cosines_of_float16_units():
+    """row_cosines(units16=True), the Triton path's positives under TF32: the cosines of the unit vectors rounded
+    to float16 as the kernels' operands are (functional.half_units), in float32 sums, and their gradient the
+    float64 one straight through the rounding (F.normalize's backward of the other's rounded unit vector); a
+    zero row (its norm clamped to eps) gets no projection, as F.normalize's constant divisor."""
+    from contrastkit.losses.functional import half_units, inverse_norms, row_cosines
+
+    g = torch.Generator().manual_seed(8)
+    a, b = (torch.randn(50, 24, generator=g) * torch.rand(50, 1, generator=g) * 5 for _ in range(2))
+    a[3] = 0.0
+    rounded = [half_units(x, inverse_norms(x)).double() for x in (a, b)]
+    leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    got = row_cosines(*leaves, units16=True)
+    leaves64 = [a.double().requires_grad_(), b.double().requires_grad_()]
+    units = [u + (r - u).detach() for u, r in zip((torch.nn.functional.normalize(x, dim=1) for x in leaves64), rounded)]
+    want = (units[0] * units[1]).sum(1)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    assert not torch.equal(got, row_cosines(a, b))  # the rounding is there: float32 units differ
+    w = torch.randn(50, generator=g, dtype=torch.float64)
+    for grad, want_grad in zip(torch.autograd.grad((got * w.float()).sum(), leaves),
+                               torch.autograd.grad((want * w).sum(), leaves64)):
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_autocast_positives_from_the_bf16_features():
+    """Under bf16 autocast the Triton path's products take bf16 copies of float32 features; its positives are
+    the cosines of the same copies, so that the loss is the float64 loss of the bf16-rounded features to 1e-4
+    (1.2e-5 measured; from the float32 features: 6.0e-3) and its gradients to 6e-3 (3.3e-3 and 4.3e-3; 1.2e-2
+    and 1.3e-2), in a batch whose positives dominate (logit scale 100)."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(512, 64, generator=g)
+    b = a + 0.3 * torch.randn(512, 64, generator=g)
+    leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = build_loss("infonce", backend="triton").cross_modal(*leaves, logit_scale=torch.tensor(100.0))
+    rounded = [a.bfloat16().double().requires_grad_(), b.bfloat16().double().requires_grad_()]
+    want = build_loss("infonce").cross_modal(*rounded, logit_scale=torch.tensor(100.0, dtype=torch.float64))
+    assert float((loss.double() - want).abs() / want.abs()) <= 1e-4
+    for grad, want_grad in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(want, rounded)):
+        assert float((grad.double() - want_grad).abs().max() / want_grad.abs().max()) <= 6e-3

@@ -255,23 +255,6 @@ def test_number_scale_and_no_grad():
     _close(grad, want, 2e-6, "d anchors")
 
 
-@pytest.fixture
-def float32_precision():
-    """Restores torch's float32 matmul precision after the test, whichever API set it (see precision.py)."""
-    matmul, new_api = torch.backends.cuda.matmul, hasattr(torch.backends, "fp32_precision")
-    try:
-        legacy = matmul.allow_tf32  # raises once the new API is in use
-    except RuntimeError:
-        legacy = None
-    saved = (torch.backends.fp32_precision, matmul.fp32_precision) if new_api else None
-    yield
-    if new_api:  # "none" (nothing set) unless the new API had set it; then the legacy flag as it was
-        set_legacy = legacy is not None and saved[1] != "none"
-        torch.backends.fp32_precision, matmul.fp32_precision = saved[0], "none" if set_legacy else saved[1]
-    if legacy is not None and (not new_api or set_legacy):
-        matmul.allow_tf32 = legacy
-
-
 _NEW_API = hasattr(torch.backends, "fp32_precision")
 # How a user allows or forbids TF32 for float32 matmuls, and whether it is then allowed.
 _SETTINGS = [("torch.backends.cuda.matmul.allow_tf32 = False", False),
@@ -575,3 +558,115 @@ def test_dense_keeps_the_logits_and_backward_reads_them(monkeypatch, forward):
         assert calls == [(37, 37)]  # forward: one product (the whole matrix, or its one band)
         stats.sum().backward()
         assert calls[1:] == ([] if forward == "dense" else [(37, 37)])
+
+
+@pytest.fixture
+def tf32(float32_precision, monkeypatch):
+    """TF32 allowed for float32 matmuls (the legacy flag, as open_clip_train sets it), and the shapes of the
+    float16 unit vectors the products then take (functional.half_units), as the calls make them."""
+    from contrastkit.losses import triton_stats
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    made, half = [], triton_stats.half_units
+    monkeypatch.setattr(triton_stats, "half_units", lambda x, inv: made.append(tuple(x.shape)) or half(x, inv))
+    return made
+
+
+def _compare_tf32(a, b, scale, *, same=False, weight=1.0, **options):
+    """float32 features (norms 0.2 to 5) with TF32 allowed, normalised in the kernels: the statistics exact (2e-6)
+    for their unit vectors rounded to float16 as the path rounds them, which lie within TF32's rounding of the
+    true ones (2^-11 relative; 2^-25 absolutely below float16's normal range); the features' gradients within
+    TF32's 2^-10 of the float64 ones through those units (the backward's float16 d logits round as TF32
+    rounds float32 ones; 3e-4 measured), the scale's within 1e-4; every gradient float32. ``weight``: the
+    upstream gradient's size."""
+    from contrastkit.losses.functional import half_units, inverse_norms
+
+    g = torch.Generator().manual_seed(98)
+    a, b = (x.cpu().double() * torch.empty(x.shape[0], 1, dtype=torch.float64).uniform_(0.2, 5.0, generator=g)
+            for x in (a, b))
+    a, b = a.float().to(DEVICE), a.float().to(DEVICE) if same else b.float().to(DEVICE)
+    leaves64 = [a.double().cpu().requires_grad_(), b.double().cpu().requires_grad_(),
+                torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)]
+    units = []
+    for x, x64 in zip((a, b), leaves64):
+        rounded = half_units(x, inverse_norms(x)).double().cpu()
+        exact = torch.nn.functional.normalize(x64, dim=1)
+        assert ((rounded - exact).abs() <= 2**-11 * (1 + 1e-3) * exact.abs() + 2**-25).all()
+        units.append(exact + (rounded - exact).detach())  # the rounded values; the gradient F.normalize's
+    if same:
+        leaves64, units = [leaves64[0], leaves64[2]], [units[0], units[0]]
+    want = reference(units[0], units[1], leaves64[-1], **options)
+    w = weight * torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want_grads = torch.autograd.grad((want * w).sum(), leaves64)
+    leaves = [a.clone().requires_grad_(), torch.tensor(float(scale), device=a.device, requires_grad=True)]
+    if not same:
+        leaves.insert(1, b.clone().requires_grad_())
+    got = negative_stats_triton(leaves[0], leaves[0] if same else leaves[1], leaves[-1], normalize=True, **options)
+    _close(got, want, 2e-6, "values")
+    grads = torch.autograd.grad((got * w.to(got)).sum(), leaves)
+    for name, grad, wg in zip(["anchors", "candidates", "scale"][-len(leaves):] if not same else ["anchors", "scale"],
+                              grads, want_grads):
+        assert grad.dtype == torch.float32 and torch.isfinite(grad).all()
+        _close(grad, wg, 1e-4 if name == "scale" else 2**-10, f"d {name}")
+
+
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_tf32_two_views_on_float16_units(tf32, small_buffers, two_view_backward, with_mean, logits_from):
+    """float32 with TF32 allowed on the band design (HALF_UNITS_FOR_TF32): the call runs on float16 copies of
+    the unit vectors (forward and backward each make them; the fused forward kernel, cuBLAS's or the dense
+    logits) at the 16-bit GEMM rate, and is as exact as TF32's rounding lets it be. The first design
+    (backward_logits 'kernel') keeps TF32 products."""
+    g = torch.Generator().manual_seed(40 + with_mean)
+    z = _features(g, 40, 24).to(DEVICE)
+    exclude = torch.stack([torch.arange(40), torch.randint(0, 40, (40,), generator=g)], dim=1).to(DEVICE)
+    if logits_from == "kernel":
+        x = z.clone().requires_grad_()
+        negative_stats_triton(x, x, 10.0, exclude=exclude, with_mean=with_mean, normalize=True).sum().backward()
+        assert tf32 == []
+        return
+    _compare_tf32(z, z, 10.0, same=True, exclude=exclude, with_mean=with_mean)
+    assert tf32 == [(40, 24)] * 2  # one copy in forward, one in backward
+
+
+@pytest.mark.parametrize("setting", ["image_text", "rows"])
+def test_tf32_image_text_and_rows_on_float16_units(tf32, small_buffers, setting, logits_from):
+    """As test_tf32_two_views_on_float16_units for image-text (the columns' statistics, a logit scale of 100)
+    and for rows only (query/queue: CACR's mean, labels, two excluded columns)."""
+    g = torch.Generator().manual_seed(42)
+    a = _features(g, 37, 24).to(DEVICE)
+    if setting == "image_text":
+        b, scale = _features(g, 37, 24).to(DEVICE), 100.0
+        options = dict(exclude=torch.arange(37, device=DEVICE)[:, None], columns=True)
+    else:
+        b, scale = _features(g, 53, 24).to(DEVICE), 10.0
+        options = dict(exclude=torch.stack([torch.randperm(53, generator=g)[:2] for _ in range(37)]).to(DEVICE),
+                       with_mean=True, labels=(_ids(g, 37), _ids(g, 53)))
+    if logits_from == "kernel":
+        return  # the first design: TF32 products (test_tf32_two_views_on_float16_units)
+    _compare_tf32(a, b, scale, **options)
+    assert tf32 == [(37, 24), (b.shape[0], 24)] * 2
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 100.0])
+@pytest.mark.parametrize("weight", [1e-30, 1e30])
+def test_tf32_d_logits_within_float16_range(tf32, scale, weight):
+    """The float16 d logits of unit vectors are dL over a factor from the upstream gradient's largest entry and
+    the bound on |dL / that| (triton_stats._units_factor: with CACR's mean 2 (3 + 1 / scale)), so that no
+    logit scale or upstream size overflows them or flushes them to zero: CACR's two views, whose mean term
+    grows as 1 / scale, at a scale of 0.01 and upstream gradients of 1e-30 and 1e30."""
+    z = _features(torch.Generator().manual_seed(43), 40, 24).to(DEVICE)
+    _compare_tf32(z, z, scale, same=True, weight=weight, exclude=torch.arange(40, device=DEVICE)[:, None],
+                  with_mean=True)
+    assert tf32
+
+
+@pytest.mark.parametrize("case", ["TF32 off", "normalize=False", "bfloat16"])
+def test_tf32_units_only_where_the_kernels_normalise_float32_under_tf32(tf32, case):
+    """The float16 units replace TF32 products only for float32 features normalised in the kernels with TF32
+    allowed: features given as they are (normalize=False: their range is the caller's) keep TF32 products."""
+    if case == "TF32 off":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    x = _features(torch.Generator().manual_seed(44), 40, 24, torch.bfloat16 if case == "bfloat16" else torch.float32)
+    x = x.to(DEVICE).requires_grad_()
+    negative_stats_triton(x, x, 10.0, normalize=case != "normalize=False").sum().backward()
+    assert tf32 == []

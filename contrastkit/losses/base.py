@@ -69,8 +69,9 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     within 1 GiB at N = 262144, D = 512 bf16 (tests/test_memory.py counts it, the operators' own buffers
     included); the blockwise torch kernel everywhere else (the CPU, float64 beyond the dense size). Measured
     on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
-    for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 (TF32 where torch's setting allows
-    it) takes the band design's elementwise kernels on cuBLAS's products (triton_stats.FORWARD_LOGITS), which
+    for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 takes the band design's elementwise
+    kernels on cuBLAS's products, and where TF32 is allowed runs as float16 on its unit vectors
+    (triton_stats.HALF_UNITS_FOR_TF32: TF32's 10 mantissa bits at the 16-bit rate), which
     docs/performance.md's model predicts faster than the torch kernel's float32 passes; not measured yet. A
     chunk_size asks for the torch kernel's blocks. Labels run on every backend (the Triton kernels mask by
     label in their elementwise passes)."""
@@ -419,11 +420,12 @@ class ContrastiveLoss(Objective):
                 terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
                                             partners=partners, labels=ids, itself=itself, backend=backend)
                 return self._reduce(terms, output_dict, views)
-            if backend == "triton":  # the positives' cosines in float32 from the views as given
-                cos = {}
+            if backend == "triton":  # the positives' cosines in float32 of the rows the kernels take
+                # Each view's own rows (a slice of the stack would make backward fill a stack-sized gradient).
+                cos, rows = {}, [self._units(z, dtype, low, backend) for z in zs]
                 for a in range(v):
                     for b in range(a + 1, v):
-                        cos[a, b] = cos[b, a] = row_cosines(zs[a], zs[b], self.normalize)
+                        cos[a, b] = cos[b, a] = self._positive_cosines(rows[a], rows[b])
                 pos = torch.stack([torch.stack([cos[a, w] for w in range(v) if w != a], dim=1) for a in range(v)])
                 pos = pos.reshape(v * n, v - 1)
             else:
@@ -479,8 +481,8 @@ class ContrastiveLoss(Objective):
             candidates = queue.shape[0] if queue is not None else query.shape[0] * per_sample * self._processes()
             backend = self._resolve_backend(query, low, dtype, logits=query.shape[0] * candidates)
             q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
-            if backend == "triton":  # float32 cosines from the features as given
-                pos = torch.stack([row_cosines(query, keys[:, j], self.normalize) for j in range(keys.shape[1])], 1)
+            if backend == "triton":  # float32 cosines of the rows the kernels take
+                pos = torch.stack([self._positive_cosines(q, k[:, j]) for j in range(k.shape[1])], 1)
             else:
                 pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
@@ -541,8 +543,8 @@ class ContrastiveLoss(Objective):
                 pos = None
             else:
                 a, b = self._units(image, dtype, low, backend), self._units(text, dtype, low, backend)
-                if backend == "triton":  # float32 cosines from the features as given
-                    pos = row_cosines(image, text, self.normalize)[:, None]
+                if backend == "triton":  # float32 cosines of the rows the kernels take
+                    pos = self._positive_cosines(a, b)[:, None]
                 else:
                     pos = (a * b).sum(-1, keepdim=True)
             if self.gather_distributed:
@@ -593,10 +595,19 @@ class ContrastiveLoss(Objective):
         the compute dtype, which its kernels normalise through their inverse norms (nothing of the features'
         size made or kept for backward beyond them: issue 40's memory); elsewhere the unit vectors (with
         normalize=False, the features) in the compute dtype. The Triton backend's positives are then
-        functional.row_cosines of the features as given (float32 sums)."""
+        functional.row_cosines of these rows (float32 sums: _positive_cosines)."""
         if backend == "triton":
             return x.to(low or dtype)
         return self._unit(x, dtype)
+
+    def _positive_cosines(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The Triton backend's positives, cos(a_i, b_i) in float32 (functional.row_cosines), of the rows its
+        products take (_units: under autocast the bf16/fp16 copies, not the float32 features; float32 under
+        TF32 rounded to float16 unit vectors, triton_stats.takes_half_units), so that a positive inside its
+        row's lse cancels there as in the dense loss, whose positive is a logit of the same product."""
+        from contrastkit.losses.triton_stats import takes_half_units
+
+        return row_cosines(a, b, self.normalize, units16=takes_half_units(a, self.normalize))
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every process's rows of x and this process's offset. The settings gather the raw features, in

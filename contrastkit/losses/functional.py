@@ -110,32 +110,49 @@ def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor
         drop_along(p, v, i * i * (i < _CLAMPED_INVERSE), out=out[r0:r1])
 
 
+@torch.library.custom_op("contrastkit::half_units", mutates_args=())
+def half_units(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """x_i / ||x_i|| in float16 from x [rows, D] and its rows' inverse norms [rows] (inverse_norms): the float32
+    product rounded once, no float32 copy made. What the Triton path's products take for float32 features
+    under TF32 (triton_stats.HALF_UNITS_FOR_TF32). An operator of its own, so that torch.compile keeps the
+    rounding (Inductor drops a float16 round trip inside a fused kernel: emulate_precision_casts)."""
+    return torch.mul(x, inv[:, None], out=x.new_empty(x.shape, dtype=torch.float16))
+
+
+@half_units.register_fake
+def _half_units_shape(x, inv):
+    return x.new_empty(x.shape, dtype=torch.float16)
+
+
 class _RowCosines(torch.autograd.Function):
     """cos(a_i, b_i) per row in float32 from features in any dtype (the products exact, the sums float32),
     keeping the features as given and their rows' float32 divisors max(||x||, eps) and cosines for backward
-    (12 bytes a row), chunked. With ``normalize`` False the plain dot products."""
+    (12 bytes a row), chunked. With ``normalize`` False the plain dot products; with ``units16`` the cosines of
+    the unit vectors rounded to float16, and the gradient through those (straight through the rounding)."""
 
     @staticmethod
-    def forward(ctx, a, b, normalize):
+    def forward(ctx, a, b, normalize, units16):
         flat_a, flat_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
 
         def rows(r0, r1):
             x, y = flat_a[r0:r1].float(), flat_b[r0:r1].float()
-            dot = torch.linalg.vecdot(x, y, dim=-1)
             if not normalize:
-                return (dot,)
+                return (torch.linalg.vecdot(x, y, dim=-1),)
             divisor = torch.stack([torch.linalg.vector_norm(x, dim=-1), torch.linalg.vector_norm(y, dim=-1)], dim=1)
-            return dot, divisor.clamp_min_(NORM_EPS)
+            divisor.clamp_min_(NORM_EPS)
+            if units16:
+                return torch.linalg.vecdot(_rounded(x, divisor[:, 0]), _rounded(y, divisor[:, 1]), dim=-1), divisor
+            return torch.linalg.vecdot(x, y, dim=-1), divisor
 
         parts = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
         out = parts[0]
         if normalize:
             divisor = parts[1]  # [rows, 2]: a's, b's
-            out = out / (divisor[:, 0] * divisor[:, 1])
+            out = out if units16 else out / (divisor[:, 0] * divisor[:, 1])
             ctx.save_for_backward(a, b, divisor, out)
         else:
             ctx.save_for_backward(a, b)
-        ctx.normalize = normalize
+        ctx.normalize, ctx.units16 = normalize, units16
         return out.view(a.shape[:-1])
 
     @staticmethod
@@ -155,19 +172,39 @@ class _RowCosines(torch.autograd.Function):
                 x, y = flat_a[r0:r1].float(), flat_b[r0:r1].float()
                 if not ctx.normalize:
                     return (g[r0:r1] * y).to(a.dtype), (g[r0:r1] * x).to(b.dtype)
+                if ctx.units16:  # F.normalize's backward of g times the other's rounded unit vector
+                    div = divisor[r0:r1]
+                    return (_rounded_gradient(g[r0:r1], x, div[:, :1], _rounded(y, div[:, 1])).to(a.dtype),
+                            _rounded_gradient(g[r0:r1], y, div[:, 1:], _rounded(x, div[:, 0])).to(b.dtype))
                 other, own = on_other[r0:r1], on_own[r0:r1]
                 return (torch.addcmul(y * other, x, own[:, :1], value=-1.0).to(a.dtype),
                         torch.addcmul(x * other, y, own[:, 1:], value=-1.0).to(b.dtype))
 
             da, db = _by_chunks(flat_a.shape[0], flat_a.shape[1], rows)
-            return da.view(a.shape), db.view(b.shape), None
+            return da.view(a.shape), db.view(b.shape), None, None
 
 
-def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+def _rounded(x, divisor):
+    """half_units of float32 rows x with their divisors, back in float32."""
+    return half_units(x, divisor.reciprocal()).float()
+
+
+def _rounded_gradient(g, x, divisor, other):
+    """d (g u . other) / d x for u = x / divisor: (other - (u . other) u) g / divisor, the projection dropped
+    for a row clamped to eps (functional.normalization_backward's rule)."""
+    u = x / divisor
+    along = torch.linalg.vecdot(u, other, dim=-1)[:, None] * (divisor > NORM_EPS)
+    return (other - along * u) * (g / divisor)
+
+
+def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True, units16: bool = False) -> torch.Tensor:
     """cos(a_i, b_i) (with ``normalize`` False: a_i . b_i) over the last dimension, in float32, exactly as the
     float32 unit vectors would give it, from features in any dtype, keeping for backward only 12 bytes a row
-    (the rows' divisors and the cosine: backward then needs no norms again)."""
-    return _RowCosines.apply(a, b, normalize)
+    (the rows' divisors and the cosine: backward then needs no norms again). units16 (with normalize): from
+    the unit vectors rounded to float16, as the Triton path's products take float32 features under TF32
+    (triton_stats.HALF_UNITS_FOR_TF32), so that a positive inside a row's lse cancels as the dense loss's
+    does, whose positive is a logit of the same products."""
+    return _RowCosines.apply(a, b, normalize, units16 and normalize)
 
 
 class NonFiniteError(ValueError):

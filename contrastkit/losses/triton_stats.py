@@ -31,7 +31,8 @@ statistics (or gradients, in float32) combined by a few torch ops. On CUDA the t
 stages are autotuned (kernels/launch.py); under TRITON_INTERPRET=1 (the CPU tests) the production default.
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
-(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision). In backward
+(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision), on the band
+design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits). In backward
 dL meets b (or a) in the inputs' dtype: bfloat16, float16 (dL divided by max |grad| first, so that its
 small entries stay in float16's range; the factor is put back on the float32 sum), or float32.
 Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
@@ -49,7 +50,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
-from contrastkit.losses.functional import inverse_norms, normalization_backward
+from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
@@ -71,8 +72,9 @@ def _tiles(blocks):
 # at N = 32768 in 11.8 ms, where a band forward is predicted at ~18; the backward's recompute is an L2-bound
 # Triton product (0.19-0.57 of cuBLAS's rate), so cuBLAS recomputes it, and two views take one product of the
 # band's dL + dL^T instead of the latency-bound two-view kernel.
-# "auto" (forward): the fused kernel for bf16/fp16 inputs, where it was measured; float32 (TF32) on cuBLAS's
-# products, since a fused product kernel becomes a default only with a GPU table that shows it faster.
+# "auto" (forward): the fused kernel for bf16/fp16 inputs, where it was measured, and for float32 with TF32 on
+# its float16 unit vectors (HALF_UNITS_FOR_TF32: the same kernel); other float32 on cuBLAS's products, since a
+# fused float32 kernel becomes a default only with a GPU table that shows it faster.
 # The dense path (forward "dense"): where the whole float32 matrix fits DENSE_BYTES, cuBLAS writes it once in
 # forward and backward reads it back, no recompute: 2 products for two views, 3 for image-text (the floors).
 # "auto" takes it there (the model predicts it the fastest where it fits: a SimCLR batch of 2N <= 8192, a
@@ -84,6 +86,14 @@ DENSE_BYTES = 2**29
 # Two views' backward over the upper triangle (_triangle_gradients) where its float32 sum of dz, M D 4 bytes,
 # fits this (up to N = 65536 at D = 512; beyond it the full rows of _band_gradients, whose sums are a band's).
 TRIANGLE_BYTES = 2**28
+# float32 features with TF32 allowed, normalised in the kernels, on the band design: the products' operands are
+# float16 copies of the unit vectors (functional.half_units), the d logits float16, so that the call runs as a float16
+# one at the 16-bit GEMM rate, twice TF32's, with the gradients float32. TF32 keeps 10 mantissa bits, and so
+# does float16: a unit vector's components (<= 1) round alike where they are at least 2^-14, below it to
+# within 2^-25 absolutely (the error of a dot product grows by at most sqrt(D) 2^-25 against TF32's
+# ~2^-11); the d logits are scaled into float16's range (_units_factor). cuBLAS's own
+# CUBLAS_COMPUTE_32F_FAST_16F does the same for float32 products. False: TF32 products (docs/kernels.md).
+HALF_UNITS_FOR_TF32 = True
 
 
 def _write_product(out, x, y):
@@ -106,6 +116,8 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
+    if _units_for_tf32(a, inv_a, tf32, forward_logits == "dense" or backward_logits == "cublas"):
+        a, b, inv_a, inv_b, tf32 = half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     b = a if b is None else b
     product = None
@@ -122,6 +134,31 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
     norms = None if inv_a is None else (inv_a, inv_a if inv_b is None else inv_b)
     by_label = None if labels == 0 else (ids_a, ids_a if ids_b is None else ids_b, labels)
     return launch.KernelInputs(scale, exclude, with_mean, columns, tf32, _tiles(blocks), norms, by_label)
+
+
+def takes_half_units(x, normalize, backward_logits=None):
+    """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
+    vectors (HALF_UNITS_FOR_TF32): float32 with TF32 allowed, on the band design. The losses' positives then
+    come from the same units (functional.row_cosines' units16)."""
+    backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
+    return (HALF_UNITS_FOR_TF32 and normalize and x.dtype == torch.float32 and backward_logits == "cublas"
+            and tf32_matmul_allowed())
+
+
+def _units_for_tf32(x, inv, tf32, from_cublas):
+    """Whether float32 features with TF32 allowed take float16 copies of their unit vectors as the products'
+    operands (HALF_UNITS_FOR_TF32): where the kernels normalise (inverse norms given) and cuBLAS does the
+    backward's products (the band design, or the dense path's kept logits)."""
+    return HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32 and inv is not None and from_cublas
+
+
+def _units_factor(grad, scale, with_mean):
+    """float16 d logits of unit vectors: dL / factor then lies within 2^15 (half of float16's largest), so that
+    their small entries keep float16's normal range down to 2^-14 of that. |dL'| <= 2 max |grad| (1 + (2 +
+    1 / scale) with the mean): p, and CACR's mean term with cosines in [-1, 1] (common.anchor_grad), twice
+    for the columns' or the transposed term; the kernels fold no inverse norms in (the operands are units)."""
+    bound = 2 * (3 + 1 / scale.clamp_min(torch.finfo(torch.float32).tiny)) if with_mean else 2
+    return grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) * bound * 2**-15
 
 
 # addmm with out_dtype under fake tensors (torch.compile, the meta device) fails before torch 2.13: its
@@ -145,13 +182,16 @@ def _add_product(out, x, y, accumulate):
         out.copy_(_mm_f32(x, y))
 
 
-def _finish(total, x, inv, factor, out=None):
+def _finish(total, x, inv, factor, out=None, units=False):
     """A gradient from its float32 sum of products of d logits: times ``factor`` (the logit scale, and the
     d logits' own factor: d logits in float16 stay in range without either), then F.normalize's
     backward where the rows' inverse norms ``inv`` are given (functional.normalization_backward), written
-    into ``out`` in its dtype, or in place in ``total`` where out is None."""
+    into ``out`` in its dtype, or in place in ``total`` where out is None. units: the products were of the
+    unit vectors (functional.half_units), so the sum is d loss / d unit vector, which the normalisation's backward
+    takes times inv."""
     if inv is not None:
-        normalization_backward(total.mul_(factor), x, inv, total if out is None else out)
+        total.mul_(factor)
+        normalization_backward(total.mul_(inv[:, None]) if units else total, x, inv, total if out is None else out)
     elif out is None:
         total.mul_(factor)
     else:
@@ -170,7 +210,7 @@ def _block_logits(a, b, r0, r1, c0, c1, kept, buffer):
     return out
 
 
-def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmetric=False, kept=None):
+def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmetric=False, kept=None, given=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their
     upstream gradient dL / factor and the call's inputs (launch.KernelInputs): per block of d logits (a band
     of rows and every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py),
@@ -182,13 +222,15 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
     a): d logits dL + dL^T, one product, dA is dz and dB empty. Where the inputs carry inverse norms (a and b
     the features as given) the products give the unit vectors' gradients times the inverse norms, in
     float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
-    a band's rows as the band completes, b's once every band has added to them."""
+    a band's rows as the band completes, b's once every band has added to them. given: (the features, their
+    inverse norms) where a and b are float16 copies of their unit vectors (functional.half_units): the gradients are then
+    the features' own, in their dtype."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
-    norms = inputs.inverse_norms
+    x_a, x_b, inv_a, inv_b = given or (a, b, *(inputs.inverse_norms or (None, None)))
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
-    da = torch.empty_like(a, memory_format=torch.contiguous_format)
-    db = a.new_empty(0) if symmetric else torch.empty_like(b, memory_format=torch.contiguous_format)
-    low = a.dtype != torch.float32  # the products' sums then need float32 buffers: a band's rows of dA, all of dB
+    da = torch.empty_like(x_a, memory_format=torch.contiguous_format)
+    db = a.new_empty(0) if symmetric else torch.empty_like(x_b, memory_format=torch.contiguous_format)
+    low = da.dtype != torch.float32  # the products' sums then need float32 buffers: a band's rows of dA, all of dB
     da_sum = a.new_empty((rows, d), dtype=torch.float32) if low else None
     db_sum = torch.empty_like(db, dtype=torch.float32) if low and not symmetric else db
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
@@ -210,23 +252,25 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
-        _finish(da_band, a[r0:r1], None if norms is None else norms[0][r0:r1], step,
-                None if da_sum is None else da[r0:r1])
+        _finish(da_band, x_a[r0:r1], None if inv_a is None else inv_a[r0:r1], step,
+                None if da_sum is None else da[r0:r1], given is not None)
     if not symmetric:
-        _finish(db_sum, b, None if norms is None else norms[1], step, None if db_sum is db else db)
+        _finish(db_sum, x_b, inv_b, step, None if db_sum is db else db, given is not None)
     return da, db, ds_rows
 
 
-def _triangle_gradients(z, inputs, stats, grad, factor, kept=None):
+def _triangle_gradients(z, inputs, stats, grad, factor, kept=None, given=None):
     """(dz, the rows' d scale terms / factor) of two views (L = s z z^T, symmetric) over the upper triangle
     alone: per band of rows r0:r1 the blocks of columns from r0 on, their logits from cuBLAS (or the dense
     path's ``kept``), d logits H = dL' + dL'^T once (dlogits.py's SYMMETRIC, TRIANGLE), then dz[r0:r1] += H
     z[c0:c1] and, for the columns past the band, dz[c0:c1] += H^T z[r0:r1] (the lower triangle's share, by
     symmetry), dz times the logit scale at the end. Against _band_gradients' full rows: half the recompute and half the d logits pass, the same
     product FLOPs (docs/performance.md). dz is summed in float32 [M, D] (TRIANGLE_BYTES bounds it), then
-    normalised as _band_gradients' (functional.normalization_backward) where the inputs carry inverse norms."""
+    normalised as _band_gradients' (functional.normalization_backward) where the inputs carry inverse norms, or
+    ``given`` (the features and their inverse norms, _band_gradients') where z is a float16 copy of their unit
+    vectors."""
     m, d = z.shape
-    norms = inputs.inverse_norms
+    x, inv = given[::2] if given else (z, None if inputs.inverse_norms is None else inputs.inverse_norms[0])
     rows, cols = block_shape(m, m, 4)
     dz = z.new_empty((m, d), dtype=torch.float32)  # the first band writes every row: its own, then the rest
     splits, share = launch.split(triton.cdiv(rows, 64), cols, z.device)
@@ -248,8 +292,8 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None):
             if past < c1:
                 _add_product(dz[past:c1], block[:, past - c0:].T, z[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[: len(blocks), :, : r1 - r0].sum((0, 1))
-    out = None if z.dtype == torch.float32 else torch.empty_like(z, memory_format=torch.contiguous_format)
-    _finish(dz, z, None if norms is None else norms[0], inputs.scale * factor, out)
+    out = None if x.dtype == torch.float32 else torch.empty_like(x, memory_format=torch.contiguous_format)
+    _finish(dz, x, inv, inputs.scale * factor, out, given is not None)
     return (dz if out is None else out), ds_rows
 
 
@@ -263,21 +307,29 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...). kept: the
     forward's logits (the dense path), else empty; inv_a, inv_b: as the forward's (the gradients are then the
     features' own)."""
-    inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
-    factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
-    grad = grad / factor
     dense = forward_logits == "dense"
     from_cublas = backward_logits == "cublas" or dense
     logits = kept if dense else None
+    given = None
+    if _units_for_tf32(a, inv_a, tf32, from_cublas):  # as the forward's: float16 units, the gradients float32
+        given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
+        a, b, inv_a, inv_b, tf32 = half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False
+        factor = _units_factor(grad, scale, with_mean)
+    else:
+        factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
+    inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
+    grad = grad / factor
     if b is None and not columns:
         if from_cublas and a.shape[0] * a.shape[1] * 4 <= TRIANGLE_BYTES:  # the upper triangle alone
-            dz, ds = _triangle_gradients(a, inputs, stats, grad, factor, kept=logits)
+            dz, ds = _triangle_gradients(a, inputs, stats, grad, factor, kept=logits, given=given)
         elif from_cublas:  # the band design: dL + dL^T per band, one product
-            dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, True, symmetric=True, kept=logits)
+            dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, True, symmetric=True, kept=logits,
+                                        given=given)
         else:
             dz, ds = two_view_gradient(a, inputs, stats, grad, factor)
         return dz, a.new_empty(0), ds * factor
-    da, db, ds = _band_gradients(a, a if b is None else b, inputs, stats, grad, factor, from_cublas, kept=logits)
+    da, db, ds = _band_gradients(a, a if b is None else b, inputs, stats, grad, factor, from_cublas, kept=logits,
+                                 given=given)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
@@ -373,10 +425,11 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
     "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
     whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
-    DENSE_BYTES, else the kernel for bf16/fp16 and cuBLAS for float32); None: FORWARD_LOGITS,
+    DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, and cuBLAS for float32); None: FORWARD_LOGITS,
     BACKWARD_LOGITS. normalize: the logits are those of the unit vectors, scale cos(a_i, b_k): the kernels
     take the features as given with their float32 inverse norms (functional.inverse_norms), so no unit
-    vectors are made or kept, and the gradients are the features' own (F.normalize's backward per band).
+    vectors are made or kept (float32 with TF32: float16 copies of them, made in each pass, none kept:
+    HALF_UNITS_FOR_TF32), and the gradients are the features' own (F.normalize's backward per band).
     labels (rows only): (row ids [M], column ids [K]) integers; the pairs whose ids are equal are left out
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
     statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
@@ -388,11 +441,13 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
+    tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
     if forward_logits == "auto":
         if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
             forward_logits = "dense"
-        else:
-            forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) else "cublas"
+        else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
+            half = takes_half_units(anchors, normalize, backward_logits)
+            forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) or half else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)
@@ -400,7 +455,6 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         scale = torch.full((), float(scale), dtype=torch.float32, device=anchors.device)
     if exclude is not None:
         exclude = exclude.contiguous()
-    tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
     same = candidates is anchors
     first_two_view = same and not columns and backward_logits == "kernel"  # the first design's two-view kernel
     ids_a = ids_b = None
