@@ -133,15 +133,19 @@ SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,)
             "dlogits-band": (False, True), "two-view-band": (False,), "two-view-band-labels": (False,)}
 
 
+# float16's kernels: the two-view backward (its own dL scaling) on sm_90, and on both the band design's forward
+# and d logits, which float32 under TF32 runs on float16 unit vectors (triton_stats.HALF_UNITS_FOR_TF32).
+FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "dlogits-band"), 80: ("fwd", "fwd-band", "dlogits-band")}
+
+
 def quick_cases(d: int = 512) -> list[dict]:
     """The production default (first of each architecture's space) of every kernel in every setting: bf16 on
-    sm_90 and sm_80, float32 (TF32) on sm_90 and sm_80, float16 for the two-view backward (its own dL
-    scaling) on sm_90."""
+    sm_90 and sm_80, float32 (TF32) on sm_90 and sm_80, float16 where FP16 names it."""
     cases = []
     for arch in (90, 80):
-        for dtype in ("bf16", "fp32") + (("fp16",) if arch == 90 else ()):
+        for dtype in ("bf16", "fp32", "fp16"):
             for kernel, settings in SETTINGS.items():
-                if dtype == "fp16" and kernel not in ("two-view", "two-view-band"):
+                if dtype == "fp16" and kernel not in FP16[arch]:
                     continue
                 config = _shapes(kernel, d, dtype, arch)[0]
                 cases += [dict(kernel=kernel, arch=arch, dtype=dtype, d=d, columns=c, config=config) for c in settings]

@@ -42,6 +42,8 @@ def test_every_kernel_compiled_for_both_architectures(compiled):
             assert {("two-view", False, arch, dtype), ("two-view-band", False, arch, dtype),
                     ("two-view-band-labels", False, arch, dtype)} <= kinds  # labels: the most masks in one kernel
     assert {("two-view", False, 90, "fp16"), ("two-view-band", False, 90, "fp16")} <= kinds
+    for arch in (90, 80):  # float32 under TF32 runs these on float16 unit vectors
+        assert {(k, c, arch, "fp16") for k in ("fwd", "fwd-band", "dlogits-band") for c in (False, True)} <= kinds
     assert all(r["d"] == 512 for r in compiled)
 
 
