@@ -65,15 +65,22 @@ def _errors(name, setting, chunk, inputs, reference=None, backend="auto"):
     return [float((r - w).abs().max() / w.abs().max()) for r, w in zip(results, reference)]
 
 
-@pytest.mark.parametrize("name, setting, noise", [("infonce", "image_text", 0.3), ("infonce", "image_text", 3.0),
-                                                  ("dcl", "image_text", 0.3), ("infonce", "two_views", 0.3),
-                                                  ("dcl", "two_views", 3.0), ("cacr", "two_views", 0.3)])
-def test_blockwise_within_dense_error_under_tf32(name, setting, noise):
+CASES = [("infonce", "image_text", 0.3), ("infonce", "image_text", 3.0), ("dcl", "image_text", 0.3),
+         ("infonce", "two_views", 0.3), ("dcl", "two_views", 3.0), ("cacr", "two_views", 0.3)]
+
+
+def _batch(setting, noise):
+    """Pairs at cosines set by ``noise``, float64; image-text with a logit scale of 100."""
     g = torch.Generator().manual_seed(7)
     a = torch.randn(1024, 64, generator=g, dtype=torch.float64)
     b = a + noise * torch.randn(1024, 64, generator=g, dtype=torch.float64)
     inputs = [a, b, torch.tensor(100.0 if setting == "image_text" else 1.0, dtype=torch.float64)]
-    inputs = inputs if setting == "image_text" else inputs[:2]
+    return inputs if setting == "image_text" else inputs[:2]
+
+
+@pytest.mark.parametrize("name, setting, noise", CASES)
+def test_blockwise_within_dense_error_under_tf32(name, setting, noise):
+    inputs = _batch(setting, noise)
     want = _errors(name, setting, 0, inputs)
     dense = _errors(name, setting, 0, inputs, want)
     assert max(dense) > 1e-5  # the emulation is on: TF32 is far coarser than float32
@@ -90,18 +97,12 @@ def test_blockwise_within_dense_error_under_tf32(name, setting, noise):
 TF32_ROUNDING = 2**-9
 
 
-@pytest.mark.parametrize("name, setting, noise", [("infonce", "image_text", 0.3), ("infonce", "image_text", 3.0),
-                                                  ("dcl", "image_text", 0.3), ("infonce", "two_views", 0.3),
-                                                  ("dcl", "two_views", 3.0), ("cacr", "two_views", 0.3)])
+@pytest.mark.parametrize("name, setting, noise", CASES)
 def test_triton_within_dense_error_under_tf32(float32_precision, name, setting, noise):
     """The Triton path with TF32 allowed runs on float16 unit vectors (triton_stats.HALF_UNITS_FOR_TF32), its
     positives from the same units: the features' gradients within twice the dense loss's error under emulated
     TF32, the loss and the scale's gradient within that or TF32_ROUNDING."""
-    g = torch.Generator().manual_seed(7)
-    a = torch.randn(1024, 64, generator=g, dtype=torch.float64)
-    b = a + noise * torch.randn(1024, 64, generator=g, dtype=torch.float64)
-    inputs = [a, b, torch.tensor(100.0 if setting == "image_text" else 1.0, dtype=torch.float64)]
-    inputs = inputs if setting == "image_text" else inputs[:2]
+    inputs = _batch(setting, noise)
     want = _errors(name, setting, 0, inputs)
     dense = _errors(name, setting, 0, inputs, want)
     torch.backends.cuda.matmul.allow_tf32 = True
