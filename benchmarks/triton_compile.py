@@ -135,7 +135,8 @@ SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,)
 
 # float16's kernels: the two-view backward (its own dL scaling) on sm_90, and on both the band design's forward
 # and d logits, which float32 under TF32 runs on float16 unit vectors (triton_stats.HALF_UNITS_FOR_TF32).
-FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "dlogits-band"), 80: ("fwd", "fwd-band", "dlogits-band")}
+FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "dlogits-band"),
+        80: ("fwd", "fwd-band", "dlogits-band")}
 
 
 def quick_cases(d: int = 512) -> list[dict]:

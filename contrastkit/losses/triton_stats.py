@@ -86,12 +86,12 @@ DENSE_BYTES = 2**29
 # Two views' backward over the upper triangle (_triangle_gradients) where its float32 sum of dz, M D 4 bytes,
 # fits this (up to N = 65536 at D = 512; beyond it the full rows of _band_gradients, whose sums are a band's).
 TRIANGLE_BYTES = 2**28
-# float32 features with TF32 allowed, normalised in the kernels, on the band design: the products' operands are
-# float16 copies of the unit vectors (functional.half_units), the d logits float16, so that the call runs as a float16
-# one at the 16-bit GEMM rate, twice TF32's, with the gradients float32. TF32 keeps 10 mantissa bits, and so
-# does float16: a unit vector's components (<= 1) round alike where they are at least 2^-14, below it to
-# within 2^-25 absolutely (the error of a dot product grows by at most sqrt(D) 2^-25 against TF32's
-# ~2^-11); the d logits are scaled into float16's range (_units_factor). cuBLAS's own
+# float32 features with TF32 allowed, normalised in the kernels, on the band design: the products' operands
+# are float16 copies of the unit vectors (functional.half_units), the d logits float16, so that the call runs
+# as a float16 one at the 16-bit GEMM rate, twice TF32's, with the gradients float32. TF32 keeps 10 mantissa
+# bits, and so does float16: a unit vector's components (<= 1) round alike where they are at least 2^-14,
+# below it to within 2^-25 absolutely (the error of a dot product grows by at most sqrt(D) 2^-25 against
+# TF32's ~2^-11); the d logits are scaled into float16's range (_units_factor). cuBLAS's own
 # CUBLAS_COMPUTE_32F_FAST_16F does the same for float32 products. False: TF32 products (docs/kernels.md).
 HALF_UNITS_FOR_TF32 = True
 
@@ -116,7 +116,7 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
-    if _units_for_tf32(a, inv_a, tf32, forward_logits == "dense" or backward_logits == "cublas"):
+    if _units_for_tf32(a, inv_a is not None, tf32, forward_logits == "dense" or backward_logits == "cublas"):
         a, b, inv_a, inv_b, tf32 = half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     b = a if b is None else b
@@ -141,15 +141,14 @@ def takes_half_units(x, normalize, backward_logits=None):
     vectors (HALF_UNITS_FOR_TF32): float32 with TF32 allowed, on the band design. The losses' positives then
     come from the same units (functional.row_cosines' units16)."""
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
-    return (HALF_UNITS_FOR_TF32 and normalize and x.dtype == torch.float32 and backward_logits == "cublas"
-            and tf32_matmul_allowed())
+    return _units_for_tf32(x, normalize, tf32_matmul_allowed(), backward_logits == "cublas")
 
 
-def _units_for_tf32(x, inv, tf32, from_cublas):
+def _units_for_tf32(x, normalized, tf32, from_cublas):
     """Whether float32 features with TF32 allowed take float16 copies of their unit vectors as the products'
-    operands (HALF_UNITS_FOR_TF32): where the kernels normalise (inverse norms given) and cuBLAS does the
-    backward's products (the band design, or the dense path's kept logits)."""
-    return HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32 and inv is not None and from_cublas
+    operands (HALF_UNITS_FOR_TF32): where the kernels normalise and cuBLAS does the backward's products (the
+    band design, or the dense path's kept logits)."""
+    return HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32 and normalized and from_cublas
 
 
 def _units_factor(grad, scale, with_mean):
@@ -187,8 +186,8 @@ def _finish(total, x, inv, factor, out=None, units=False):
     d logits' own factor: d logits in float16 stay in range without either), then F.normalize's
     backward where the rows' inverse norms ``inv`` are given (functional.normalization_backward), written
     into ``out`` in its dtype, or in place in ``total`` where out is None. units: the products were of the
-    unit vectors (functional.half_units), so the sum is d loss / d unit vector, which the normalisation's backward
-    takes times inv."""
+    unit vectors (functional.half_units), so the sum is d loss / d unit vector, which the normalisation's
+    backward takes times inv."""
     if inv is not None:
         total.mul_(factor)
         normalization_backward(total.mul_(inv[:, None]) if units else total, x, inv, total if out is None else out)
@@ -223,8 +222,8 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
     the features as given) the products give the unit vectors' gradients times the inverse norms, in
     float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
     a band's rows as the band completes, b's once every band has added to them. given: (the features, their
-    inverse norms) where a and b are float16 copies of their unit vectors (functional.half_units): the gradients are then
-    the features' own, in their dtype."""
+    inverse norms) where a and b are float16 copies of their unit vectors (functional.half_units): the
+    gradients are then the features' own, in their dtype."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     x_a, x_b, inv_a, inv_b = given or (a, b, *(inputs.inverse_norms or (None, None)))
     rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
@@ -264,11 +263,11 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None, given=None):
     alone: per band of rows r0:r1 the blocks of columns from r0 on, their logits from cuBLAS (or the dense
     path's ``kept``), d logits H = dL' + dL'^T once (dlogits.py's SYMMETRIC, TRIANGLE), then dz[r0:r1] += H
     z[c0:c1] and, for the columns past the band, dz[c0:c1] += H^T z[r0:r1] (the lower triangle's share, by
-    symmetry), dz times the logit scale at the end. Against _band_gradients' full rows: half the recompute and half the d logits pass, the same
-    product FLOPs (docs/performance.md). dz is summed in float32 [M, D] (TRIANGLE_BYTES bounds it), then
-    normalised as _band_gradients' (functional.normalization_backward) where the inputs carry inverse norms, or
-    ``given`` (the features and their inverse norms, _band_gradients') where z is a float16 copy of their unit
-    vectors."""
+    symmetry), dz times the logit scale at the end. Against _band_gradients' full rows: half the recompute and
+    half the d logits pass, the same product FLOPs (docs/performance.md). dz is summed in float32 [M, D]
+    (TRIANGLE_BYTES bounds it), then normalised as _band_gradients' (functional.normalization_backward) where
+    the inputs carry inverse norms, or ``given`` (the features and their inverse norms, _band_gradients')
+    where z is a float16 copy of their unit vectors."""
     m, d = z.shape
     x, inv = given[::2] if given else (z, None if inputs.inverse_norms is None else inputs.inverse_norms[0])
     rows, cols = block_shape(m, m, 4)
@@ -311,7 +310,7 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     from_cublas = backward_logits == "cublas" or dense
     logits = kept if dense else None
     given = None
-    if _units_for_tf32(a, inv_a, tf32, from_cublas):  # as the forward's: float16 units, the gradients float32
+    if _units_for_tf32(a, inv_a is not None, tf32, from_cublas):  # as the forward's; the gradients float32
         given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
         a, b, inv_a, inv_b, tf32 = half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False
         factor = _units_factor(grad, scale, with_mean)
