@@ -84,9 +84,25 @@ def test_triton_backend_with_bf16_features_compiles(setting):
 def test_triton_backend_under_tf32_compiles_with_its_rounding(float32_precision, setting):
     """float32 under TF32 on the Triton path runs on float16 unit vectors, the positives' cosines from the same
     units (functional.half_units, an operator of its own): compiled by Inductor, which drops a float16 round
-    trip inside a fused kernel, the rounding stays, and the call equals eager (5e-5 off without it)."""
+    trip inside a fused kernel, the rounding stays: the loss equals eager's and at most 1 % of the gradients'
+    entries differ (without it about half of them, by up to 3.6e-5). Inductor's own arithmetic may move an
+    inverse norm by an ulp and so a component near a float16 tie to the other side: torch 2.9.1's did, for 1-2
+    entries of 384 (by 3.6e-6 and 2.4e-5)."""
+    torch._dynamo.reset()
     torch.backends.cuda.matmul.allow_tf32 = True
-    _check("infonce", setting, "inductor", backend="triton")
+    g = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(24, 16, generator=g) for _ in range(3)] + [torch.tensor(14.0)]
+    fn = build_loss("infonce", backend="triton")
+
+    def call(*x):
+        return _call(fn, setting, x)
+
+    want, want_grads = _value_and_grads(call, inputs)
+    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend="inductor"), inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    grads = [(x, w) for x, w in zip(got_grads, want_grads) if w is not None]
+    moved = sum(int((~torch.isclose(x, w, rtol=1e-4, atol=1e-6)).sum()) for x, w in grads)
+    assert moved <= 0.01 * sum(w.numel() for _, w in grads), f"{moved} gradient entries differ from eager"
 
 
 LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "image_text"), ("eqco", "positive", "queue"),
