@@ -288,7 +288,7 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
         # The backward's recompute and d-logits pass over the visited share; its products whole (visited +
         # mirrored = 1), the mirrored blocks' second product adding into dZ's rows past the band (float32,
         # read and written by cuBLAS's epilogue: R - 1 bands of (M - r1) D on average half of M D).
-        visited, mirrored = triangle_shares(blk)
+        visited = triangle_shares(blk)[0]
         recomputed = sum(v for key, v in passes(path, setting)["backward"].items()
                          if not key.startswith("product"))
         traffic -= (1 - visited) * recomputed * m * k

@@ -161,7 +161,7 @@ class _RowCosines(torch.autograd.Function):
         a, b, *saved = ctx.saved_tensors
         with no_autocast(grad.device.type):
             flat_a, flat_b, g = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), grad.reshape(-1, 1).float()
-            if ctx.normalize:
+            if ctx.normalize and not ctx.units16:
                 # d cos / d x = y / (|x| |y|) - cos x / |x|^2, the second term dropped for a row whose norm was
                 # clamped to eps (F.normalize's constant divisor): per row one factor on y and one on x.
                 divisor, cos = saved[0], saved[1][:, None]
@@ -173,7 +173,7 @@ class _RowCosines(torch.autograd.Function):
                 if not ctx.normalize:
                     return (g[r0:r1] * y).to(a.dtype), (g[r0:r1] * x).to(b.dtype)
                 if ctx.units16:  # F.normalize's backward of g times the other's rounded unit vector
-                    div = divisor[r0:r1]
+                    div = saved[0][r0:r1]
                     return (_rounded_gradient(g[r0:r1], x, div[:, :1], _rounded(y, div[:, 1])).to(a.dtype),
                             _rounded_gradient(g[r0:r1], y, div[:, 1:], _rounded(x, div[:, 0])).to(b.dtype))
                 other, own = on_other[r0:r1], on_own[r0:r1]
@@ -191,10 +191,8 @@ def _rounded(x, divisor):
 
 def _rounded_gradient(g, x, divisor, other):
     """d (g u . other) / d x for u = x / divisor: (other - (u . other) u) g / divisor, the projection dropped
-    for a row clamped to eps (functional.normalization_backward's rule)."""
-    u = x / divisor
-    along = torch.linalg.vecdot(u, other, dim=-1)[:, None] * (divisor > NORM_EPS)
-    return (other - along * u) * (g / divisor)
+    for a row clamped to eps (chunked.drop_along)."""
+    return drop_along(other, x / divisor, divisor > NORM_EPS).mul_(g / divisor)
 
 
 def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True, units16: bool = False) -> torch.Tensor:

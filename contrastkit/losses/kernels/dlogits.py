@@ -139,4 +139,5 @@ def write_dlogits(a, b, inputs: launch.KernelInputs, stats, grad, dl, ds, r0, r1
                ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "TRIANGLE", "FROM_LOGITS", "NORMALIZE", "LABELS"),
                *inputs.pointers(a, b, logits), stats, grad, dl, ds, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share,
                s_pr=0 if logits is None else logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0),
-               SYMMETRIC=symmetric, TRIANGLE=triangle, FROM_LOGITS=logits is not None, **inputs.constants(a, b), blocks=inputs.blocks)
+               SYMMETRIC=symmetric, TRIANGLE=triangle, FROM_LOGITS=logits is not None, **inputs.constants(a, b),
+               blocks=inputs.blocks)
