@@ -117,7 +117,9 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
     if _units_for_tf32(a, inv_a is not None, tf32, forward_logits == "dense" or backward_logits == "cublas"):
-        a, b, inv_a, inv_b, tf32 = *_half_operands(a, b, inv_a, inv_b), None, None, False
+        a, b = _half_operands(a, b, inv_a, inv_b)
+        inv_a = inv_b = None
+        tf32 = False
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     b = a if b is None else b
     product = None
@@ -151,7 +153,7 @@ def _units_for_tf32(x, normalized, tf32, from_cublas):
     return HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32 and normalized and from_cublas
 
 
-def _half_operands(a, b, inv_a, inv_b):
+def _half_operands(a, b, inv_a, inv_b) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The float16 unit vectors of a and of b (None: b is a) that the products take in their place."""
     return half_units(a, inv_a), None if b is None else half_units(b, inv_b)
 
@@ -317,7 +319,9 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     given = None
     if _units_for_tf32(a, inv_a is not None, tf32, from_cublas):  # as the forward's; the gradients float32
         given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
-        a, b, inv_a, inv_b, tf32 = *_half_operands(a, b, inv_a, inv_b), None, None, False
+        a, b = _half_operands(a, b, inv_a, inv_b)
+        inv_a = inv_b = None
+        tf32 = False
         factor = _units_factor(grad, scale, with_mean)
     else:
         factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range

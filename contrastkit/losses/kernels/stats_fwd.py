@@ -143,7 +143,7 @@ def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None):
                    **inputs.constants(a, b), blocks=blocks)
         part = lse[:, : r1 - r0]
         total[r0:r1] = torch.logsumexp(part, dim=0) if splits > 1 else part[0]  # the splits' partials, exactly
-        if with_mean:
+        if mean is not None and row_mean is not None:  # with_mean (the test mypy can follow)
             mean_part = mean[:, : r1 - r0]
             row_mean[r0:r1] = (torch.exp(part - total[r0:r1]) * mean_part).sum(0) if splits > 1 else mean_part[0]
         if columns:
