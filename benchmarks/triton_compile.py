@@ -36,9 +36,16 @@ _FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_
 _DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64", "dl_ptr": "x"}
 # NORMALIZE: the losses' calls (the features as given, scaled by their inverse norms in the kernels); LABELS 1:
 # pairs left out by label too (issue 41), in the two-view backward, which masks twice (its transposed term).
-# TRIANGLE: the two-view backward over the upper triangle (the default where it fits), a superset of full rows.
-KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, NORMALIZE=True, LABELS=0)),
-           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, NORMALIZE=True, LABELS=0)),
+# TRIANGLE: the two-view backward over the upper triangle (the default where it fits), a superset of full rows;
+# in forward, two views' bands with the columns' partials (rows' setting only: two views have no columns).
+KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, TRIANGLE=False, NORMALIZE=True,
+                                                              LABELS=0)),
+           "fwd-band": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, TRIANGLE=False, NORMALIZE=True,
+                                                                   LABELS=0)),
+           "fwd-triangle": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, TRIANGLE=True,
+                                                                       NORMALIZE=True, LABELS=0)),
+           "fwd-band-triangle": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, TRIANGLE=True,
+                                                                            NORMALIZE=True, LABELS=0)),
            "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False,
                                                                   TRIANGLE=False, NORMALIZE=True, LABELS=0)),
            "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False,
@@ -49,7 +56,7 @@ KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, 
                                                                                TRIANGLE=True, NORMALIZE=True,
                                                                                LABELS=1)),
            "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
-BAND = ("fwd-band", "dlogits-band", "two-view-band", "two-view-band-labels")  # no product inside: no tensor-core instruction expected
+BAND = ("fwd-band", "fwd-band-triangle", "dlogits-band", "two-view-band", "two-view-band-labels")  # no product inside: no tensor-core instruction expected
 
 
 def compile_kernel(case: dict) -> dict:
@@ -130,13 +137,14 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
 # Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text
 # columns (the diagonal); the products as dA (row-major operands) and dB (dL transposed, float32 accumulated).
 SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,), "fwd-band": (False, True),
-            "dlogits-band": (False, True), "two-view-band": (False,), "two-view-band-labels": (False,)}
+            "fwd-triangle": (False,), "fwd-band-triangle": (False,), "dlogits-band": (False, True),
+            "two-view-band": (False,), "two-view-band-labels": (False,)}
 
 
 # float16's kernels: the two-view backward (its own dL scaling) on sm_90, and on both the band design's forward
 # and d logits, which float32 under TF32 runs on float16 unit vectors (triton_stats.HALF_UNITS_FOR_TF32).
-FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "dlogits-band"),
-        80: ("fwd", "fwd-band", "dlogits-band")}
+FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band"),
+        80: ("fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band")}
 
 
 def quick_cases(d: int = 512) -> list[dict]:

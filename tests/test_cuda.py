@@ -204,3 +204,32 @@ def test_one_gib_at_262144(setting, backend):
     print(f"{setting} {backend}: {first / 2**20:.0f} MiB, then {later / 2**20:.0f} MiB")
     assert later <= 2**30, f"{later / 2**20:.0f} MiB"
     assert first <= 2**30 + (AUTOTUNE_BYTES if backend == "auto" else 0), f"{first / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("forward", ["kernel", "cublas"])
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_two_view_forward_over_the_triangle_at_production_size(monkeypatch, forward, with_mean):
+    """Two views at N = 4096, D = 512 bf16 (8192 rows: 4 bands of stats_fwd.TRIANGLE_BAND_ROWS), autotuned,
+    each row leaving out itself and its other view: the statistics over the upper triangle against the float64
+    ones of the same bf16 features, and against the same kernels over full rows."""
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import stats_fwd
+    from contrastkit.losses.triton_stats import negative_stats_triton
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.randn(8192, 512, device="cuda", generator=g).bfloat16()
+    own = torch.arange(8192, device="cuda")
+    exclude = torch.stack([own, (own + 4096) % 8192], dim=1)
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    got = negative_stats_triton(z, z, 14.0, exclude=exclude, with_mean=with_mean, normalize=True)
+    monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 2**20)
+    rows = negative_stats_triton(z, z, 14.0, exclude=exclude, with_mean=with_mean, normalize=True)
+    u = torch.nn.functional.normalize(z.double(), dim=1)
+    logits = 14.0 * u @ u.T
+    logits.scatter_(1, exclude, float("-inf"))
+    lse = torch.logsumexp(logits, dim=1)
+    want = [lse]
+    if with_mean:
+        want.append((torch.exp(logits - lse[:, None]) * logits.nan_to_num(neginf=0.0)).sum(1) / 14.0)
+    torch.testing.assert_close(got.double(), torch.stack(want), rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, rows, rtol=0, atol=1e-4)

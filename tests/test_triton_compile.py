@@ -30,7 +30,7 @@ def compiled():
     return json.loads(result.stdout)
 
 
-BAND = ("fwd-band", "dlogits-band", "two-view-band", "two-view-band-labels")  # they read cuBLAS's logits
+BAND = ("fwd-band", "fwd-band-triangle", "dlogits-band", "two-view-band", "two-view-band-labels")  # cuBLAS's logits
 
 
 def test_every_kernel_compiled_for_both_architectures(compiled):
@@ -41,9 +41,11 @@ def test_every_kernel_compiled_for_both_architectures(compiled):
                 assert {(k, c, arch, dtype) for k in (fused, band) for c in (False, True)} <= kinds
             assert {("two-view", False, arch, dtype), ("two-view-band", False, arch, dtype),
                     ("two-view-band-labels", False, arch, dtype)} <= kinds  # labels: the most masks in one kernel
+            assert {("fwd-triangle", False, arch, dtype), ("fwd-band-triangle", False, arch, dtype)} <= kinds
     assert {("two-view", False, 90, "fp16"), ("two-view-band", False, 90, "fp16")} <= kinds
     for arch in (90, 80):  # float32 under TF32 runs these on float16 unit vectors
         assert {(k, c, arch, "fp16") for k in ("fwd", "fwd-band", "dlogits-band") for c in (False, True)} <= kinds
+        assert {(k, False, arch, "fp16") for k in ("fwd-triangle", "fwd-band-triangle")} <= kinds
     assert all(r["d"] == 512 for r in compiled)
 
 

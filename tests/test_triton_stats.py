@@ -131,10 +131,17 @@ def test_two_views_same_tensor(with_mean, as_given, logits_from):
     _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, with_mean=with_mean, normalize=as_given)
 
 
-def test_two_views_far_apart():
+@pytest.mark.parametrize("forward", ["full rows", "triangle"])
+def test_two_views_far_apart(monkeypatch, forward):
     """Scale 100, one sample of 20 opposite the others (both views): its row's lse ~200 below the tile
-    maxima, past the two-view backward's one-exp-per-logit window (two_view_grad.py): those tiles take their
-    own exps, exact still (one exp per logit there would overflow)."""
+    maxima, past the two-view backward's one-exp-per-logit window (two_view_grad.py), and past the forward's
+    over the triangle, whose columns' partials (that sample's column) then take their own exps: exact still
+    (one exp per logit there would overflow)."""
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import stats_fwd
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")  # the default here is dense: no triangle
+    monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16 if forward == "triangle" else 2**20)
     g = torch.Generator().manual_seed(18)
     u = _features(g, 1, 24)
     sign = torch.where(torch.arange(20) < 19, 1.0, -1.0)[:, None]
@@ -338,7 +345,7 @@ def test_labels_in_bands_at_production_tiles(monkeypatch, logits_from):
     from contrastkit.losses.kernels import dlogits, stats_fwd
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
-    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     g = torch.Generator().manual_seed(35)
     a, b = _features(g, 150, 512, torch.bfloat16).to(DEVICE), _features(g, 150, 512, torch.bfloat16).to(DEVICE)
     _compare_at(a, b, 14.0, 2e-6, 1e-2, scale_tol=1e-5, tiles={}, labels=(_ids(g, 150, 7), _ids(g, 150, 7)),
@@ -401,13 +408,15 @@ def test_compiles_into_one_graph():
 def small_buffers(request, monkeypatch):
     """The buffers' bounds (256 MiB of d logits, 128 MiB of column partials in production) made tiny, so
     that small shapes take the paths of large ones: d logits in bands of 16 rows and every column, or in
-    blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile's partials."""
+    blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile, their partials
+    combined per launch, and two views' forward over the upper triangle in bands of one row tile."""
     from contrastkit.losses.kernels import dlogits, stats_fwd
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
     monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if request.param == "bands" else 10**9)
-    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16)
     return request.param
 
 
@@ -493,6 +502,31 @@ def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
         assert sum(written) == logits
 
 
+@pytest.mark.parametrize("forward", ["kernel", "cublas"])
+def test_forward_visits_the_upper_triangle_only(monkeypatch, forward):
+    """Two views' forward in bands of TRIANGLE_BAND_ROWS, each against the columns from its first row on: 40
+    rows in bands of 16 take 16 x 40 + 16 x 24 + 8 x 8 = 1088 logits (cuBLAS's products, or the kernel's
+    columns), against one band's 40 x 40 = 1600 where the band holds every row; image-text (columns) takes
+    every column in each band."""
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import launch, stats_fwd
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    visited = []
+    run = launch.run
+    monkeypatch.setattr(launch, "run", lambda kernel, grid, *args, **kwargs: (
+        visited.append((kwargs["R1"] - kwargs["R0"]) * (kwargs["K"] - kwargs["C0"])), run(kernel, grid, *args, **kwargs)))
+    z = _features(torch.Generator().manual_seed(19), 40, 24).to(DEVICE)
+    exclude = torch.arange(40, device=DEVICE)[:, None]
+    for rows, same, columns, logits in ((16, True, False, 1088), (2**20, True, False, 1600),
+                                        (16, False, True, 1600)):
+        monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", rows)
+        monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1 if columns else 2**27)  # image-text in bands of 16 too
+        visited.clear()
+        negative_stats_triton(z, z if same else z.clone(), 10.0, exclude=exclude, columns=columns, **TILES)
+        assert sum(visited) == logits
+
+
 # The production configuration under the interpreter: the default tiles (the first entry of each kernel's
 # space: forward 128 x 64 (D in chunks of 64, float32 32), d logits 128 x 64 (chunks of 32; float32 128 x 32, chunks of 32),
 # products 128 x 128, two-view backward 64 x 32 (the gradient in chunks of 256)), D = 512, several tiles on
@@ -519,7 +553,8 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
     assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=32)
     assert launch.split(3, 150, torch.device("cpu"))[0] == 3
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
-    monkeypatch.setattr(stats_fwd, "COLUMN_PARTIAL_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
+    monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 128)
     assert dlogits.block_shape(150, 150, 4) == (128, 128)
     g = torch.Generator().manual_seed(20 + m + k + excluded)
     a = _features(g, m, 512, dtype).to(DEVICE)

@@ -7,6 +7,7 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
 
 - forward (stats_fwd.py): one pass, an online maximum per row (exact whatever the logits' range, no shift
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
+  two views over the upper triangle, in bands, each row's lower-triangle share from the columns' partials;
 - backward, per block of rows and columns (a band of rows and every column up to large sizes): the block's
   logits recomputed by cuBLAS in float32, d loss / d logits written once in the inputs' dtype by an
   elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += dL b[cols] and dB[cols] += dL^T a[rows]
@@ -22,7 +23,7 @@ argument away: the backward's products inside the kernels, and two views in one 
 which an H100 measured latency-bound. Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
 
     two views      forward 1, backward 2 (recompute, (dL + dL^T) z)   = 3   (first design: c + 2 = 4 at D = 512)
-      triangle     forward 1, backward (R + 1) / 2R + 1, R row blocks ~ 2.5
+      triangle     forward (R + 1) / 2R, backward (R + 1) / 2R + 1, R bands ~ 2
     image-text     forward 1, backward 3 (recompute, dA, dB)          = 4
     rows only      forward 1, backward 3                              = 4
 
@@ -36,8 +37,8 @@ design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10
 dL meets b (or a) in the inputs' dtype: bfloat16, float16 (dL divided by max |grad| first, so that its
 small entries stay in float16's range; the factor is put back on the float32 sum), or float32.
 Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
-values. Memory beyond the inputs, their gradients and the statistics: in forward the columns' partials
-(at most COLUMN_PARTIAL_BYTES, 128 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
+values. Memory beyond the inputs, their gradients and the statistics: in forward the partials (at most
+PARTIAL_BYTES, 128 MiB) and the band design's float32 products (LOGIT_BAND_BYTES, 256 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
 and, for half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes; dA: a band's rows D 4 bytes;
 two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES).
 """
@@ -121,13 +122,14 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
         inv_a = inv_b = None
         tf32 = False
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
+    triangle = b is None and not columns and forward_logits != "dense"  # L symmetric: its upper triangle
     b = a if b is None else b
     product = None
     if forward_logits in ("cublas", "dense"):
-        def product(r0, r1, out):
-            _write_product(out, a[r0:r1], b.T)
+        def product(r0, r1, c0, out):
+            _write_product(out, a[r0:r1], b[c0:].T)
     kept = a.new_empty((a.shape[0], b.shape[0]) if forward_logits == "dense" else (0, 0), dtype=torch.float32)
-    stats = forward_stats(a, b, inputs, product, kept if forward_logits == "dense" else None)
+    stats = forward_stats(a, b, inputs, product, kept if forward_logits == "dense" else None, triangle)
     return torch.stack(stats), kept
 
 

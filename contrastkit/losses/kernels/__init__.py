@@ -2,7 +2,8 @@
 tested against (contrastkit/losses/triton_stats.py joins them into the autograd op, with cuBLAS for the
 products of a band of d logits with the features):
 
-- stats_fwd.py: the forward statistics (rows' lse and mean, image-text columns' partial lse per row tile);
+- stats_fwd.py: the forward statistics (rows' lse and mean, the columns' partials per row tile: image-text's,
+  and two views' over the upper triangle);
 - dlogits.py: backward's d loss / d logits for a band of rows, written once in the inputs' dtype;
 - two_view_grad.py: the two-view backward, dz from the symmetric logits in one kernel;
 - common.py: the device helpers they share; launch.py: tiles, autotune spaces, launches.

@@ -3,10 +3,13 @@
 
 A program owns a tile of rows and walks a split of the columns with an online maximum (FlashAttention
 style): exact whatever the logits' range. The columns' statistics need every row, so each program also
-writes, per column, the lse of its own rows (from the rows' exps: common.tile_exp); the row
-tiles' partial lse are combined by a logsumexp (torch). Their buffer, [row tiles, K] float32, is bounded:
-the rows go in launches of at most COLUMN_PARTIAL_BYTES of partials (128 MiB: one launch at N = 32768,
-16 of 16384 rows at N = 262144).
+writes, per column, the lse of its own rows (from the rows' exps: common.tile_exp). Two views (a = b, L
+symmetric) visit the upper triangle alone (``triangle``): each band of rows against the columns from its
+first row on, the columns' partials (with each column's own exclusions) giving every row the lower
+triangle's share of its statistics, about half the products and exps of full rows. The partials, per split
+of the columns and per row tile, are combined by a logsumexp (torch) once per group of bands whose buffers
+fit PARTIAL_BYTES (128 MiB: one group at N = 32768; image-text's column partials bound a band to 16384 rows
+at N = 262144).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.common import (EXCLUDED, dots, inverse_norms, kept_by_label, resident, scaled,
                                                tile_exp, valid)
 
-COLUMN_PARTIAL_BYTES = 2**27
+PARTIAL_BYTES = 2**27
+TRIANGLE_BAND_ROWS = 2048  # two views' forward over the upper triangle: bands of this many rows (forward_stats)
 LOGIT_BAND_BYTES = 2**28  # the band design's float32 products of a band of rows and every column
 BLOCK_M = 128  # every entry's row tile: the columns' partials are indexed by it, whichever entry autotune keeps
 
@@ -42,20 +46,23 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 
 @triton.jit
 def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, ids_b_ptr, lse_ptr, mean_ptr,
-              cpart_ptr, M, K, R0, R1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_part, D: tl.constexpr, E: tl.constexpr,
-              LABELS: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr, FROM_LOGITS: tl.constexpr,
-              NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+              cpart_ptr, cmean_ptr, M, K, R0, R1, C0, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_part, D: tl.constexpr,
+              E: tl.constexpr, LABELS: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr,
+              TRIANGLE: tl.constexpr, FROM_LOGITS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0), rows < R1), columns [SPLIT s, SPLIT (s + 1))
-    of split s = program_id(1): online maximum m, sum l of exp(L - m) and (WITH_MEAN) sum w of exp(L - m) L;
-    the split's lse and mean to row s, column row - R0, of the launch's [splits, R1 - R0] partials (row
-    stride s_part). COLUMNS (no mean): each column's lse over
-    the tile's rows to row t of cpart [tiles, K]. FROM_LOGITS: the products a.b read from p [R1 - R0, K]
-    float32 (the band's, cuBLAS's), not computed here. NORMALIZE: a and b are the features as given and the
-    logits scale (a.b) inv_a inv_b (common.scaled). LABELS: pairs also left out by the rows' and columns' ids
-    (common.kept_by_label)."""
+    """Rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0), rows < R1), columns C0 + [SPLIT s, SPLIT (s + 1))
+    of split s = program_id(1) (columns < K): online maximum m, sum l of exp(L - m) and (WITH_MEAN) sum w of
+    exp(L - m) L; the split's lse and mean to row s, column row - R0, of the launch's partials (row stride
+    s_part; a split past K writes lse -inf, mean 0). COLUMNS (image-text): each column's lse over the tile's
+    rows to row t of cpart [tiles, K]. TRIANGLE (two views, a = b, L symmetric: the launch's rows against the
+    columns from C0 = R0 on): also each column's lse (and mean) over the tile's rows, with the column's own
+    exclusions (the mirrored entry (k, r) of L), to cpart and cmean, so that the columns past the launch's
+    rows (k >= R1) get the lower triangle's share of their statistics, which no launch visits.
+    FROM_LOGITS: the products a.b read from p [R1 - R0, K - C0] float32 (the band's, cuBLAS's), not computed
+    here. NORMALIZE: a and b are the features as given and the logits scale (a.b) inv_a inv_b
+    (common.scaled). LABELS: pairs also left out by the rows' and columns' ids (common.kept_by_label)."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    start = tl.program_id(1) * SPLIT
+    start = C0 + tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, K)
     scale = tl.load(scale_ptr)
     a = None
@@ -68,17 +75,32 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_
     for n0 in range(start, end, BLOCK_N):
         cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         if FROM_LOGITS:
-            s = tl.load(p_ptr + (rows - R0)[:, None] * s_pr + cols[None, :],
+            s = tl.load(p_ptr + (rows - R0)[:, None] * s_pr + (cols - C0)[None, :],
                         mask=(rows[:, None] < R1) & (cols[None, :] < end), other=0.0)
         else:
             s = dots(a_ptr, b_ptr, a, rows, cols, R1, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N, BLOCK_D,
                      PRECISION, UPCAST)
         s = scaled(s, inv_a, inverse_norms(inv_b_ptr, cols, K, NORMALIZE), NORMALIZE) * scale
+        if LABELS != 0:
+            kept = kept_by_label(ids_a_ptr, ids_b_ptr, rows, cols, R1, end, LABELS, True)
+        if TRIANGLE:  # the mirrored entries (k, r) first, with row k's exclusions (labels are symmetric), own exps
+            ok = valid(ex_ptr, cols, rows, end, R1, E, False)
+            if LABELS != 0:
+                ok = ok & kept
+            masked = tl.where(ok, s, EXCLUDED)
+            top = tl.max(masked, axis=0)
+            p = tl.exp(masked - top[None, :])
+            lc = tl.sum(p, axis=0)
+            inside = (cols < end) & (cols >= R1)  # the band's own square: its rows take both (r, k) and (k, r)
+            tl.store(cpart_ptr + tl.program_id(0) * K + cols, top + tl.log(lc), mask=inside)
+            if WITH_MEAN:
+                tl.store(cmean_ptr + tl.program_id(0) * K + cols,
+                         tl.sum(tl.where(ok, p * s, 0.0), axis=0) / lc / scale, mask=inside)
         ok = valid(ex_ptr, rows, cols, R1, end, E, True)
         if LABELS != 0:
-            ok = ok & kept_by_label(ids_a_ptr, ids_b_ptr, rows, cols, R1, end, LABELS, True)
-        s = tl.where(ok, s, EXCLUDED)
+            ok = ok & kept
         if COLUMNS:  # the rows' and the columns' terms from one exp per logit (common.tile_exp)
+            s = tl.where(ok, s, EXCLUDED)
             e, t, T, narrow = tile_exp(s, cols, end)
             m_new = tl.maximum(m, t)
             l = l * tl.exp(m - m_new) + tl.exp(t - m_new) * tl.sum(e, axis=1)
@@ -90,9 +112,10 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_
                 part = top + tl.log(tl.sum(tl.exp(s - top[None, :]), axis=0))
             tl.store(cpart_ptr + tl.program_id(0) * K + cols, part, mask=cols < end)
         else:
-            m_new = tl.maximum(m, tl.max(s, axis=1))
+            masked = tl.where(ok, s, EXCLUDED)
+            m_new = tl.maximum(m, tl.max(masked, axis=1))
             rescale = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            p = tl.exp(masked - m_new[:, None])
             l = l * rescale + tl.sum(p, axis=1)
             if WITH_MEAN:
                 w = w * rescale + tl.sum(tl.where(ok, p * s, 0.0), axis=1)
@@ -101,57 +124,99 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_
     out = tl.program_id(1) * s_part + rows - R0
     tl.store(lse_ptr + out, m + tl.log(l), mask=inside)
     if WITH_MEAN:
-        tl.store(mean_ptr + out, w / l / scale, mask=inside)
+        tl.store(mean_ptr + out, w / tl.maximum(l, 1.0) / scale, mask=inside)
 
 
-def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None):
+def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, triangle=False):
     """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each (inputs: the call's scale, exclusions,
-    form, tiles, norms and labels). The columns split over b's rows where a has few row tiles. product(r0, r1,
-    out): where given, the band's products a[r0:r1] b^T written into out (cuBLAS: the band design), in bands
-    of at most LOGIT_BAND_BYTES, which the kernel then reads instead of computing them; into the rows of
-    ``logits`` [M, K] float32 where given (the dense path, which keeps them for backward)."""
+    form, tiles, norms and labels). The rows go in launches (bands) of at most LOGIT_BAND_BYTES of products
+    where cuBLAS writes them: product(r0, r1, c0, out) writes a[r0:r1] b[c0:]^T into out, which the kernel
+    then reads instead of computing the products; into the rows of ``logits`` [M, K] float32 where given
+    (the dense path, which keeps them for backward). triangle (two views: b is a, no columns): each band of
+    TRIANGLE_BAND_ROWS against the columns from its first row on, the upper triangle alone (about half the
+    products and exps), the columns' partials giving each row the share of the lower triangle. The
+    launches' partials (per split of the columns, and the columns' per row tile) are combined per group
+    of bands within PARTIAL_BYTES."""
     m, k = a.shape[0], b.shape[0]
     with_mean, columns, blocks = inputs.with_mean, inputs.columns, inputs.blocks
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
-    chunk = m
-    if columns:  # the partials' buffer bounded: launches of at most COLUMN_PARTIAL_BYTES
-        chunk = min(m, max(1, COLUMN_PARTIAL_BYTES // (k * 4)) * tile)
-    band = None
-    if product is not None and logits is None:  # the band's float32 products bounded too
-        chunk = min(chunk, max(1, LOGIT_BAND_BYTES // (k * 4 * tile)) * tile)
-        band = a.new_empty((chunk, k), dtype=torch.float32)
-    splits, share = launch.split(triton.cdiv(chunk, 64), k, a.device)
-    # Each launch's partial statistics per split, [splits, chunk], combined into [M] after it: bounded however
-    # many splits a launch of few rows against many columns takes (a band of 128 rows at 2^19 columns: 132).
-    lse, mean = a.new_empty((splits, chunk), dtype=torch.float32), None
-    if with_mean:
-        mean = torch.empty_like(lse)
+    rows = m
+    if triangle:
+        rows = max(tile, TRIANGLE_BAND_ROWS // tile * tile)
+    flat = None
+    if product is not None and logits is None:  # the band's float32 products bounded
+        rows = min(rows, max(1, LOGIT_BAND_BYTES // (k * 4 * tile)) * tile)
+    if columns or triangle:  # the columns' partials of a band, [row tiles, K] (and their means), bounded
+        rows = min(rows, max(1, PARTIAL_BYTES // (k * 4 * (2 if with_mean else 1))) * tile)
+    rows = min(rows, m)
+    triangle = triangle and rows < m  # one band: the whole matrix, nothing to mirror
+    by_column = columns or triangle
+    if product is not None and logits is None:
+        flat = a.new_empty(rows * k, dtype=torch.float32)
+    bands = [(r0, min(r0 + rows, m), r0 if triangle else 0) for r0 in range(0, m, rows)]
+    plan = [launch.split(triton.cdiv(r1 - r0, tile), k - c0, a.device) for r0, r1, c0 in bands]
+    splits = max(s for s, _ in plan)  # a band whose columns take fewer: its last splits empty (lse -inf)
+    per_band = 4 * (splits * rows + (triton.cdiv(rows, tile) * k if by_column else 0)) * (2 if with_mean else 1)
+    group = max(1, PARTIAL_BYTES // per_band) * rows
+    lse = a.new_empty((splits, min(group, m)), dtype=torch.float32)
+    mean = torch.empty_like(lse) if with_mean else lse
+    cpart = a.new_empty((triton.cdiv(min(group, m), tile), k), dtype=torch.float32) if by_column else lse
+    cmean = torch.empty_like(cpart) if by_column and with_mean else cpart
     total = a.new_empty(m, dtype=torch.float32)
     row_mean = torch.empty_like(total) if with_mean else None
-    cpart = a.new_empty((triton.cdiv(chunk, tile), k), dtype=torch.float32) if columns else lse
-    column_lse = None
-    for r0 in range(0, m, chunk):
-        r1 = min(r0 + chunk, m)
-        if logits is not None:
-            band = logits[r0:r1]
-        if band is not None:
-            product(r0, r1, band[: r1 - r0])
-        launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-                   ("M", "K", "D", "COLUMNS", "FROM_LOGITS", "NORMALIZE", "LABELS"), *inputs.pointers(a, b, band), lse,
-                   lse if mean is None else mean, cpart, R0=r0, R1=r1, SPLIT=share,
-                   s_pr=0 if band is None else band.stride(0), s_part=lse.stride(0), FROM_LOGITS=band is not None,
-                   **inputs.constants(a, b), blocks=blocks)
-        part = lse[:, : r1 - r0]
-        total[r0:r1] = torch.logsumexp(part, dim=0) if splits > 1 else part[0]  # the splits' partials, exactly
-        if mean is not None and row_mean is not None:  # with_mean (the test mypy can follow)
-            mean_part = mean[:, : r1 - r0]
-            row_mean[r0:r1] = (torch.exp(part - total[r0:r1]) * mean_part).sum(0) if splits > 1 else mean_part[0]
-        if columns:
-            part = torch.logsumexp(cpart[: triton.cdiv(r1 - r0, tile)], dim=0)
-            column_lse = part if column_lse is None else torch.logaddexp(column_lse, part)
+    column = None
+    for g0 in range(0, m, group):
+        g1 = min(g0 + group, m)
+        if triangle:  # the columns before each band's first row: no partial
+            cpart.fill_(float("-inf"))
+            if with_mean:
+                cmean.zero_()
+        for (r0, r1, c0), (_, share) in zip(bands[g0 // rows: triton.cdiv(g1, rows)], plan[g0 // rows:]):
+            band = None
+            if logits is not None:
+                band = logits[r0:r1]
+            elif flat is not None:
+                band = flat[: (r1 - r0) * (k - c0)].view(r1 - r0, k - c0)
+            if band is not None:
+                product(r0, r1, c0, band)
+            at = (r0 - g0) // tile if by_column else 0  # the band's first row tile in the columns' partials
+            launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
+                       ("M", "K", "D", "COLUMNS", "TRIANGLE", "FROM_LOGITS", "NORMALIZE", "LABELS"),
+                       *inputs.pointers(a, b, band), lse[:, r0 - g0:], mean[:, r0 - g0:], cpart[at:], cmean[at:],
+                       R0=r0, R1=r1, C0=c0, SPLIT=share, s_pr=0 if band is None else band.stride(0),
+                       s_part=lse.stride(0), TRIANGLE=triangle, FROM_LOGITS=band is not None,
+                       **inputs.constants(a, b), blocks=blocks)
+        total[g0:g1], part_mean = _combine(lse[:, : g1 - g0], mean[:, : g1 - g0] if with_mean else None)
+        if with_mean:
+            row_mean[g0:g1] = part_mean
+        if by_column:
+            tiles = triton.cdiv(g1 - g0, tile)
+            part = _combine(cpart[:tiles], cmean[:tiles] if with_mean else None)
+            if column is None and g1 < m:  # a view of the buffer the next group overwrites: kept as a copy
+                part = tuple(None if x is None else x.clone() for x in part)
+            column = part if column is None else _merge(column, part)
+    if triangle:  # each row's upper-triangle statistics with its column's, the lower triangle's share
+        total, row_mean = _merge((total, row_mean), column)
     stats = [total]
     if with_mean:
         stats.append(row_mean)
     if columns:
-        stats.append(column_lse)
+        stats.append(column[0])
     return stats
+
+
+def _combine(lse, mean):
+    """(lse, mean) over the partials [parts, n] of disjoint sets of columns (mean None: without): the
+    logsumexp, and the means weighted by each part's share (a part of lse -inf has none)."""
+    if lse.shape[0] == 1:
+        return lse[0], None if mean is None else mean[0]
+    total = torch.logsumexp(lse, dim=0)
+    if mean is None:
+        return total, None
+    weights = torch.exp(lse - total.clamp_min(torch.finfo(torch.float32).min))
+    return total, (weights * mean).sum(0)
+
+
+def _merge(x, y):
+    """_combine of two (lse, mean) pairs."""
+    return _combine(torch.stack([x[0], y[0]]), None if x[1] is None else torch.stack([x[1], y[1]]))
