@@ -67,8 +67,9 @@ TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-tri
 # Where the Triton path's logits come from, forward and backward (triton_stats.LOGITS; "-triton" alone: its
 # defaults, dense where the matrix fits, else the kernels' forward and cuBLAS's backward): "-band" both from
 # cuBLAS per band (every kernel elementwise), "-dense" written whole once and read back, "-fused" both
-# computed inside the kernels (the first design); two views' "-rows": "-band" with the backward over full
-# rows instead of the upper triangle (triton_stats.TRIANGLE_BYTES 0), what the triangle gains.
+# computed inside the kernels (the first design); two views' "-rows": "-band" with both passes over full
+# rows instead of the upper triangle (triton_stats.TRIANGLE_BYTES 0, stats_fwd.TRIANGLE_BAND_ROWS past M),
+# what the triangle gains.
 LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel"),
                    "rows": ("cublas", "cublas")}
 TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS
@@ -145,18 +146,21 @@ def _step(method: str, n: int, d: int, args) -> dict:
 
 def _with_logits(fn, forward: str, backward: str, full_rows: bool = False):
     """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS), and
-    with ``full_rows`` two views' backward over full rows (no triangle)."""
+    with ``full_rows`` two views' passes over full rows (no triangle in backward or forward)."""
     def run():
         from contrastkit.losses import triton_stats
+        from contrastkit.losses.kernels import stats_fwd
 
-        saved = triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES
+        saved = (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
+                 stats_fwd.TRIANGLE_BAND_ROWS)
         triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = forward, backward
         if full_rows:
-            triton_stats.TRIANGLE_BYTES = 0
+            triton_stats.TRIANGLE_BYTES, stats_fwd.TRIANGLE_BAND_ROWS = 0, 2**62
         try:
             fn()
         finally:
-            triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES = saved
+            (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
+             stats_fwd.TRIANGLE_BAND_ROWS) = saved
 
     return run
 

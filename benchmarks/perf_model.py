@@ -68,6 +68,11 @@ BAND_MIN_ROWS = 2048  # below this a band of every column is too thin: square bl
 # triton_stats.TRIANGLE_BYTES: N <= 65536 at D = 512): each band's blocks from its first row on, the rows past
 # the band from a second product of the block (H^T z). The band paths only: the model's dense path is one block.
 TILE = 128  # block sides are multiples of the kernels' row tile
+# Two views' forward over the upper triangle (every N): the fused kernel in bands of this many rows
+# (contrastkit's stats_fwd.TRIANGLE_BAND_ROWS), each band one launch; the band path in its blocks. The partials'
+# combination adds these operators per call (counted by tests/test_perf_model.py as the built path issues them).
+TRIANGLE_BAND_ROWS = 2048
+TRIANGLE_FORWARD_OPERATORS = 4
 GIB = 2**30
 DEFAULT_BUDGET = 1 * GIB  # the loss's working memory: the issue-23 target at N = 262144 is <= 1 GiB
 
@@ -80,7 +85,7 @@ PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
 # block, a second call: the first adds a few) by tests/test_device_path.py's counter: DCL, float32, image-text with a learnable logit scale as CLIP
 # trains (the peers' counts below are theirs under the same conditions, bf16 autocast). "band" is the Triton
 # path (its float32 product is band's), "dense" the dense path; tests/test_perf_model.py recounts them.
-BUILT_OPERATORS = {"band": {TWO_VIEW: 79, IMAGE_TEXT: 84}, "dense": {TWO_VIEW: 56, IMAGE_TEXT: 64}}
+BUILT_OPERATORS = {"band": {TWO_VIEW: 79, IMAGE_TEXT: 83}, "dense": {TWO_VIEW: 56, IMAGE_TEXT: 64}}
 
 # Measured on the H100 (docs/gpu/NVIDIA-H100-80GB-HBM3/README.md, run 3, bf16 autocast, D = 512, the minimum
 # of 3 rounds), ms; InfoNCE for the Triton and torch paths. floor-2v timed 3 GEMMs (S, S B, S^T A): two views'
@@ -304,8 +309,37 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
     if path == "band+fwd":
         measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD
         launches += 1
+    if setting == TWO_VIEW and path in ("band", "band+fwd"):
+        measured, products, traffic, launches = _forward_triangle(path, m, k, d, blk, measured, products, traffic,
+                                                                  launches)
     return Prediction(path, setting, n, dtype, products, traffic / HBM_BYTES_PER_S, measured,
                       launches * launch_s, launches, blk, memory, memory <= budget)
+
+
+def _forward_triangle(path, m, k, d, blk, measured, products, traffic, launches):
+    """Two views' forward over the upper triangle (stats_fwd.forward_stats): band in the backward's blocks,
+    band+fwd's fused kernel in bands of TRIANGLE_BAND_ROWS, each against the columns from its first row on;
+    the products, the passes' bytes and the measured kernel scaled to the visited share, the columns' float32
+    partials (one per row tile and column) written and read, and the combination's operators."""
+    if path == "band":
+        if blk.row_blocks == 1:
+            return measured, products, traffic, launches
+        visited = triangle_shares(blk)[0]
+        traffic -= (1 - visited) * sum(passes(path, TWO_VIEW)["forward"].values()) * m * k
+        products -= (1 - visited) * gemm_s(m, k, d)
+        if blk.col_blocks > 1:  # square blocks: the R (R - 1) / 2 below the diagonal not launched
+            r = blk.row_blocks
+            forward_launches = launches_per_block(path, TWO_VIEW) - backward_launches_per_block(path, TWO_VIEW)
+            launches -= forward_launches * r * (r - 1) // 2
+    else:
+        bands = math.ceil(m / TRIANGLE_BAND_ROWS)
+        if bands == 1:
+            return measured, products, traffic, launches
+        visited = (bands + 1) / (2 * bands)
+        measured *= visited
+        launches += bands - 1
+    traffic += visited * m * k * 8 / TILE
+    return measured, products, traffic, launches + TRIANGLE_FORWARD_OPERATORS
 
 
 def best(setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,
