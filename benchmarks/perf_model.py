@@ -57,6 +57,9 @@ HBM_BYTES_PER_S = 3.0e12
 # assumption, not a measurement (TF32 runs the same kernel on float16 units).
 STATS_FWD_S = 11.76e-3
 STATS_FWD_MKD = 65536 * 65536 * 512
+# Two views' forward over the triangle takes the kernel's 64-column entries only (stats_fwd.triangle_space: the
+# 128 x 128 ones spill there); the 128x64x64 entry measured 13.73 ms for the whole matrix (the same run).
+STATS_FWD_TRIANGLE_S = 13.73e-3
 # Per kernel launch: an assumption (a CUDA launch plus a lean host path issuing it; eager PyTorch ops cost
 # more). The H100 measurements at N = 4096 imply ~33 us per eager op for open_clip (3.2 ms measured against
 # 0.51 ms of modelled GPU time, over its 81 launches): small N is host-bound for every path.
@@ -319,8 +322,9 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
 def _forward_triangle(path, m, k, d, blk, measured, products, traffic, launches):
     """Two views' forward over the upper triangle (stats_fwd.forward_stats): band in the backward's blocks,
     band+fwd's fused kernel in bands of TRIANGLE_BAND_ROWS, each against the columns from its first row on;
-    the products, the passes' bytes and the measured kernel scaled to the visited share, the columns' float32
-    partials (one per row tile and column) written and read, and the combination's operators."""
+    the products, the passes' bytes and the measured kernel (its 64-column entry's time: the triangle's
+    space) scaled to the visited share, the columns' float32 partials (one per row tile and column) written
+    and read, and the combination's operators."""
     if path == "band":
         if blk.row_blocks == 1:
             return measured, products, traffic, launches
@@ -336,7 +340,7 @@ def _forward_triangle(path, m, k, d, blk, measured, products, traffic, launches)
         if bands == 1:
             return measured, products, traffic, launches
         visited = (bands + 1) / (2 * bands)
-        measured *= visited
+        measured *= visited * STATS_FWD_TRIANGLE_S / STATS_FWD_S
         launches += bands - 1
     traffic += visited * m * k * 8 / TILE
     return measured, products, traffic, launches + TRIANGLE_FORWARD_OPERATORS

@@ -130,8 +130,9 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
     import importlib
 
     module = importlib.import_module(f"contrastkit.losses.kernels.{KERNELS[kernel][0]}")
+    space = module.triangle_space if kernel.startswith("fwd") and "triangle" in kernel else module.space
     return [tuple(c.kwargs[k] for k in c.kwargs if k != "D_OUT") + (c.num_warps, c.num_stages)
-            for c in module.space(d, ITEMSIZE[dtype], arch)]
+            for c in space(d, ITEMSIZE[dtype], arch)]
 
 
 # Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text

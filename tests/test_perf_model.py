@@ -162,7 +162,7 @@ def test_done_when_at_32768():
     # two views <= 3.5x its 2-GEMM floor: with the backward over the upper triangle both band paths hold (full
     # rows: band 3.85, band+fwd 3.31)
     assert t[(TV, "band")] == pytest.approx(2.54, abs=0.02) and t[(TV, "band")] <= 3.5
-    assert t[(TV, "band+fwd")] == pytest.approx(2.23, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    assert t[(TV, "band+fwd")] == pytest.approx(2.31, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: on float16 units (TF32 products: 1.71 and 1.75, missed), the units' copies alone
     assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.01, abs=0.01)
@@ -217,10 +217,11 @@ def test_two_views_forward_over_the_triangle(monkeypatch, device_path):
     for rows in (64, 32, 16):
         assert operators(rows) == full + 128 // rows - 1 + pm.TRIANGLE_FORWARD_OPERATORS
     m = 2 * N
-    fused = pm.STATS_FWD_S * m * m * 512 / pm.STATS_FWD_MKD
-    bands = m // pm.TRIANGLE_BAND_ROWS
-    assert pm.predict("band+fwd", TV, N).measured_s == pytest.approx(fused * (bands + 1) / (2 * bands))
-    assert pm.predict("band+fwd", IT, N).measured_s == pytest.approx(fused / 4)  # image-text: no triangle
+    bands = m // pm.TRIANGLE_BAND_ROWS  # the triangle's kernel: its space's 64-column entry (13.73 ms measured)
+    narrow = pm.STATS_FWD_TRIANGLE_S * m * m * 512 / pm.STATS_FWD_MKD
+    assert pm.predict("band+fwd", TV, N).measured_s == pytest.approx(narrow * (bands + 1) / (2 * bands))
+    assert [c.kwargs["BLOCK_N"] for c in stats_fwd.triangle_space(512, 2)] == [64]
+    assert pm.predict("band+fwd", IT, N).measured_s == pytest.approx(pm.STATS_FWD_S / 4)  # image-text: no triangle
     blk = pm.predict("band", TV, N).blocks
     visited = pm.triangle_shares(blk)[0]
     monkeypatch.setattr(pm, "TRIANGLE_BYTES", 0)  # the backward's full rows: the forward's share alone remains
