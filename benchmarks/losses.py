@@ -67,11 +67,11 @@ TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-tri
 # Where the Triton path's logits come from, forward and backward (triton_stats.LOGITS; "-triton" alone: its
 # defaults, dense where the matrix fits, else the kernels' forward and cuBLAS's backward): "-band" both from
 # cuBLAS per band (every kernel elementwise), "-dense" written whole once and read back, "-fused" both
-# computed inside the kernels (the first design); two views' "-rows": "-band" with both passes over full
+# computed inside the kernels (the first design); two views' "-rows": the defaults with both passes over full
 # rows instead of the upper triangle (triton_stats.TRIANGLE_BYTES 0, stats_fwd.TRIANGLE_BAND_ROWS past M),
-# what the triangle gains.
+# what the triangle gains on the default path.
 LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel"),
-                   "rows": ("cublas", "cublas")}
+                   "rows": ("auto", "cublas")}
 TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS
            if v != "rows" or not m.startswith("clip")]
 # DCL through each torch path (the blockwise kernel, the dense matrix): where the Triton path's fixed cost

@@ -233,3 +233,29 @@ def test_two_view_forward_over_the_triangle_at_production_size(monkeypatch, forw
         want.append((torch.exp(logits - lse[:, None]) * logits.nan_to_num(neginf=0.0)).sum(1) / 14.0)
     torch.testing.assert_close(got.double(), torch.stack(want), rtol=0, atol=1e-4)
     torch.testing.assert_close(got, rows, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("forward", ["kernel", "cublas"])
+def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
+    """The Triton path as torch.compile sees it on CUDA (triton_op: Inductor traces the launches, the views of
+    the partials' buffers they write and the buffers' fills): two views of 1024 in forward bands of 512 rows
+    over the upper triangle, each band's partials a group of their own, backward blocks of 1024 rows; CACR's
+    mean. The compiled call (inductor, fullgraph) equals eager."""
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import dlogits, stats_fwd
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 512)
+    monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 4 * 2048 * 4 * 2)  # a band's columns' partials and means
+    monkeypatch.setattr(dlogits, "BAND_BYTES", 1024 * 2048 * 2)
+    x1, x2 = (torch.nn.functional.normalize(x, dim=1).bfloat16() for x in _batch(1024))
+    fn = build_loss("cacr", backend="triton")
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        z = [x.clone().requires_grad_() for x in (x1, x2)]
+        call = torch.compile(fn, fullgraph=True) if compiled else fn
+        loss = call(*z)
+        results.append([loss.detach().float(), *(g.float() for g in torch.autograd.grad(loss, z))])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
