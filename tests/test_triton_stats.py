@@ -235,6 +235,9 @@ def test_half_precision_inputs(dtype, with_mean, as_given, logits_from):
     g = torch.Generator().manual_seed(6)
     a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 53, 24, dtype).to(DEVICE)
     exclude = torch.randint(0, 53, (37, 2), generator=g).to(DEVICE)
+    if dtype == torch.float16 and as_given and logits_from != "kernel":  # on float16 units (FLOAT16_UNITS)
+        _compare_units(a, b, 14.0, exclude=exclude, with_mean=with_mean)
+        return
     grad_tol = 1e-2 if dtype == torch.bfloat16 else 1e-3  # measured: 5e-3, 2.5e-4
     _compare(a, b, 14.0, 2e-6, grad_tol, scale_tol=2e-6, exclude=exclude, with_mean=with_mean, normalize=as_given)
 
@@ -571,6 +574,9 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
                    columns=setting == "image-text")
     # float32: some 50 units of rounding of the largest gradient (2.9e-6 seen on an H100, whose sums run in
     # another order than the interpreter's; a TF32 product would be ~1e-3 off).
+    if dtype == torch.float16 and as_given and logits_from != "kernel":  # on float16 units (FLOAT16_UNITS)
+        _compare_units(a, b, 14.0, same=setting == "two views", **options)
+        return
     grad_tol = {torch.float32: 6e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     _compare_at(a, b, 14.0, 2e-6, grad_tol, scale_tol=1e-5, same=setting == "two views", tiles={}, **options, normalize=as_given)
 
@@ -607,19 +613,20 @@ def tf32(float32_precision, monkeypatch):
     return made
 
 
-def _compare_tf32(a, b, scale, *, same=False, weight=1.0, **options):
-    """float32 features (norms 0.2 to 5) with TF32 allowed, normalised in the kernels: the statistics exact (2e-6)
-    for their unit vectors rounded to float16 as the path rounds them, which lie within TF32's rounding of the
-    true ones (2^-11 relative; 2^-25 absolutely below float16's normal range); the features' gradients within
-    TF32's 2^-10 of the float64 ones through those units (the backward's float16 d logits round as TF32
-    rounds float32 ones; 3e-4 measured), the scale's within 1e-4; every gradient float32. ``weight``: the
-    upstream gradient's size."""
+def _compare_units(a, b, scale, *, same=False, weight=1.0, **options):
+    """Features that the path runs on float16 unit vectors (float32 with TF32 allowed, and float16), of norms
+    0.2 to 5, normalised in the kernels: the statistics exact (2e-6) for their unit vectors rounded to float16
+    as the path rounds them, which lie within TF32's rounding of the true ones (2^-11 relative; 2^-25
+    absolutely below float16's normal range); the features' gradients within 2^-10 of the float64 ones through
+    those units (the backward's float16 d logits round as TF32 rounds float32 ones; 3e-4 measured), the
+    scale's within 1e-4; every gradient in the features' dtype. ``weight``: the upstream gradient's size."""
     from contrastkit.losses.functional import half_units, inverse_norms
 
     g = torch.Generator().manual_seed(98)
+    dtype = a.dtype
     a, b = (x.cpu().double() * torch.empty(x.shape[0], 1, dtype=torch.float64).uniform_(0.2, 5.0, generator=g)
             for x in (a, b))
-    a, b = a.float().to(DEVICE), a.float().to(DEVICE) if same else b.float().to(DEVICE)
+    a, b = a.to(DEVICE, dtype), a.to(DEVICE, dtype) if same else b.to(DEVICE, dtype)
     leaves64 = [a.double().cpu().requires_grad_(), b.double().cpu().requires_grad_(),
                 torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)]
     units = []
@@ -641,8 +648,66 @@ def _compare_tf32(a, b, scale, *, same=False, weight=1.0, **options):
     grads = torch.autograd.grad((got * w.to(got)).sum(), leaves)
     for name, grad, wg in zip(["anchors", "candidates", "scale"][-len(leaves):] if not same else ["anchors", "scale"],
                               grads, want_grads):
-        assert grad.dtype == torch.float32 and torch.isfinite(grad).all()
+        assert grad.dtype == (torch.float32 if name == "scale" else dtype) and torch.isfinite(grad).all()
         _close(grad, wg, 1e-4 if name == "scale" else 2**-10, f"d {name}")
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_float16_on_units_in_bands(small_buffers, two_view_backward, setting, logits_from, monkeypatch):
+    """float16 features normalised in the kernels take their float16 unit vectors on the band design and the
+    dense path (FLOAT16_UNITS), made once in forward and once in backward: two views with CACR's mean and
+    asymmetric exclusions, image-text at a logit scale of 100, in bands or blocks, exact for the rounded
+    units (_compare_units). The first design (backward 'kernel') keeps the features and their inverse norms."""
+    from contrastkit.losses import triton_stats
+
+    made, half = [], triton_stats.half_units
+    monkeypatch.setattr(triton_stats, "half_units", lambda x, inv: made.append(tuple(x.shape)) or half(x, inv))
+    g = torch.Generator().manual_seed(45)
+    a = _features(g, 40, 24, torch.float16).to(DEVICE)
+    if setting == "two_views":
+        exclude = torch.stack([torch.arange(40), torch.randint(0, 40, (40,), generator=g)], dim=1).to(DEVICE)
+        b, scale, options = a, 10.0, dict(same=True, exclude=exclude, with_mean=True)
+    else:
+        b, scale = _features(g, 40, 24, torch.float16).to(DEVICE), 100.0
+        options = dict(exclude=torch.arange(40, device=DEVICE)[:, None], columns=True)
+    if logits_from == "kernel":
+        x = a.clone().requires_grad_()
+        negative_stats_triton(x, x if setting == "two_views" else b, scale, normalize=True,
+                              **{k: v for k, v in options.items() if k != "same"}).sum().backward()
+        assert made == []
+        return
+    _compare_units(a, b, scale, **options)
+    assert made == [(40, 24)] * (2 if setting == "two_views" else 4)
+
+
+@pytest.mark.parametrize("norm, scale, weight", [(1000.0, 10.0, 2.0**16), (0.003, 100.0, 1.0)], ids=["large", "tiny"])
+def test_float16_features_of_any_norm(monkeypatch, norm, scale, weight):
+    """float16 features normalised in the kernels run on their float16 unit vectors (FLOAT16_UNITS), so that
+    their d logits carry no inverse norms: rows of norm 1000 at logit scale 10 (p ~ 1/128 times inv_a inv_b
+    ~ 1e-6 fell into float16's subnormals: the gradient 24 % off, 3 % at norm 300, 84 % at 3000) and of norm
+    0.003 with near-duplicates at scale 100 (p ~ 1 times ~ 1e5 overflowed to inf) both within 2e-3 of the
+    float64 gradient of the same features (5e-4 and 1.1e-3 measured). The upstream gradient is a
+    GradScaler's: 2^16 where the features' own gradients are small, 1 where they are large."""
+    from contrastkit.losses import triton_stats
+
+    g = torch.Generator().manual_seed(23)
+    base = torch.nn.functional.normalize(torch.randn(64, 32, generator=g, dtype=torch.float64), dim=1)
+    views = torch.cat([base, base + 0.05 * torch.randn(64, 32, generator=g, dtype=torch.float64)])
+    z = (torch.nn.functional.normalize(views, dim=1) * norm).half().to(DEVICE)
+    own = torch.arange(128)
+    exclude = torch.stack([own, (own + 64) % 128], dim=1).to(DEVICE)
+    z64 = z.double().cpu().requires_grad_()
+    u = torch.nn.functional.normalize(z64, dim=1)
+    want = reference(u, u, scale, exclude.cpu())
+    (want_grad,) = torch.autograd.grad(want.sum() * weight / 128, z64)
+    for forward in ("kernel", "cublas"):
+        monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+        leaf = z.clone().requires_grad_()
+        got = negative_stats_triton(leaf, leaf, scale, exclude=exclude, normalize=True)
+        (grad,) = torch.autograd.grad(got.sum() * weight / 128, leaf)
+        assert torch.isfinite(grad).all(), forward
+        error = float((grad.double().cpu() - want_grad).norm() / want_grad.norm())
+        assert error < 2e-3, (forward, error)
 
 
 @pytest.mark.parametrize("with_mean", [False, True])
@@ -659,7 +724,7 @@ def test_tf32_two_views_on_float16_units(tf32, small_buffers, two_view_backward,
         negative_stats_triton(x, x, 10.0, exclude=exclude, with_mean=with_mean, normalize=True).sum().backward()
         assert tf32 == []
         return
-    _compare_tf32(z, z, 10.0, same=True, exclude=exclude, with_mean=with_mean)
+    _compare_units(z, z, 10.0, same=True, exclude=exclude, with_mean=with_mean)
     assert tf32 == [(40, 24)] * 2  # one copy in forward, one in backward
 
 
@@ -678,7 +743,7 @@ def test_tf32_image_text_and_rows_on_float16_units(tf32, small_buffers, setting,
                        with_mean=True, labels=(_ids(g, 37), _ids(g, 53)))
     if logits_from == "kernel":
         return  # the first design: TF32 products (test_tf32_two_views_on_float16_units)
-    _compare_tf32(a, b, scale, **options)
+    _compare_units(a, b, scale, **options)
     assert tf32 == [(37, 24), (b.shape[0], 24)] * 2
 
 
@@ -690,7 +755,7 @@ def test_tf32_d_logits_within_float16_range(tf32, scale, weight):
     logit scale or upstream size overflows them or flushes them to zero: CACR's two views, whose mean term
     grows as 1 / scale, at a scale of 0.01 and upstream gradients of 1e-30 and 1e30."""
     z = _features(torch.Generator().manual_seed(43), 40, 24).to(DEVICE)
-    _compare_tf32(z, z, scale, same=True, weight=weight, exclude=torch.arange(40, device=DEVICE)[:, None],
+    _compare_units(z, z, scale, same=True, weight=weight, exclude=torch.arange(40, device=DEVICE)[:, None],
                   with_mean=True)
     assert tf32
 

@@ -33,12 +33,13 @@ stages are autotuned (kernels/launch.py); under TRITON_INTERPRET=1 (the CPU test
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
 (precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision), on the band
-design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits). In backward
-dL meets b (or a) in the inputs' dtype: bfloat16, float16 (dL divided by max |grad| first, so that its
-small entries stay in float16's range; the factor is put back on the float32 sum), or float32.
-Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
-values. Memory beyond the inputs, their gradients and the statistics: in forward the partials (at most
-PARTIAL_BYTES, 128 MiB) and the band design's float32 products (LOGIT_BAND_BYTES, 256 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
+design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits), as float16
+features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the inputs'
+dtype: bfloat16, float16 (dL divided by a factor first, so that its small entries stay in float16's range;
+the factor is put back on the float32 sum), or float32. Statistics are float32. No host synchronisation: the
+scale is read on the device, shapes never depend on values. Memory beyond the inputs, their gradients and
+the statistics: in forward the partials (at most PARTIAL_BYTES, 128 MiB) and the band design's float32
+products (LOGIT_BAND_BYTES, 256 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
 and, for half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes; dA: a band's rows D 4 bytes;
 two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES).
 """
@@ -74,7 +75,7 @@ def _tiles(blocks):
 # Triton product (0.19-0.57 of cuBLAS's rate), so cuBLAS recomputes it, and two views take one product of the
 # band's dL + dL^T instead of the latency-bound two-view kernel.
 # "auto" (forward): the fused kernel for bf16/fp16 inputs, where it was measured, and for float32 with TF32 on
-# its float16 unit vectors (HALF_UNITS_FOR_TF32: the same kernel); other float32 on cuBLAS's products, since a
+# its float16 unit vectors (HALF_UNITS_FOR_TF32: float16's kernel); other float32 on cuBLAS's products, since a
 # fused float32 kernel becomes a default only with a GPU table that shows it faster.
 # The dense path (forward "dense"): where the whole float32 matrix fits DENSE_BYTES, cuBLAS writes it once in
 # forward and backward reads it back, no recompute: 2 products for two views, 3 for image-text (the floors).
@@ -95,6 +96,14 @@ TRIANGLE_BYTES = 2**28
 # TF32's ~2^-11); the d logits are scaled into float16's range (_units_factor). cuBLAS's own
 # CUBLAS_COMPUTE_32F_FAST_16F does the same for float32 products. False: TF32 products (docs/kernels.md).
 HALF_UNITS_FOR_TF32 = True
+# float16 features normalised in the kernels take the same float16 unit vectors (FLOAT16_UNITS): their
+# d logits would otherwise carry both rows' inverse norms p inv_a inv_b: overflowing float16 for rows of norm
+# ~0.005 and a peaked softmax, and sinking into its subnormals for rows of large norm (norm 1000, 128 rows at
+# logit scale 10: the gradient 24 % off; the fraction grows with the batch, as p ~ 1 / M). Units have norm 1,
+# and their d logits are placed in float16's range by _units_factor (tests: test_float16_features_of_any_norm);
+# the cost is one more float16 rounding, of each unit vector (2^-11 relative, as the features' own: the
+# statistics within ~2e-3 of the features' at logit scale 10), and the units' copies in each pass.
+FLOAT16_UNITS = True
 
 
 def _write_product(out, x, y):
@@ -117,7 +126,7 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
-    if _units_for_tf32(a, inv_a is not None, tf32, forward_logits == "dense" or backward_logits == "cublas"):
+    if _takes_units(a, inv_a is not None, tf32, forward_logits == "dense" or backward_logits == "cublas"):
         a, b = _half_operands(a, b, inv_a, inv_b)
         inv_a = inv_b = None
         tf32 = False
@@ -142,17 +151,19 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
 
 def takes_half_units(x, normalize, backward_logits=None):
     """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
-    vectors (HALF_UNITS_FOR_TF32): float32 with TF32 allowed, on the band design. The losses' positives then
-    come from the same units (functional.row_cosines' units16)."""
+    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32), on the band design. The
+    losses' positives then come from the same units (functional.row_cosines' units16)."""
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
-    return _units_for_tf32(x, normalize, tf32_matmul_allowed(), backward_logits == "cublas")
+    return _takes_units(x, normalize, tf32_matmul_allowed(), backward_logits == "cublas")
 
 
-def _units_for_tf32(x, normalized, tf32, from_cublas):
-    """Whether float32 features with TF32 allowed take float16 copies of their unit vectors as the products'
-    operands (HALF_UNITS_FOR_TF32): where the kernels normalise and cuBLAS does the backward's products (the
-    band design, or the dense path's kept logits)."""
-    return HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32 and normalized and from_cublas
+def _takes_units(x, normalized, tf32, from_cublas):
+    """Whether the features x take float16 copies of their unit vectors as the products' operands: where the
+    kernels normalise and cuBLAS does the backward's products (the band design, or the dense path's kept
+    logits), float16 features (FLOAT16_UNITS) and float32 ones with TF32 allowed (HALF_UNITS_FOR_TF32)."""
+    if not (normalized and from_cublas):
+        return False
+    return (FLOAT16_UNITS and x.dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32)
 
 
 def _half_operands(a, b, inv_a, inv_b) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -319,7 +330,7 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     from_cublas = backward_logits == "cublas" or dense
     logits = kept if dense else None
     given = None
-    if _units_for_tf32(a, inv_a is not None, tf32, from_cublas):  # as the forward's; the gradients float32
+    if _takes_units(a, inv_a is not None, tf32, from_cublas):  # as the forward's; the gradients float32
         given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
         a, b = _half_operands(a, b, inv_a, inv_b)
         inv_a = inv_b = None
