@@ -324,10 +324,14 @@ def test_labels_equal_float64_reference(same_label, with_mean, as_given, logits_
 
 
 @pytest.mark.parametrize("same_label", [True, False])
-def test_labels_two_views_same_tensor(same_label, as_given, logits_from):
+def test_labels_two_views_same_tensor(same_label, as_given, logits_from, monkeypatch):
     """Two views on one process with labels: one array of ids for the one tensor, the symmetric backward's
-    transposed term masked by the columns' own ids (cublas, dense); the first design's two-view kernel
-    ("kernel") refuses labels."""
+    transposed term and the forward's mirrored entries (over the triangle, in bands of 16 rows) masked by the
+    columns' own ids (cublas, dense, and the fused forward with cuBLAS's backward); the first design's two-view
+    kernel (backward "kernel") refuses labels."""
+    from contrastkit.losses.kernels import stats_fwd
+
+    monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16)
     g = torch.Generator().manual_seed(33 + same_label)
     n = 20
     z = _features(g, 2 * n, 24).to(DEVICE)
@@ -337,7 +341,9 @@ def test_labels_two_views_same_tensor(same_label, as_given, logits_from):
     if logits_from == "kernel":
         with pytest.raises(ValueError, match="takes no labels"):
             negative_stats_triton(z, z, 10.0, exclude=exclude, labels=(ids, ids))
-        return
+        from contrastkit.losses import triton_stats
+
+        monkeypatch.setattr(triton_stats, "BACKWARD_LOGITS", "cublas")  # the fused forward as auto takes it
     _compare(z, z, 10.0, 2e-6, 2e-6, same=True, exclude=exclude, labels=(ids, ids), same_label=same_label,
              normalize=as_given)
 
