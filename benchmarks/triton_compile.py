@@ -56,7 +56,8 @@ KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, 
                                                                                TRIANGLE=True, NORMALIZE=True,
                                                                                LABELS=1)),
            "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
-BAND = ("fwd-band", "fwd-band-triangle", "dlogits-band", "two-view-band", "two-view-band-labels")  # no product inside: no tensor-core instruction expected
+# No product inside these: no tensor-core instruction expected.
+BAND = ("fwd-band", "fwd-band-triangle", "dlogits-band", "two-view-band", "two-view-band-labels")
 
 
 def compile_kernel(case: dict) -> dict:

@@ -241,7 +241,7 @@ def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
     the partials' buffers they write and the buffers' fills): two views of 1024 in forward bands of 512 rows
     over the upper triangle, each band's partials a group of their own, backward blocks of 1024 rows; CACR's
     mean. The compiled call (fullgraph; aot_eager: the tracing and functionalisation of the launches, without
-    Inductor's minutes of code generation in the device session's budget) equals eager."""
+    Inductor's code generation, in the device session's budget) equals eager."""
     from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import dlogits, stats_fwd
 
