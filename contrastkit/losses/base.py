@@ -602,8 +602,8 @@ class ContrastiveLoss(Objective):
 
     def _positive_cosines(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The Triton backend's positives, cos(a_i, b_i) in float32 (functional.row_cosines), of the rows its
-        products take (_units: under autocast the bf16/fp16 copies, not the float32 features; float32 under
-        TF32 rounded to float16 unit vectors, triton_stats.takes_half_units), so that a positive inside its
+        products take (_units: under autocast the bf16/fp16 copies, not the float32 features; float16, and
+        float32 under TF32, rounded to float16 unit vectors, triton_stats.takes_half_units), so that a positive inside its
         row's lse cancels there as in the dense loss, whose positive is a logit of the same product."""
         from contrastkit.losses.triton_stats import takes_half_units
 

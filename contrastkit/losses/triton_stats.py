@@ -126,10 +126,8 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
-    if _takes_units(a, inv_a is not None, tf32, forward_logits == "dense" or backward_logits == "cublas"):
-        a, b = _half_operands(a, b, inv_a, inv_b)
-        inv_a = inv_b = None
-        tf32 = False
+    from_cublas = forward_logits == "dense" or backward_logits == "cublas"
+    a, b, inv_a, inv_b, tf32, _ = _operands(a, b, inv_a, inv_b, tf32, from_cublas)
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     triangle = b is None and not columns and forward_logits != "dense"  # L symmetric: its upper triangle
     b = a if b is None else b
@@ -166,9 +164,15 @@ def _takes_units(x, normalized, tf32, from_cublas):
     return (FLOAT16_UNITS and x.dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32)
 
 
-def _half_operands(a, b, inv_a, inv_b) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The float16 unit vectors of a and of b (None: b is a) that the products take in their place."""
-    return half_units(a, inv_a), None if b is None else half_units(b, inv_b)
+def _operands(a, b, inv_a, inv_b, tf32, from_cublas):
+    """(a, b, inv_a, inv_b, tf32, given): what the products take, the same in forward and backward. Where the
+    call runs on units (_takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
+    norms, no TF32, and given = (the features, their inverse norms), whose gradients backward returns; else
+    the arguments as they are and given None."""
+    if not _takes_units(a, inv_a is not None, tf32, from_cublas):
+        return a, b, inv_a, inv_b, tf32, None
+    given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
+    return half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False, given
 
 
 def _units_factor(grad, scale, with_mean):
@@ -329,12 +333,8 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     dense = forward_logits == "dense"
     from_cublas = backward_logits == "cublas" or dense
     logits = kept if dense else None
-    given = None
-    if _takes_units(a, inv_a is not None, tf32, from_cublas):  # as the forward's; the gradients float32
-        given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
-        a, b = _half_operands(a, b, inv_a, inv_b)
-        inv_a = inv_b = None
-        tf32 = False
+    a, b, inv_a, inv_b, tf32, given = _operands(a, b, inv_a, inv_b, tf32, from_cublas)  # as the forward's
+    if given is not None:  # the gradients in the features' dtype
         factor = _units_factor(grad, scale, with_mean)
     else:
         factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
@@ -449,8 +449,8 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, and cuBLAS for float32); None: FORWARD_LOGITS,
     BACKWARD_LOGITS. normalize: the logits are those of the unit vectors, scale cos(a_i, b_k): the kernels
     take the features as given with their float32 inverse norms (functional.inverse_norms), so no unit
-    vectors are made or kept (float32 with TF32: float16 copies of them, made in each pass, none kept:
-    HALF_UNITS_FOR_TF32), and the gradients are the features' own (F.normalize's backward per band).
+    vectors are made or kept (float16 features, and float32 with TF32: float16 copies of them, made in each
+    pass, none kept: FLOAT16_UNITS, HALF_UNITS_FOR_TF32), and the gradients are the features' own (F.normalize's backward per band).
     labels (rows only): (row ids [M], column ids [K]) integers; the pairs whose ids are equal are left out
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
     statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
@@ -467,7 +467,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
             forward_logits = "dense"
         else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
-            half = takes_half_units(anchors, normalize, backward_logits)
+            half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")
             forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) or half else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):

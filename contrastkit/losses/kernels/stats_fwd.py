@@ -149,16 +149,15 @@ def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, 
     rows = m
     if triangle:
         rows = max(tile, TRIANGLE_BAND_ROWS // tile * tile)
-    flat = None
-    if product is not None and logits is None:  # the band's float32 products bounded
+    banded = product is not None and logits is None  # cuBLAS writes each band's products into a buffer
+    if banded:  # the band's float32 products bounded
         rows = min(rows, max(1, LOGIT_BAND_BYTES // (k * 4 * tile)) * tile)
     if columns or triangle:  # the columns' partials of a band, [row tiles, K] (and their means), bounded
         rows = min(rows, max(1, PARTIAL_BYTES // (k * 4 * (2 if with_mean else 1))) * tile)
     rows = min(rows, m)
     triangle = triangle and rows < m  # one band: the whole matrix, nothing to mirror
     by_column = columns or triangle
-    if product is not None and logits is None:
-        flat = a.new_empty(rows * k, dtype=torch.float32)
+    flat = a.new_empty(rows * k, dtype=torch.float32) if banded else None
     bands = [(r0, min(r0 + rows, m), r0 if triangle else 0) for r0 in range(0, m, rows)]
     plan = [launch.split(triton.cdiv(r1 - r0, tile), k - c0, a.device) for r0, r1, c0 in bands]
     splits = max(s for s, _ in plan)  # a band whose columns take fewer: its last splits empty (lse -inf)
