@@ -40,7 +40,7 @@ TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-tri
 IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-triton-band,clip-dcl-triton-band,clip-triton-dense,clip-dcl-triton-dense,clip-triton-fused,clip-dcl-triton-fused,clip-torch,openclip,infcl"
 
 # quick: the objective of the examples (DCL) through every source, InfoNCE's default, the peers
-TWO_VIEW_QUICK="floor-2v,infonce-triton,dcl-triton,dcl-triton-band,dcl-triton-rows,dcl-triton-dense,dcl-triton-fused,infonce-torch,lightly-ntxent"
+TWO_VIEW_QUICK="floor-2v,infonce-triton,dcl-triton,dcl-triton-band,dcl-triton-rows,dcl-triton-tri,dcl-triton-dense,dcl-triton-fused,infonce-torch,lightly-ntxent"
 IMAGE_TEXT_QUICK="floor-clip,clip-triton,clip-dcl-triton,clip-dcl-triton-band,clip-dcl-triton-dense,clip-dcl-triton-fused,openclip,infcl"
 
 if [ "$DRY" = 1 ]; then

@@ -69,11 +69,13 @@ TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-tri
 # cuBLAS per band (every kernel elementwise), "-dense" written whole once and read back, "-fused" both
 # computed inside the kernels (the first design); two views' "-rows": the defaults with both passes over full
 # rows instead of the upper triangle (triton_stats.TRIANGLE_BYTES 0, stats_fwd.TRIANGLE_BAND_ROWS past M),
-# what the triangle gains on the default path.
+# what the triangle gains on the default path; two views' "-tri": the defaults with the fused forward over the
+# triangle too (triton_stats.FUSED_TRIANGLE, off until this shows it faster than "-triton" alone).
 LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel"),
-                   "rows": ("auto", "cublas")}
+                   "rows": ("auto", "cublas"), "tri": ("auto", "cublas")}
+TWO_VIEW_ONLY = ("rows", "tri")
 TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS
-           if v != "rows" or not m.startswith("clip")]
+           if v not in TWO_VIEW_ONLY or not m.startswith("clip")]
 # DCL through each torch path (the blockwise kernel, the dense matrix): where the Triton path's fixed cost
 # dominates (small N), beside it.
 GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]] + ["dcl-torch", "dcl-dense", "clip-dcl-torch",
@@ -96,7 +98,8 @@ def _step(method: str, n: int, d: int, args) -> dict:
     one entry per variant ("floor-2v/blocks", ...)."""
     base, _, variant = method.rpartition("-")
     if variant in LOGITS_VARIANTS and base.endswith("-triton"):  # the Triton path with its logits from elsewhere
-        return {method: _with_logits(fn, *LOGITS_VARIANTS[variant], full_rows=variant == "rows")
+        return {method: _with_logits(fn, *LOGITS_VARIANTS[variant], full_rows=variant == "rows",
+                                     fused_triangle=variant == "tri")
                 for fn in _step(base, n, d, args).values()}
     import torch
     import torch.nn.functional as F
@@ -144,23 +147,25 @@ def _step(method: str, n: int, d: int, args) -> dict:
     return {method: lambda: loss_fn(x, y).backward()}
 
 
-def _with_logits(fn, forward: str, backward: str, full_rows: bool = False):
-    """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS), and
-    with ``full_rows`` two views' passes over full rows (no triangle in backward or forward)."""
+def _with_logits(fn, forward: str, backward: str, full_rows: bool = False, fused_triangle: bool = False):
+    """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS); with
+    ``full_rows`` two views' passes over full rows (no triangle in backward or forward), with
+    ``fused_triangle`` the fused forward over the triangle (triton_stats.FUSED_TRIANGLE)."""
     def run():
         from contrastkit.losses import triton_stats
         from contrastkit.losses.kernels import stats_fwd
 
         saved = (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
-                 stats_fwd.TRIANGLE_BAND_ROWS)
+                 stats_fwd.TRIANGLE_BAND_ROWS, triton_stats.FUSED_TRIANGLE)
         triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = forward, backward
+        triton_stats.FUSED_TRIANGLE = fused_triangle or triton_stats.FUSED_TRIANGLE
         if full_rows:
             triton_stats.TRIANGLE_BYTES, stats_fwd.TRIANGLE_BAND_ROWS = 0, 2**62
         try:
             fn()
         finally:
             (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
-             stats_fwd.TRIANGLE_BAND_ROWS) = saved
+             stats_fwd.TRIANGLE_BAND_ROWS, triton_stats.FUSED_TRIANGLE) = saved
 
     return run
 

@@ -22,7 +22,7 @@ The paths (docs/performance.md, "The second design (issue 40): predicted", says 
 - band: rows in bands (square blocks where a band of every column would be under BAND_MIN_ROWS) sized from
   a memory budget; cuBLAS writes float32 logits, one fused pass per block reads them; backward recomputes.
 - band+fwd: band's backward, with the forward taken from the measured fused Triton forward (stats_fwd),
-  scaled by M K D.
+  scaled by M K D (two views: over full rows; over the triangle with FUSED_TRIANGLE).
 - dense: the float32 logits kept from forward to backward (one product fewer, no recompute); its memory
   is 4 M K bytes (+ 2 M K for bf16 d logits).
 - dense+epilogue: dense with the rows' statistics written by the GEMM's epilogue (the stretch: no forward
@@ -76,6 +76,10 @@ TILE = 128  # block sides are multiples of the kernels' row tile
 # combination adds these operators per call (counted by tests/test_perf_model.py as the built path issues them).
 TRIANGLE_BAND_ROWS = 2048
 TRIANGLE_FORWARD_OPERATORS = 4
+# Whether band+fwd's fused kernel visits the triangle (contrastkit's triton_stats.FUSED_TRIANGLE): off until a
+# GPU table shows it correct and faster (issue 40's rule for a fused GEMM kernel), so band+fwd's forward is the
+# measured kernel over full rows; predict(..., fused_triangle=True) gives what it would gain.
+FUSED_TRIANGLE = False
 GIB = 2**30
 DEFAULT_BUDGET = 1 * GIB  # the loss's working memory: the issue-23 target at N = 262144 is <= 1 GiB
 
@@ -268,9 +272,10 @@ class Prediction:
 
 
 def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,
-            launch_s: float = LAUNCH_S) -> Prediction:
+            launch_s: float = LAUNCH_S, fused_triangle: bool | None = None) -> Prediction:
     """Forward + backward of one loss call on ``path``, at batch ``n`` (two views: N samples); dtype "bf16" or
-    "tf32" (float32 features under TF32: the same passes on float16 units, and the units' copies)."""
+    "tf32" (float32 features under TF32: the same passes on float16 units, and the units' copies);
+    fused_triangle: band+fwd's two-view forward over the triangle (None: FUSED_TRIANGLE)."""
     m, k = shape(setting, n)
     if path.startswith("dense"):
         blk = Blocks(m, k, 1, 1)
@@ -312,7 +317,8 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
     if path == "band+fwd":
         measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD
         launches += 1
-    if setting == TWO_VIEW and path in ("band", "band+fwd"):
+    fused_triangle = FUSED_TRIANGLE if fused_triangle is None else fused_triangle
+    if setting == TWO_VIEW and (path == "band" or path == "band+fwd" and fused_triangle):
         measured, products, traffic, launches = _forward_triangle(path, m, k, d, blk, measured, products, traffic,
                                                                   launches)
     return Prediction(path, setting, n, dtype, products, traffic / HBM_BYTES_PER_S, measured,
@@ -421,8 +427,11 @@ def eager_op_s() -> float:
 
 
 def targets(n: int = 32768, d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_S) -> dict:
-    """The Done-when ratios of issue 40 at (n, d): each path over its floor, TF32 over bf16."""
-    out = {}
+    """The Done-when ratios of issue 40 at (n, d): each path over its floor, TF32 over bf16; two views'
+    band+fwd with its fused kernel over the triangle (FUSED_TRIANGLE on) as (two views, "band+fwd", "triangle")."""
+    fl = floor_s(TWO_VIEW, n, d)
+    out = {(TWO_VIEW, "band+fwd", "triangle"): predict("band+fwd", TWO_VIEW, n, d, "bf16", budget, launch_s,
+                                                       fused_triangle=True).seconds / fl}
     for setting in SETTINGS:
         fl = floor_s(setting, n, d)
         for path in PATHS:
@@ -511,7 +520,9 @@ def checks(d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_
               f"- image-text <= 3x its 3-GEMM floor: band {t[(IMAGE_TEXT, 'band')]:.2f}, band+fwd "
               f"{t[(IMAGE_TEXT, 'band+fwd')]:.2f}, dense {t[(IMAGE_TEXT, 'dense')]:.2f} (needs {need[IMAGE_TEXT]})",
               f"- two views <= 3.5x its 2-GEMM floor: band {t[(TWO_VIEW, 'band')]:.2f}, band+fwd "
-              f"{t[(TWO_VIEW, 'band+fwd')]:.2f}, dense {t[(TWO_VIEW, 'dense')]:.2f} (needs {need[TWO_VIEW]})",
+              f"{t[(TWO_VIEW, 'band+fwd')]:.2f} (its fused kernel over the triangle, FUSED_TRIANGLE: "
+              f"{t[(TWO_VIEW, 'band+fwd', 'triangle')]:.2f}), dense {t[(TWO_VIEW, 'dense')]:.2f} "
+              f"(needs {need[TWO_VIEW]})",
               f"- TF32 within 1.5x of bf16 (best path each): image-text {t[(IMAGE_TEXT, 'best', 'tf32/bf16')]:.2f}, "
               f"two views {t[(TWO_VIEW, 'best', 'tf32/bf16')]:.2f}"]
     return lines

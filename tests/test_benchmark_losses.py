@@ -100,3 +100,39 @@ def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
                          timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("triton_kernels.py: error: ")
     assert "band_matmul" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_triton_variants_take_their_paths(monkeypatch):
+    """Each "-triton-<variant>" of two views runs the path it names (under the interpreter, DENSE_BYTES 0 so
+    that auto's default is the fused forward, not dense): where the forward's logits come from, whether it
+    visits the triangle (the fused kernel's only in "-tri": FUSED_TRIANGLE), whether the backward does ("-rows"
+    none), and the module's settings put back after each call."""
+    from types import SimpleNamespace
+
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import stats_fwd
+
+    monkeypatch.setattr(triton_stats, "DENSE_BYTES", 0)
+    seen = []
+    forward_stats = triton_stats.forward_stats
+
+    def spy(a, b, inputs, product, logits, triangle):
+        seen.append(("fused" if product is None else "dense" if logits is not None else "band", triangle,
+                     triton_stats.TRIANGLE_BYTES > 0, triton_stats.BACKWARD_LOGITS))
+        return forward_stats(a, b, inputs, product, logits, triangle)
+
+    monkeypatch.setattr(triton_stats, "forward_stats", spy)
+    settings = lambda: (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
+                        triton_stats.FUSED_TRIANGLE, stats_fwd.TRIANGLE_BAND_ROWS)
+    before = settings()
+    want = {"": ("fused", False, True, "cublas"), "-tri": ("fused", True, True, "cublas"),
+            "-rows": ("fused", False, False, "cublas"), "-band": ("band", True, True, "cublas"),
+            "-dense": ("dense", False, True, "cublas"), "-fused": ("fused", False, True, "kernel")}
+    args = SimpleNamespace(device="cpu", dtype="bfloat16")  # as the runner calls it: under bf16 autocast
+    for variant, path in want.items():
+        seen.clear()
+        for fn in bench._step(f"dcl-triton{variant}", 32, 16, args).values():
+            with bench._autocast(args):
+                fn()
+        assert seen == [path], (variant, seen)
+        assert settings() == before, variant

@@ -211,7 +211,8 @@ def test_one_gib_at_262144(setting, backend):
 def test_two_view_forward_over_the_triangle_at_production_size(monkeypatch, forward, with_mean):
     """Two views at N = 4096, D = 512 bf16 (8192 rows: 4 bands of stats_fwd.TRIANGLE_BAND_ROWS), autotuned,
     each row leaving out itself and its other view: the statistics over the upper triangle against the float64
-    ones of the same bf16 features, and against the same kernels over full rows."""
+    ones of the same bf16 features, and against the same kernels over full rows. The fused kernel's triangle
+    (FUSED_TRIANGLE, off by default until a GPU table shows it correct and faster) is what this proves."""
     from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import stats_fwd
     from contrastkit.losses.triton_stats import negative_stats_triton
@@ -221,6 +222,7 @@ def test_two_view_forward_over_the_triangle_at_production_size(monkeypatch, forw
     own = torch.arange(8192, device="cuda")
     exclude = torch.stack([own, (own + 4096) % 8192], dim=1)
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     got = negative_stats_triton(z, z, 14.0, exclude=exclude, with_mean=with_mean, normalize=True)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 2**20)
     rows = negative_stats_triton(z, z, 14.0, exclude=exclude, with_mean=with_mean, normalize=True)
@@ -246,6 +248,7 @@ def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
     from contrastkit.losses.kernels import dlogits, stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 512)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 4 * 2048 * 4 * 2)  # a band's columns' partials and means
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1024 * 2048 * 2)

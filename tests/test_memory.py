@@ -310,10 +310,12 @@ def test_triton_path_within_one_gib_at_262144(monkeypatch, forward, name, settin
 def test_triangle_within_one_gib_at_its_bound(monkeypatch, forward):
     """Two views' backward over the upper triangle sums dz in float32, M D 4 bytes: it is taken up to
     TRIANGLE_BYTES (256 MiB, N = 65536 at D = 512 bf16; beyond, full rows), and there the peak stays within
-    1 GiB (807 MiB, against full rows' 551), nothing more kept from forward to backward."""
+    1 GiB (807 MiB, against full rows' 551), nothing more kept from forward to backward; the fused forward over
+    the triangle too (FUSED_TRIANGLE: its columns' partials)."""
     from contrastkit.losses import triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     n, d = 65536, 512
     assert 2 * n * d * 4 == triton_stats.TRIANGLE_BYTES
     call, inputs = TRITON_SETTINGS["two_views"]

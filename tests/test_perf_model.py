@@ -160,9 +160,11 @@ def test_done_when_at_32768():
     assert t[(IT, "band+fwd")] == pytest.approx(2.81, abs=0.02) and t[(IT, "band+fwd")] <= 3.0
     assert t[(IT, "best")] <= 3.0
     # two views <= 3.5x its 2-GEMM floor: with the backward over the upper triangle both band paths hold (full
-    # rows: band 3.85, band+fwd 3.31)
+    # rows: band 3.85, band+fwd 3.31); band+fwd's fused forward over full rows (FUSED_TRIANGLE off), over the
+    # triangle 2.31
     assert t[(TV, "band")] == pytest.approx(2.54, abs=0.02) and t[(TV, "band")] <= 3.5
-    assert t[(TV, "band+fwd")] == pytest.approx(2.31, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    assert t[(TV, "band+fwd")] == pytest.approx(2.65, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    assert t[(TV, "band+fwd", "triangle")] == pytest.approx(2.31, abs=0.02)
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: on float16 units (TF32 products: 1.71 and 1.75, missed), the units' copies alone
     assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.01, abs=0.01)
@@ -192,7 +194,8 @@ def test_two_views_backward_over_the_triangle_where_dz_fits(monkeypatch):
 
 def test_two_views_forward_over_the_triangle(monkeypatch, device_path):
     """The model's forward triangle is the code's: the fused kernel in bands of TRIANGLE_BAND_ROWS (one launch
-    each), its visited share (R + 1) / 2R of the measured kernel; the band path's products and passes over
+    each) where FUSED_TRIANGLE (off: the measured kernel over full rows), its visited share (R + 1) / 2R of the
+    measured kernel; the band path's products and passes over
     its blocks' share; the partials' combination TRIANGLE_FORWARD_OPERATORS operators, counted on the built
     path (DCL, two views of 64 in bands of 64, 32 and 16 rows: row tiles of 16 for the count; CACR's mean
     adds 14 more)."""
@@ -203,7 +206,9 @@ def test_two_views_forward_over_the_triangle(monkeypatch, device_path):
     from contrastkit.losses.kernels import stats_fwd
 
     assert pm.TRIANGLE_BAND_ROWS == stats_fwd.TRIANGLE_BAND_ROWS
+    assert pm.FUSED_TRIANGLE == triton_stats.FUSED_TRIANGLE
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(stats_fwd, "BLOCK_M", 16)
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     fn = build_loss("dcl", backend="triton")
@@ -219,7 +224,9 @@ def test_two_views_forward_over_the_triangle(monkeypatch, device_path):
     m = 2 * N
     bands = m // pm.TRIANGLE_BAND_ROWS  # the triangle's kernel: its space's 64-column entry (13.73 ms measured)
     narrow = pm.STATS_FWD_TRIANGLE_S * m * m * 512 / pm.STATS_FWD_MKD
-    assert pm.predict("band+fwd", TV, N).measured_s == pytest.approx(narrow * (bands + 1) / (2 * bands))
+    assert pm.predict("band+fwd", TV, N, fused_triangle=True).measured_s == pytest.approx(
+        narrow * (bands + 1) / (2 * bands))
+    assert pm.predict("band+fwd", TV, N, fused_triangle=False).measured_s == pytest.approx(pm.STATS_FWD_S)
     assert [c.kwargs["BLOCK_N"] for c in stats_fwd.triangle_space(512, 2)] == [64]
     assert pm.predict("band+fwd", IT, N).measured_s == pytest.approx(pm.STATS_FWD_S / 4)  # image-text: no triangle
     blk = pm.predict("band", TV, N).blocks

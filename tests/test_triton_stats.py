@@ -141,6 +141,7 @@ def test_two_views_far_apart(monkeypatch, forward):
     from contrastkit.losses.kernels import stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")  # the default here is dense: no triangle
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16 if forward == "triangle" else 2**20)
     g = torch.Generator().manual_seed(18)
     u = _features(g, 1, 24)
@@ -329,8 +330,10 @@ def test_labels_two_views_same_tensor(same_label, as_given, logits_from, monkeyp
     transposed term and the forward's mirrored entries (over the triangle, in bands of 16 rows) masked by the
     columns' own ids (cublas, dense, and the fused forward with cuBLAS's backward); the first design's two-view
     kernel (backward "kernel") refuses labels."""
+    from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import stats_fwd
 
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16)
     g = torch.Generator().manual_seed(33 + same_label)
     n = 20
@@ -418,8 +421,12 @@ def small_buffers(request, monkeypatch):
     """The buffers' bounds (256 MiB of d logits, 128 MiB of column partials in production) made tiny, so
     that small shapes take the paths of large ones: d logits in bands of 16 rows and every column, or in
     blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile, their partials
-    combined per launch, and two views' forward over the upper triangle in bands of one row tile."""
+    combined per launch, and two views' forward over the upper triangle in bands of one row tile (the fused
+    kernel's too: FUSED_TRIANGLE)."""
+    from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import dlogits, stats_fwd
+
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
@@ -511,23 +518,25 @@ def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
         assert sum(written) == logits
 
 
-@pytest.mark.parametrize("forward", ["kernel", "cublas"])
-def test_forward_visits_the_upper_triangle_only(monkeypatch, forward):
+@pytest.mark.parametrize("forward, fused_triangle", [("kernel", True), ("kernel", False), ("cublas", False)])
+def test_forward_visits_the_upper_triangle_only(monkeypatch, forward, fused_triangle):
     """Two views' forward in bands of TRIANGLE_BAND_ROWS, each against the columns from its first row on: 40
     rows in bands of 16 take 16 x 40 + 16 x 24 + 8 x 8 = 1088 logits (cuBLAS's products, or the kernel's
     columns), against one band's 40 x 40 = 1600 where the band holds every row; image-text (columns) takes
-    every column in each band."""
+    every column in each band. The fused kernel only where FUSED_TRIANGLE (off: full rows, 1600)."""
     from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import launch, stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", fused_triangle)
+    in_triangle = 1088 if forward == "cublas" or fused_triangle else 1600
     visited = []
     run = launch.run
     monkeypatch.setattr(launch, "run", lambda kernel, grid, *args, **kwargs: (
         visited.append((kwargs["R1"] - kwargs["R0"]) * (kwargs["K"] - kwargs["C0"])), run(kernel, grid, *args, **kwargs)))
     z = _features(torch.Generator().manual_seed(19), 40, 24).to(DEVICE)
     exclude = torch.arange(40, device=DEVICE)[:, None]
-    for rows, same, columns, logits in ((16, True, False, 1088), (2**20, True, False, 1600),
+    for rows, same, columns, logits in ((16, True, False, in_triangle), (2**20, True, False, 1600),
                                         (16, False, True, 1600)):
         monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", rows)
         monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1 if columns else 2**27)  # image-text in bands of 16 too
@@ -555,6 +564,7 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
+    from contrastkit.losses import triton_stats
     from contrastkit.losses.kernels import dlogits, launch, stats_fwd, two_view_grad
 
     assert two_view_grad.space(512, 2)[0].kwargs == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, D_OUT=256)
@@ -564,6 +574,7 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 128)
+    monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     assert dlogits.block_shape(150, 150, 4) == (128, 128)
     g = torch.Generator().manual_seed(20 + m + k + excluded)
     a = _features(g, m, 512, dtype).to(DEVICE)

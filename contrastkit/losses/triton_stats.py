@@ -7,7 +7,8 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
 
 - forward (stats_fwd.py): one pass, an online maximum per row (exact whatever the logits' range, no shift
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
-  two views over the upper triangle, in bands, each row's lower-triangle share from the columns' partials;
+  two views over the upper triangle, in bands, each row's lower-triangle share from the columns' partials
+  (on cuBLAS's band products; the fused kernel's own only where FUSED_TRIANGLE);
 - backward, per block of rows and columns (a band of rows and every column up to large sizes): the block's
   logits recomputed by cuBLAS in float32, d loss / d logits written once in the inputs' dtype by an
   elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += dL b[cols] and dB[cols] += dL^T a[rows]
@@ -104,6 +105,13 @@ HALF_UNITS_FOR_TF32 = True
 # the cost is one more float16 rounding, of each unit vector (2^-11 relative, as the features' own: the
 # statistics within ~2e-3 of the features' at logit scale 10), and the units' copies in each pass.
 FLOAT16_UNITS = True
+# Two views' forward over the upper triangle in the fused kernel (stats_fwd's TRIANGLE, "kernel" forward
+# logits): proven under the interpreter and compiled spill-free for sm_90/sm_80, but never run on a GPU. It is
+# issue 40's stretch (triangle tiles in a fused GEMM kernel), which becomes a default only with a GPU table
+# showing it correct and faster: off until benchmarks/gpu_check.sh's dcl-triton-tri (this on) beats
+# dcl-triton (the fused kernel over full rows, measured at 11.8 ms for N = 32768). The band path's forward
+# ("cublas": cuBLAS's products, an elementwise pass) takes the triangle regardless, as the backward does.
+FUSED_TRIANGLE = False
 
 
 def _write_product(out, x, y):
@@ -129,7 +137,9 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     from_cublas = forward_logits == "dense" or backward_logits == "cublas"
     a, b, inv_a, inv_b, tf32, _ = _operands(a, b, inv_a, inv_b, tf32, from_cublas)
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
-    triangle = b is None and not columns and forward_logits != "dense"  # L symmetric: its upper triangle
+    # L symmetric: its upper triangle (the fused kernel's only where FUSED_TRIANGLE)
+    fused_triangle = FUSED_TRIANGLE and forward_logits == "kernel"
+    triangle = b is None and not columns and (forward_logits == "cublas" or fused_triangle)
     b = a if b is None else b
     product = None
     if forward_logits in ("cublas", "dense"):
@@ -446,11 +456,13 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
     "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
     whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
-    DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, and cuBLAS for float32); None: FORWARD_LOGITS,
-    BACKWARD_LOGITS. normalize: the logits are those of the unit vectors, scale cos(a_i, b_k): the kernels
-    take the features as given with their float32 inverse norms (functional.inverse_norms), so no unit
-    vectors are made or kept (float16 features, and float32 with TF32: float16 copies of them, made in each
-    pass, none kept: FLOAT16_UNITS, HALF_UNITS_FOR_TF32), and the gradients are the features' own (F.normalize's backward per band).
+    DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, measured on an H100, and cuBLAS for float32;
+    two views' forward visits the upper triangle on cuBLAS's products, on the kernel's only where
+    FUSED_TRIANGLE); None: FORWARD_LOGITS, BACKWARD_LOGITS. normalize: the logits are those of the unit
+    vectors, scale cos(a_i, b_k): the kernels take the features as given with their float32 inverse norms
+    (functional.inverse_norms), so no unit vectors are made or kept (float16 features, and float32 with
+    TF32: float16 copies of them, made in each pass, none kept: FLOAT16_UNITS, HALF_UNITS_FOR_TF32), and the
+    gradients are the features' own (F.normalize's backward per band).
     labels (rows only): (row ids [M], column ids [K]) integers; the pairs whose ids are equal are left out
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
     statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
