@@ -1,6 +1,6 @@
-"""What the GPU will run: the Triton kernels compiled for sm_90 (H100) and sm_80 (A100) on this machine, no
-GPU needed (triton.compile with a GPUTarget, then the ptxas that triton ships with -v for registers and
-spills).
+"""What the GPU will run: the Triton kernels compiled for sm_90 (H100) and sm_80 (A100; its entries also serve
+sm_86/89 and, with the band design's kernels only, sm_75: a T4) on this machine, no GPU needed (triton.compile
+with a GPUTarget, then the ptxas that triton ships with -v for registers and spills).
 
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py              # the whole autotune space, D = 512
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py --quick --json   # tests/test_triton_compile.py
@@ -23,7 +23,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024}
+SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024, 75: 64 * 1024}
 REGISTERS_PER_SM = 65536
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -149,10 +149,19 @@ FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "fwd-triangle", "fw
         80: ("fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band")}
 
 
+# GPUs before sm_80 (Turing's T4 at sm_75; Volta alike) launch sm_80's entries (kernels/launch.py). There the
+# default path is the band design (launch.tensor_cores): its elementwise kernels in float16 (autocast's dtype
+# there) and float32 (no TF32); the fused forward beside them shows why (triton lowers its products to FMA).
+PRE_AMPERE = 75
+
+
 def quick_cases(d: int = 512) -> list[dict]:
     """The production default (first of each architecture's space) of every kernel in every setting: bf16 on
-    sm_90 and sm_80, float32 (TF32) on sm_90 and sm_80, float16 where FP16 names it."""
-    cases = []
+    sm_90 and sm_80, float32 (TF32) on sm_90 and sm_80, float16 where FP16 names it; on sm_75 the band
+    design's kernels and the fused forward (PRE_AMPERE)."""
+    cases = [dict(kernel=kernel, arch=PRE_AMPERE, dtype=dtype, d=d, columns=c, config=_shapes(kernel, d, dtype, 80)[0])
+             for dtype in ("fp16", "fp32") for kernel in (*BAND, "fwd") if dtype == "fp16" or kernel != "fwd"
+             for c in SETTINGS[kernel]]
     for arch in (90, 80):
         for dtype in ("bf16", "fp32", "fp16"):
             for kernel, settings in SETTINGS.items():

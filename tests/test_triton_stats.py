@@ -787,3 +787,63 @@ def test_tf32_units_only_where_the_kernels_normalise_float32_under_tf32(tf32, ca
     x = x.to(DEVICE).requires_grad_()
     negative_stats_triton(x, x, 10.0, normalize=case != "normalize=False").sum().backward()
     assert tf32 == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_before_sm80_products_on_cublas(tf32, monkeypatch, dtype):
+    """On a GPU before sm_80 (launch.tensor_cores False: a T4, a V100), where triton lowers the fused kernel's
+    products to FMA, auto's forward takes cuBLAS's band products, and float32 under TF32 stays float32 (no TF32
+    there, so no float16 units); float16 keeps its units (their range, not TF32). The call is then exactly
+    the one sm_80 makes with those settings: forward "cublas" (bf16, fp16), TF32 off (float32). On sm_80 and
+    later (the default here) the same call takes the fused kernel, and float32 the units."""
+    from contrastkit.losses import triton_stats
+    from contrastkit.losses.kernels import launch
+
+    monkeypatch.setattr(triton_stats, "DENSE_BYTES", 0)  # beyond the dense bound
+    fused = []
+    forward_stats = triton_stats.forward_stats
+    monkeypatch.setattr(triton_stats, "forward_stats", lambda a, b, inputs, product, *rest: (
+        fused.append(product is None), forward_stats(a, b, inputs, product, *rest))[1])
+    z = _features(torch.Generator().manual_seed(45), 40, 24, dtype).to(DEVICE)
+    exclude = torch.arange(40, device=DEVICE)[:, None]
+
+    def call():
+        fused.clear(), tf32.clear()
+        x = z.clone().requires_grad_()
+        stats = negative_stats_triton(x, x, 10.0, exclude=exclude, with_mean=True, normalize=True)
+        (stats * torch.linspace(0.5, 2.0, 40, device=DEVICE)).sum().backward()
+        return (stats.detach(), x.grad), fused[:], len(tf32) > 0
+
+    units = dtype != torch.bfloat16
+    assert call()[1:] == ([True], units)
+    monkeypatch.setattr(launch, "tensor_cores", lambda device: False)
+    units = dtype == torch.float16
+    got, path, made = call()
+    assert path == [False] and made == units
+    assert triton_stats.takes_half_units(z, True) == units
+    monkeypatch.setattr(launch, "tensor_cores", lambda device: True)
+    if dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    else:
+        monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "cublas")
+    want, path, made = call()
+    assert path == [False] and made == units
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_tensor_cores_is_a_constant_of_a_compiled_graph(monkeypatch):
+    """launch.tensor_cores reads the device's compute capability once while torch.compile traces (fullgraph:
+    no graph break), as a constant of the graph; CPU tensors (the interpreter) count as sm_80 and later."""
+    from types import SimpleNamespace
+
+    from contrastkit.losses.kernels import launch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or SimpleNamespace(major=7))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2 if launch.tensor_cores(torch.device("cuda", 1)) else x - 1, fullgraph=True,
+                       backend="eager")
+    assert torch.equal(fn(torch.ones(3)), torch.zeros(3)) and torch.equal(fn(torch.ones(3)), torch.zeros(3))
+    assert asked == [1]
+    assert launch.tensor_cores(torch.device("cpu"))

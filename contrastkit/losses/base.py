@@ -70,7 +70,7 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     included); the blockwise torch kernel everywhere else (the CPU, float64 beyond the dense size). Measured
     on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
     for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 takes the band design's elementwise
-    kernels on cuBLAS's products, and where TF32 is allowed runs as float16 on its unit vectors
+    kernels on cuBLAS's products, and where TF32 is allowed (sm_80 and later) runs as float16 on its unit vectors
     (triton_stats.HALF_UNITS_FOR_TF32: TF32's 10 mantissa bits at the 16-bit rate), which
     docs/performance.md's model predicts faster than the torch kernel's float32 passes; not measured yet. A
     chunk_size asks for the torch kernel's blocks. Labels run on every backend (the Triton kernels mask by

@@ -33,7 +33,8 @@ statistics (or gradients, in float32) combined by a few torch ops. On CUDA the t
 stages are autotuned (kernels/launch.py); under TRITON_INTERPRET=1 (the CPU tests) the production default.
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
-(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision), on the band
+(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has
+it (sm_80 and later, launch.tensor_cores; before it auto's products are all cuBLAS's), on the band
 design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits), as float16
 features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the inputs'
 dtype: bfloat16, float16 (dL divided by a factor first, so that its small entries stay in float16's range;
@@ -162,7 +163,13 @@ def takes_half_units(x, normalize, backward_logits=None):
     vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32), on the band design. The
     losses' positives then come from the same units (functional.row_cosines' units16)."""
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
-    return _takes_units(x, normalize, tf32_matmul_allowed(), backward_logits == "cublas")
+    return _takes_units(x, normalize, _tf32(x), backward_logits == "cublas")
+
+
+def _tf32(x):
+    """Whether the float32 products of x may use TF32: the user allows it (either of torch's APIs) and the
+    device has it (sm_80 and later: launch.tensor_cores; on a T4 or V100 torch's own products stay float32)."""
+    return x.dtype == torch.float32 and tf32_matmul_allowed() and launch.tensor_cores(x.device)
 
 
 def _takes_units(x, normalized, tf32, from_cublas):
@@ -456,7 +463,8 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
     "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
     whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
-    DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, measured on an H100, and cuBLAS for float32;
+    DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, measured on an H100, and cuBLAS for float32
+    and on GPUs before sm_80, where Triton's products take no tensor cores (launch.tensor_cores);
     two views' forward visits the upper triangle on cuBLAS's products, on the kernel's only where
     FUSED_TRIANGLE); None: FORWARD_LOGITS, BACKWARD_LOGITS. normalize: the logits are those of the unit
     vectors, scale cos(a_i, b_k): the kernels take the features as given with their float32 inverse norms
@@ -474,13 +482,14 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
-    tf32 = anchors.dtype == torch.float32 and tf32_matmul_allowed()
+    tf32 = _tf32(anchors)
     if forward_logits == "auto":
         if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
             forward_logits = "dense"
         else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
-            half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")
-            forward_logits = "kernel" if anchors.dtype in (torch.bfloat16, torch.float16) or half else "cublas"
+            half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")  # and on tensor cores
+            fused = launch.tensor_cores(anchors.device) and (anchors.dtype in (torch.bfloat16, torch.float16) or half)
+            forward_logits = "kernel" if fused else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)
