@@ -487,7 +487,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
             forward_logits = "dense"
         else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
-            half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")  # and on tensor cores
+            half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")  # and on tensor cores:
             fused = launch.tensor_cores(anchors.device) and (anchors.dtype in (torch.bfloat16, torch.float16) or half)
             forward_logits = "kernel" if fused else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
