@@ -1,12 +1,13 @@
-"""What the GPU will run: the Triton kernels compiled for sm_90 (H100) and sm_80 (A100; its entries also serve
-sm_86/89 and, with the band design's kernels only, sm_75: a T4) on this machine, no GPU needed (triton.compile
-with a GPUTarget, then the ptxas that triton ships with -v for registers and spills).
+"""What the GPU will run: the Triton kernels compiled for sm_90 (H100; its entries also serve Blackwell, sm_100
+and sm_120) and sm_80 (A100; its entries also serve sm_86/89 and, with the band design's kernels only, sm_75: a
+T4) on this machine, no GPU needed (triton.compile with a GPUTarget, then the ptxas that triton ships with -v
+for registers and spills).
 
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py              # the whole autotune space, D = 512
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py --quick --json   # tests/test_triton_compile.py
 
 Tiles: BLOCK_M x BLOCK_N x BLOCK_D. Per compiled kernel: the tensor-core instruction in the PTX (wgmma on
-sm_90, mma.sync on sm_80), registers per thread, spill bytes, shared memory, and the blocks per SM those
+sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120), registers per thread, spill bytes, shared memory, and the blocks per SM those
 allow (the occupancy: 64 K registers and 228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
 """
 
@@ -23,7 +24,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024, 75: 64 * 1024}
+SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024, 75: 64 * 1024, 100: 228 * 1024, 120: 100 * 1024}
 REGISTERS_PER_SM = 65536
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -99,7 +100,7 @@ def compile_kernel(case: dict) -> dict:
     ptxas = _ptxas(arch)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
-        log = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}",
+        log = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}",
                               str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.cubin")],
                              capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
@@ -107,7 +108,8 @@ def compile_kernel(case: dict) -> dict:
     shared = compiled.metadata.shared
     threads = 32 * warps
     blocks = min(REGISTERS_PER_SM // (max(registers, 1) * threads), SHARED_PER_SM[arch] // max(shared, 1))
-    instruction = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none (FMA)"
+    instruction = next((name for name, op in (("tcgen05", "tcgen05.mma"), ("wgmma", "wgmma.mma_async"),
+                                               ("mma.sync", "mma.sync")) if op in ptx), "none (FMA)")
     return dict(case, instruction=instruction, registers=registers, spill_bytes=spills, shared_bytes=shared,
                 blocks_per_sm=blocks)
 
@@ -153,15 +155,20 @@ FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "fwd-triangle", "fw
 # default path is the band design (launch.tensor_cores): its elementwise kernels in float16 (autocast's dtype
 # there) and float32 (no TF32); the fused forward beside them shows why (triton lowers its products to FMA).
 PRE_AMPERE = 75
+# Blackwell launches sm_90's entries (kernels/launch.py): sm_100 (B200: tcgen05) and sm_120 (RTX 50 series:
+# mma.sync, 99 KiB of shared memory per block); the default path's kernels in bf16.
+BLACKWELL = (100, 120)
 
 
 def quick_cases(d: int = 512) -> list[dict]:
     """The production default (first of each architecture's space) of every kernel in every setting: bf16 on
     sm_90 and sm_80, float32 (TF32) on sm_90 and sm_80, float16 where FP16 names it; on sm_75 the band
-    design's kernels and the fused forward (PRE_AMPERE)."""
+    design's kernels and the fused forward (PRE_AMPERE); on sm_100 and sm_120 the default path's in bf16."""
     cases = [dict(kernel=kernel, arch=PRE_AMPERE, dtype=dtype, d=d, columns=c, config=_shapes(kernel, d, dtype, 80)[0])
              for dtype in ("fp16", "fp32") for kernel in (*BAND, "fwd") if dtype == "fp16" or kernel != "fwd"
              for c in SETTINGS[kernel]]
+    cases += [dict(kernel=kernel, arch=arch, dtype="bf16", d=d, columns=c, config=_shapes(kernel, d, "bf16", 90)[0])
+              for arch in BLACKWELL for kernel in ("fwd", *BAND) for c in SETTINGS[kernel]]
     for arch in (90, 80):
         for dtype in ("bf16", "fp32", "fp16"):
             for kernel, settings in SETTINGS.items():

@@ -1,7 +1,8 @@
 """The Triton kernels compiled for the GPUs users train on, on this machine (no GPU needed): the production
 default of every kernel (benchmarks/triton_compile.py --quick) for sm_90 (H100) and sm_80 (A100, whose
-entries serve sm_86/89 too), the band design's for sm_75 (a T4, where auto takes it), and what the hardware
-will then run: tensor-core products (wgmma on sm_90, mma.sync on sm_80; never FMA loops), no
+entries serve sm_86/89 too), the default path's for Blackwell (sm_100, sm_120, on sm_90's entries), the band
+design's for sm_75 (a T4, where auto takes it), and what the hardware will then run: tensor-core products
+(wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120; never FMA loops), no
 register spills, and the occupancy designed for: one 8-warp block per SM (registers x threads <= 64 K,
 shared memory within the SM's). The interpreter tests prove the arithmetic; this proves the code generation
 the interpreter never sees."""
@@ -51,6 +52,8 @@ def test_every_kernel_compiled_for_both_architectures(compiled):
     # sm_75 (a T4): the band design's kernels, its default path there (launch.tensor_cores), and the fused forward
     at_75 = {(kernel, dtype) for kernel, _, arch, dtype in kinds if arch == 75}
     assert at_75 == {(k, dtype) for k in BAND for dtype in ("fp16", "fp32")} | {("fwd", "fp16")}
+    for arch in (100, 120):  # Blackwell (sm_90's entries): the default path's kernels in bf16
+        assert {(kernel, dtype) for kernel, _, a, dtype in kinds if a == arch} == {(k, "bf16") for k in ("fwd", *BAND)}
 
 
 def test_tensor_cores_no_spills_one_block_per_sm(compiled):
@@ -61,12 +64,12 @@ def test_tensor_cores_no_spills_one_block_per_sm(compiled):
     its CUDA 13 ptxas) 60."""
     for r in compiled:
         what = f"{r['kernel']} columns={r['columns']} sm_{r['arch']} {r['dtype']} {r['config']}"
-        expected = "none (FMA)" if r["kernel"] in BAND else "wgmma" if r["arch"] == 90 else "mma.sync"
+        expected = "none (FMA)" if r["kernel"] in BAND else {90: "wgmma", 100: "tcgen05"}.get(r["arch"], "mma.sync")
         if r["arch"] == 75 and r["kernel"] not in BAND:  # triton lowers its products to FMA before sm_80
             assert r["instruction"] == "none (FMA)", what  # (and spills): why auto takes cuBLAS's there
             continue
         assert r["instruction"] == expected, what
         assert r["spill_bytes"] <= (80 if r["kernel"] == "two-view-band-labels" else 0), what
         assert r["registers"] <= 255 and r["blocks_per_sm"] >= 1, what
-        if r["arch"] == 80:  # its entries serve sm_86/89 too (RTX 30/40, A10, L4): 99 KiB per block there
-            assert r["shared_bytes"] <= 99 * 1024, what
+        if r["arch"] in (80, 120):  # sm_80's entries serve sm_86/89 too (RTX 30/40, A10, L4): 99 KiB per block
+            assert r["shared_bytes"] <= 99 * 1024, what  # there, as on sm_120 (RTX 50)
