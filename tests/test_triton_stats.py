@@ -727,6 +727,30 @@ def test_float16_features_of_any_norm(monkeypatch, norm, scale, weight):
         assert error < 2e-3, (forward, error)
 
 
+@pytest.mark.parametrize("norm, scale, weight", [(1000.0, 10.0, 2.0**16), (0.003, 100.0, 1.0)], ids=["large", "tiny"])
+def test_float16_features_of_any_norm_first_design(norm, scale, weight):
+    """The first design (backward_logits="kernel") with float16 anchors and candidates normalised in the
+    kernels: it takes their float32 unit vectors (its kernels would fold both rows' inverse norms into float16
+    d logits: measured 38 % of the gradient off at norm 1000, inf at 0.003), so both norms come out within 5e-4
+    of the float64 gradients of the same float16 features (2e-4 measured: the float16 gradient's own rounding);
+    the band design's float16 units (their rounding too: within 2e-3) beside it."""
+    g = torch.Generator().manual_seed(24)
+    base = torch.nn.functional.normalize(torch.randn(96, 32, generator=g, dtype=torch.float64), dim=1)
+    near = torch.nn.functional.normalize(base + 0.05 * torch.randn(96, 32, generator=g, dtype=torch.float64), dim=1)
+    a, b = ((x * norm).half() for x in (base, near))
+    exclude = torch.arange(96)[:, None]
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    want = reference(torch.nn.functional.normalize(a64, dim=1), torch.nn.functional.normalize(b64, dim=1), scale,
+                     exclude)
+    wants = torch.autograd.grad(want.sum() * weight / 96, (a64, b64))
+    for backward in ("kernel", "cublas"):
+        x, y = (t.to(DEVICE).requires_grad_() for t in (a, b))
+        got = negative_stats_triton(x, y, scale, exclude=exclude.to(DEVICE), normalize=True, backward_logits=backward)
+        for grad, w in zip(torch.autograd.grad(got.sum() * weight / 96, (x, y)), wants):
+            error = float((grad.double().cpu() - w).norm() / w.norm())
+            assert error < (5e-4 if backward == "kernel" else 2e-3), (backward, error)
+
+
 @pytest.mark.parametrize("with_mean", [False, True])
 def test_tf32_two_views_on_float16_units(tf32, small_buffers, two_view_backward, with_mean, logits_from):
     """float32 with TF32 allowed on the band design (HALF_UNITS_FOR_TF32): the call runs on float16 copies of

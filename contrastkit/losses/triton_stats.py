@@ -502,8 +502,12 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     ids_a = ids_b = None
     if labels is not None:
         ids_a, ids_b = _check_labels(labels, anchors, candidates, columns, first_two_view)
-    if normalize and first_two_view:
-        anchors = candidates = F.normalize(anchors.float(), dim=-1)  # takes unit vectors (float32: not rounded)
+    # The first design takes float32 unit vectors for two views (its kernel) and for float16 features (its
+    # kernels fold both rows' inverse norms into float16 d logits: they overflow for rows of norm ~0.005 and
+    # sink into subnormals for large norms, 40 % of the gradient at norm 1000; the band design's FLOAT16_UNITS)
+    if normalize and (first_two_view or backward_logits == "kernel" and anchors.dtype == torch.float16):
+        anchors = F.normalize(anchors.float(), dim=-1)  # unit vectors, float32: not rounded
+        candidates = anchors if same else F.normalize(candidates.float(), dim=-1)
         normalize = False
     inv_a = inverse_norms(anchors) if normalize else None
     inv_b = None if same or not normalize else inverse_norms(candidates)
