@@ -815,59 +815,81 @@ def test_tf32_units_only_where_the_kernels_normalise_float32_under_tf32(tf32, ca
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_before_sm80_products_on_cublas(tf32, monkeypatch, dtype):
-    """On a GPU before sm_80 (launch.tensor_cores False: a T4, a V100), where triton lowers the fused kernel's
-    products to FMA, auto's forward takes cuBLAS's band products, and float32 under TF32 stays float32 (no TF32
-    there, so no float16 units); float16 keeps its units (their range, not TF32). The call is then exactly
-    the one sm_80 makes with those settings: forward "cublas" (bf16, fp16), TF32 off (float32). On sm_80 and
-    later (the default here) the same call takes the fused kernel, and float32 the units."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import launch
+    """On a GPU before sm_80 (precision.ampere_or_later False: a T4, a V100), where triton lowers the fused
+    kernel's products to FMA, auto's forward takes cuBLAS's band products; float32 under TF32 stays float32 (no
+    TF32 there, so no float16 units); float16 keeps its units (their range, not TF32); bfloat16 features are
+    taken in float32 (cuBLAS writes no float32 product of bfloat16 operands there). The call is then exactly
+    the one sm_80 makes with those settings: forward "cublas" (fp16), TF32 off (float32, and bfloat16's
+    float32 copy, its gradient rounded back to bfloat16). On sm_80 and later (the default here) the same call
+    takes the fused kernel, and float32 the units."""
+    from contrastkit.losses import precision, triton_stats
 
     monkeypatch.setattr(triton_stats, "DENSE_BYTES", 0)  # beyond the dense bound
     fused = []
     forward_stats = triton_stats.forward_stats
     monkeypatch.setattr(triton_stats, "forward_stats", lambda a, b, inputs, product, *rest: (
-        fused.append(product is None), forward_stats(a, b, inputs, product, *rest))[1])
+        fused.append((product is None, a.dtype)), forward_stats(a, b, inputs, product, *rest))[1])
     z = _features(torch.Generator().manual_seed(45), 40, 24, dtype).to(DEVICE)
     exclude = torch.arange(40, device=DEVICE)[:, None]
 
-    def call():
+    def call(features):
         fused.clear(), tf32.clear()
-        x = z.clone().requires_grad_()
+        x = features.clone().requires_grad_()
         stats = negative_stats_triton(x, x, 10.0, exclude=exclude, with_mean=True, normalize=True)
         (stats * torch.linspace(0.5, 2.0, 40, device=DEVICE)).sum().backward()
         return (stats.detach(), x.grad), fused[:], len(tf32) > 0
 
     units = dtype != torch.bfloat16
-    assert call()[1:] == ([True], units)
-    monkeypatch.setattr(launch, "tensor_cores", lambda device: False)
+    assert call(z)[1:] == ([(True, torch.float16 if units else dtype)], units)
+    monkeypatch.setattr(precision, "ampere_or_later", lambda device: False)
     units = dtype == torch.float16
-    got, path, made = call()
-    assert path == [False] and made == units
+    got, path, made = call(z)
+    assert path == [(False, torch.float16 if units else torch.float32)] and made == units
     assert triton_stats.takes_half_units(z, True) == units
-    monkeypatch.setattr(launch, "tensor_cores", lambda device: True)
-    if dtype == torch.float32:
-        torch.backends.cuda.matmul.allow_tf32 = False
-    else:
+    monkeypatch.setattr(precision, "ampere_or_later", lambda device: True)
+    if dtype == torch.float16:
         monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "cublas")
-    want, path, made = call()
-    assert path == [False] and made == units
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    want, path, made = call(z.float() if dtype == torch.bfloat16 else z)
+    assert path == [(False, torch.float16 if units else torch.float32)] and made == units
+    assert got[1].dtype == dtype
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(g, w.to(g.dtype), rtol=0, atol=0)
 
 
-def test_tensor_cores_is_a_constant_of_a_compiled_graph(monkeypatch):
-    """launch.tensor_cores reads the device's compute capability once while torch.compile traces (fullgraph:
-    no graph break), as a constant of the graph; CPU tensors (the interpreter) count as sm_80 and later."""
+def test_ampere_or_later_is_a_constant_of_a_compiled_graph(monkeypatch):
+    """precision.ampere_or_later reads the device's compute capability once while torch.compile traces
+    (fullgraph: no graph break), as a constant of the graph; other devices count as sm_80 and later."""
     from types import SimpleNamespace
 
-    from contrastkit.losses.kernels import launch
+    from contrastkit.losses import precision
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or SimpleNamespace(major=7))
     torch._dynamo.reset()
-    fn = torch.compile(lambda x: x * 2 if launch.tensor_cores(torch.device("cuda", 1)) else x - 1, fullgraph=True,
-                       backend="eager")
+    fn = torch.compile(lambda x: x * 2 if precision.ampere_or_later(torch.device("cuda", 1)) else x - 1,
+                       fullgraph=True, backend="eager")
     assert torch.equal(fn(torch.ones(3)), torch.zeros(3)) and torch.equal(fn(torch.ones(3)), torch.zeros(3))
     assert asked == [1]
-    assert launch.tensor_cores(torch.device("cpu"))
+    assert precision.ampere_or_later(torch.device("cpu")) and precision.ampere_or_later(torch.device("meta"))
+
+
+@pytest.mark.parametrize("ampere, fp16_accumulation", [(True, False), (False, False), (True, True)])
+def test_products_of_bfloat16_before_sm80_in_float32(monkeypatch, ampere, fp16_accumulation):
+    """The exact path's and the band design's products (chunked._operand) take CUDA features as they are where
+    torch writes their product in float32: bfloat16 from sm_80 on (before it torch refuses bfloat16 operands
+    with out_dtype: "only supported for CUDA devices with compute capability 8.0 or higher"), float16 unless
+    cuBLAS may accumulate it in float16 (allow_fp16_accumulation, where torch refuses it too); else a float32
+    copy. Fake CUDA tensors: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from contrastkit.losses import chunked, precision
+
+    monkeypatch.setattr(precision, "ampere_or_later", lambda device: ampere)
+    monkeypatch.setattr(precision, "fp16_accumulation", lambda: fp16_accumulation)
+    with FakeTensorMode():
+        for dtype, kept in ((torch.bfloat16, ampere), (torch.float16, not fp16_accumulation), (torch.float32, True)):
+            x = torch.empty(8, 4, device="cuda", dtype=dtype)
+            assert (chunked._operand(x) is x) == kept, dtype
+            assert chunked._operand(x).dtype == (dtype if kept else torch.float32)

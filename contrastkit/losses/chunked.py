@@ -51,6 +51,8 @@ from typing import NamedTuple
 
 import torch
 
+from contrastkit.losses import precision
+
 # Excluded pairs get a finite, hugely negative logit: exp() of it is exactly 0, and unlike -inf it never
 # makes 0 * inf = NaN in the mean or its gradient. -2^100, not near float32's limit: the mean's gradient
 # multiplies it by g_mean / scale, which a loss scaler makes large (2^16 and up), and must not overflow.
@@ -571,9 +573,13 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
 
 def _operand(x):
     """x as the exact path's products take it: itself in float32 or float64, and in bfloat16 or float16 where
-    the device's product writes float32 from it (CUDA, and the meta device that counts its memory), else
-    (the CPU) a float32 copy."""
-    if x.dtype in (torch.float32, torch.float64) or x.device.type in ("cuda", "meta"):
+    the device's product writes float32 from it (CUDA, which torch refuses for bfloat16 before sm_80,
+    precision.ampere_or_later, and for float16 under precision.fp16_accumulation; the meta device, which
+    counts memory), else a float32 copy (the CPU, and those two cases)."""
+    if x.dtype in (torch.float32, torch.float64) or x.device.type == "meta":
+        return x
+    if x.device.type == "cuda" and (precision.ampere_or_later(x.device) if x.dtype == torch.bfloat16
+                                    else not precision.fp16_accumulation()):
         return x
     return x.float()
 

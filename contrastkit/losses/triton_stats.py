@@ -34,7 +34,8 @@ stages are autotuned (kernels/launch.py); under TRITON_INTERPRET=1 (the CPU test
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
 (precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has
-it (sm_80 and later, launch.tensor_cores; before it auto's products are all cuBLAS's), on the band
+it (sm_80 and later, precision.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16
+features taken in float32), on the band
 design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits), as float16
 features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the inputs'
 dtype: bfloat16, float16 (dL divided by a factor first, so that its small entries stay in float16's range;
@@ -59,6 +60,7 @@ from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
 from contrastkit.losses.kernels.two_view_grad import two_view_gradient
+from contrastkit.losses import precision
 from contrastkit.losses.precision import tf32_matmul_allowed
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -168,8 +170,9 @@ def takes_half_units(x, normalize, backward_logits=None):
 
 def _tf32(x):
     """Whether the float32 products of x may use TF32: the user allows it (either of torch's APIs) and the
-    device has it (sm_80 and later: launch.tensor_cores; on a T4 or V100 torch's own products stay float32)."""
-    return x.dtype == torch.float32 and tf32_matmul_allowed() and launch.tensor_cores(x.device)
+    device has it (sm_80 and later: precision.ampere_or_later; on a T4 or V100 torch's own products stay
+    float32)."""
+    return x.dtype == torch.float32 and tf32_matmul_allowed() and precision.ampere_or_later(x.device)
 
 
 def _takes_units(x, normalized, tf32, from_cublas):
@@ -464,7 +467,8 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
     whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
     DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, measured on an H100, and cuBLAS for float32
-    and on GPUs before sm_80, where Triton's products take no tensor cores (launch.tensor_cores);
+    and on GPUs before sm_80, where Triton's products take no tensor cores (precision.ampere_or_later: there
+    bfloat16 features are taken in float32, since cuBLAS writes no float32 product of them);
     two views' forward visits the upper triangle on cuBLAS's products, on the kernel's only where
     FUSED_TRIANGLE); None: FORWARD_LOGITS, BACKWARD_LOGITS. normalize: the logits are those of the unit
     vectors, scale cos(a_i, b_k): the kernels take the features as given with their float32 inverse norms
@@ -482,13 +486,19 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
+    if anchors.dtype == torch.bfloat16 and not precision.ampere_or_later(anchors.device):
+        # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
+        same = candidates is anchors
+        anchors = anchors.float()
+        candidates = anchors if same else candidates.float()
     tf32 = _tf32(anchors)
     if forward_logits == "auto":
         if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
             forward_logits = "dense"
         else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
             half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")  # and on tensor cores:
-            fused = launch.tensor_cores(anchors.device) and (anchors.dtype in (torch.bfloat16, torch.float16) or half)
+            fused = precision.ampere_or_later(anchors.device) and (
+                anchors.dtype in (torch.bfloat16, torch.float16) or half)
             forward_logits = "kernel" if fused else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):

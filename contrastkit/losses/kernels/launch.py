@@ -114,22 +114,6 @@ def operator(name):
     return register
 
 
-def tensor_cores(device: torch.device) -> bool:
-    """Whether Triton's products run on tensor cores on this device, and TF32 exists there: sm_80 (Ampere) and
-    later. Below it (Turing's T4, Volta's V100) triton lowers tl.dot to FMA: compiled for sm_75 the fused
-    forward runs no tensor-core instruction and spills 3-4 KB per thread (benchmarks/triton_compile.py), so
-    the products there are cuBLAS's (those GPUs' float16 tensor cores; the band design's kernels are
-    elementwise and compile spill-free for sm_75), and float32 stays float32. CPU tensors (the interpreter):
-    True, the production path."""
-    return device.type != "cuda" or _major(device.index or 0) >= 8
-
-
-@torch.compiler.assume_constant_result
-def _major(index: int) -> int:
-    """The CUDA device's compute capability's major number (a constant of a compiled graph)."""
-    return torch.cuda.get_device_properties(index).major
-
-
 def target_programs(device: torch.device) -> int:
     """Programs enough to fill the device: two per SM (264 on an H100; under the interpreter the same, so
     that the CPU tests split as an H100 would)."""
