@@ -9,7 +9,9 @@
 #    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot
 #    show). quick: test_cuda.py and the kernels' D = 512 production tests (every logits source: kernel, band,
 #    dense) and the dense/band checks; full: every kernel test.
-# 2. benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
+# 2. benchmarks/perf_model.py --measure-rates: cuBLAS's bf16 and TF32 rates and the copy bandwidth on this GPU
+#    (seconds), and the model's predictions from them (perf_model.md: what the tables below are compared with).
+#    Then benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
 #    -triton-band, -triton-dense, -triton-fused: each source forced), the cuBLAS floor of the same matrix (timed
 #    in the same process), open_clip's ClipLoss, lightly's NTXentLoss and Inf-CL. quick, in order of what the
 #    issues need: bf16 at N = 64 .. 4096 (where the e2e run found the Triton path's fixed cost, 3.6 ms at
@@ -91,6 +93,12 @@ bench() {  # bench NAME DTYPE SIZES REPEATS METHODS [extra losses.py arguments]
   took
 }
 echo "== 2/3 benchmark against the cuBLAS floor, open_clip, lightly and Inf-CL ($PLAN)"
+if [ "${BENCH:-1}" != 0 ]; then  # first the model's rates on this device, and its predictions from them
+  echo "-- rates: cuBLAS bf16 and TF32, the copy bandwidth -> $OUT/perf_model.md"
+  "$PY" benchmarks/perf_model.py --measure-rates "$DEVICE" --out "$OUT/perf_model.md" > /dev/null \
+    && head -c 400 "$OUT/perf_model.md" && echo || true
+  took
+fi
 if [ "${BENCH:-1}" = 0 ]; then
   echo "(skipped: BENCH=0)"
 elif [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only methods are skipped, named)
@@ -119,4 +127,4 @@ else
   "$PY" benchmarks/triton_kernels.py --n 32768 --d 512 --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
 fi
 took
-echo "== gpu_check done: $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the tables' conclusions"
+echo "== gpu_check done: $OUT/perf_model.md, $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the tables' conclusions"

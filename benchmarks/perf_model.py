@@ -2,6 +2,7 @@
 
     python benchmarks/perf_model.py                          # both settings, N 256 .. 1048576, D 512, bf16
     python benchmarks/perf_model.py --budget-gib 8 --out /tmp/perf_model.md
+    python benchmarks/perf_model.py --measure-rates cuda --out docs/gpu/<device>/perf_model.md  # this GPU's rates
 
 A path's time is the sum of three terms, each from a measured or stated rate (nothing is fitted):
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +66,10 @@ STATS_FWD_TRIANGLE_S = 13.73e-3
 # more). The H100 measurements at N = 4096 imply ~33 us per eager op for open_clip (3.2 ms measured against
 # 0.51 ms of modelled GPU time, over its 81 launches): small N is host-bound for every path.
 LAUNCH_S = 5e-6
+# Where the three rates come from; --measure-rates replaces them with the device's own (measure_rates), so that a
+# GPU other than the H100 (an H200: the same tensor cores, ~1.4x the bandwidth) is compared with its own
+# predictions. The fused forward's time (STATS_FWD_S) and MEASURED_MS stay the H100's.
+RATES_FROM = "the H100's; TF32 assumed"
 
 TRIANGLE_BYTES = 2**28
 BAND_MIN_ROWS = 2048  # below this a band of every column is too thin: square blocks (contrastkit's rule)
@@ -491,9 +497,10 @@ def table(setting: str, sizes=SIZES, d: int = 512, budget: int = DEFAULT_BUDGET,
 
 def report(sizes=SIZES, d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_S) -> str:
     out = [f"Predicted forward + backward, ms (over the floor), D = {d}, bf16 unless named; budget "
-           f"{_gib(budget)}, {launch_s * 1e6:g} us per launch. Rates: cuBLAS {CUBLAS_BF16_FLOPS / 1e12:g} TFLOP/s "
-           f"bf16 (TF32 {CUBLAS_TF32_FLOPS / 1e12:g}, assumed), {HBM_BYTES_PER_S / 1e12:g} TB/s. "
-           f"Measured: run 3, bf16, ms (over the model's floor; two views' floor: 2/3 of the 3 GEMMs timed).", ""]
+           f"{_gib(budget)}, {launch_s * 1e6:g} us per launch. Rates, {RATES_FROM}: cuBLAS "
+           f"{CUBLAS_BF16_FLOPS / 1e12:.4g} TFLOP/s bf16 (TF32 {CUBLAS_TF32_FLOPS / 1e12:.4g}), "
+           f"{HBM_BYTES_PER_S / 1e12:.3g} TB/s. Measured on the H100: run 3, bf16, ms (over the model's floor; "
+           f"two views' floor: 2/3 of the 3 GEMMs timed).", ""]
     for setting in SETTINGS:
         bpl = ", ".join(f"{path} {bytes_per_logit(path, setting)} B + {sum(gemms(path, setting).values())} G"
                         for path in PATHS)
@@ -528,6 +535,53 @@ def checks(d: int = 512, budget: int = DEFAULT_BUDGET, launch_s: float = LAUNCH_
     return lines
 
 
+def _fastest(fn, device, rounds: int = 5) -> float:
+    """The shortest of ``rounds`` calls of fn after one warm-up, seconds: CUDA events on a GPU, else the clock."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_rates(device_name: str) -> dict[str, float]:
+    """The model's three rates on a device: cuBLAS's bf16 rate (torch.mm of [M, D] and [D, M], M = 65536,
+    D = 512: how CUBLAS_BF16_FLOPS was measured), its float32 rate under TF32 (M = 32768: the float32
+    output is 4 GiB) and the copy bandwidth (bytes read + written copying 1 GiB), each the fastest of 5
+    rounds. On the CPU (gpu_check.sh --dry-run) tiny sizes: the code runs, the numbers describe nothing."""
+    import torch
+
+    device = torch.device(device_name)
+    m16, m32, d, copy_bytes = (65536, 32768, 512, GIB) if device.type == "cuda" else (256, 256, 64, 2**22)
+    a, b = (torch.randn(m16, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    bf16 = 2 * m16 * m16 * d / _fastest(lambda: torch.mm(a, b.T), device)
+    a, b = (torch.randn(m32, d, device=device) for _ in range(2))
+    matmul = torch.backends.cuda.matmul
+    setting = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"  # torch >= 2.9, before
+    saved = getattr(matmul, setting)
+    setattr(matmul, setting, "tf32" if setting == "fp32_precision" else True)
+    try:
+        tf32 = 2 * m32 * m32 * d / _fastest(lambda: torch.mm(a, b.T), device)
+    finally:
+        setattr(matmul, setting, saved)
+    src = torch.empty(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * copy_bytes / _fastest(lambda: dst.copy_(src), device)
+    return {"CUBLAS_BF16_FLOPS": bf16, "CUBLAS_TF32_FLOPS": tf32, "HBM_BYTES_PER_S": bandwidth}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="N, comma-separated")
@@ -536,12 +590,27 @@ def main(argv=None) -> None:
                         help="memory for the [M, K] blocks (band) and the limit dense must fit")
     parser.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="cost of one kernel launch")
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    parser.add_argument("--measure-rates", metavar="DEVICE",
+                        help="measure the three rates on this torch device (cuda) and predict from them")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.measure_rates:
+        global CUBLAS_BF16_FLOPS, CUBLAS_TF32_FLOPS, HBM_BYTES_PER_S, RATES_FROM
+        rates = measure_rates(args.measure_rates)
+        CUBLAS_BF16_FLOPS, CUBLAS_TF32_FLOPS = rates["CUBLAS_BF16_FLOPS"], rates["CUBLAS_TF32_FLOPS"]
+        HBM_BYTES_PER_S = rates["HBM_BYTES_PER_S"]
+        RATES_FROM = f"measured on {_device_name(args.measure_rates)}"
     text = report(sizes, args.dim, int(args.budget_gib * GIB), args.launch_us * 1e-6)
     print(text)
     if args.out:
         args.out.write_text(text)
+
+
+def _device_name(device_name: str) -> str:
+    import torch
+
+    device = torch.device(device_name)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} (not a GPU's rates)"
 
 
 if __name__ == "__main__":

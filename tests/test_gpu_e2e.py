@@ -78,3 +78,5 @@ def test_gpu_check_quick_plan_dry_run(tmp_path):
     tables = sorted(p.parent.name for p in tmp_path.rglob("losses.json"))
     assert tables == ["bfloat16", "bfloat16-small", "float32-tf32", "image-text-1m"], tables
     assert done.stdout.count("skipped CUDA only") >= 10
+    model = next(tmp_path.rglob("perf_model.md")).read_text()  # the model from the rates measured (on the CPU)
+    assert "Rates, measured on cpu" in model and "### Predicted: image-text" in model

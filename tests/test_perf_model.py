@@ -271,6 +271,33 @@ def test_cli_writes_both_tables(tmp_path, capsys):
     assert "### Predicted: two-view" in text and "### Predicted: image-text" in text and "| 32768 | 13.3 |" in text
 
 
+def test_measured_rates_replace_the_h100s(tmp_path, monkeypatch):
+    """--measure-rates predicts from the device's rates (gpu_check.sh: an H200 is compared with its own model)."""
+    for name in ("CUBLAS_BF16_FLOPS", "CUBLAS_TF32_FLOPS", "HBM_BYTES_PER_S", "RATES_FROM"):
+        monkeypatch.setattr(pm, name, getattr(pm, name))  # main rebinds them: put back after the test
+    rates = {"CUBLAS_BF16_FLOPS": 1e12, "CUBLAS_TF32_FLOPS": 4e11, "HBM_BYTES_PER_S": 1e11}
+    monkeypatch.setattr(pm, "measure_rates", lambda device: rates)
+    out = tmp_path / "model.md"
+    pm.main(["--sizes", "4096", "--measure-rates", "cpu", "--out", str(out)])
+    text = out.read_text()
+    assert "Rates, measured on cpu (not a GPU's rates): cuBLAS 1 TFLOP/s bf16 (TF32 0.4), 0.1 TB/s" in text
+    assert "| 4096 | 51.5 |" in text  # image-text's floor: 3 products of 4096 x 4096 x 512 at 1 TFLOP/s
+    assert pm.gemm_s(4096, 4096, 512, "tf32") == pytest.approx(2 * 4096**2 * 512 / 4e11)
+
+
+def test_measure_rates_on_the_cpu_leaves_the_precision_as_it_was(float32_precision):
+    import torch
+
+    from contrastkit.losses import precision
+
+    before = precision.tf32_matmul_allowed()
+    rates = pm.measure_rates("cpu")
+    assert set(rates) == {"CUBLAS_BF16_FLOPS", "CUBLAS_TF32_FLOPS", "HBM_BYTES_PER_S"}
+    assert all(0 < r < float("inf") for r in rates.values())
+    assert precision.tf32_matmul_allowed() == before
+    assert torch.get_float32_matmul_precision() == ("high" if before else "highest")
+
+
 def test_performance_page_shows_the_current_model():
     page = (ROOT / "docs" / "performance.md").read_text()
     assert pm.report().strip() in page, "regenerate: python benchmarks/perf_model.py (docs/performance.md)"
