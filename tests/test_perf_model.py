@@ -290,12 +290,15 @@ def test_measure_rates_on_the_cpu_leaves_the_precision_as_it_was(float32_precisi
 
     from contrastkit.losses import precision
 
-    before = precision.tf32_matmul_allowed()
+    def setting():
+        matmul = torch.backends.cuda.matmul
+        return precision.tf32_matmul_allowed(), getattr(matmul, "fp32_precision", None) or matmul.allow_tf32
+
+    before = setting()
     rates = pm.measure_rates("cpu")
     assert set(rates) == {"CUBLAS_BF16_FLOPS", "CUBLAS_TF32_FLOPS", "HBM_BYTES_PER_S"}
     assert all(0 < r < float("inf") for r in rates.values())
-    assert precision.tf32_matmul_allowed() == before
-    assert torch.get_float32_matmul_precision() == ("high" if before else "highest")
+    assert setting() == before
 
 
 def test_performance_page_shows_the_current_model():
