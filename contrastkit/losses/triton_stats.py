@@ -54,14 +54,13 @@ import torch.nn.functional as F
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
+from contrastkit.losses import precision
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
 from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
 from contrastkit.losses.kernels.two_view_grad import two_view_gradient
-from contrastkit.losses import precision
-from contrastkit.losses.precision import tf32_matmul_allowed
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = launch.INTERPRETED
@@ -172,7 +171,7 @@ def _tf32(x):
     """Whether the float32 products of x may use TF32: the user allows it (either of torch's APIs) and the
     device has it (sm_80 and later: precision.ampere_or_later; on a T4 or V100 torch's own products stay
     float32)."""
-    return x.dtype == torch.float32 and tf32_matmul_allowed() and precision.ampere_or_later(x.device)
+    return x.dtype == torch.float32 and precision.tf32_matmul_allowed() and precision.ampere_or_later(x.device)
 
 
 def _takes_units(x, normalized, tf32, from_cublas):
@@ -486,9 +485,10 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
     backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
-    if anchors.dtype == torch.bfloat16 and not precision.ampere_or_later(anchors.device):
+    same = candidates is anchors
+    ampere = precision.ampere_or_later(anchors.device)
+    if anchors.dtype == torch.bfloat16 and not ampere:
         # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
-        same = candidates is anchors
         anchors = anchors.float()
         candidates = anchors if same else candidates.float()
     tf32 = _tf32(anchors)
@@ -497,8 +497,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
             forward_logits = "dense"
         else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
             half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")  # and on tensor cores:
-            fused = precision.ampere_or_later(anchors.device) and (
-                anchors.dtype in (torch.bfloat16, torch.float16) or half)
+            fused = ampere and (anchors.dtype in (torch.bfloat16, torch.float16) or half)
             forward_logits = "kernel" if fused else "cublas"
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
     if isinstance(scale, torch.Tensor):
@@ -507,7 +506,6 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         scale = torch.full((), float(scale), dtype=torch.float32, device=anchors.device)
     if exclude is not None:
         exclude = exclude.contiguous()
-    same = candidates is anchors
     first_two_view = same and not columns and backward_logits == "kernel"  # the first design's two-view kernel
     ids_a = ids_b = None
     if labels is not None:
