@@ -251,3 +251,33 @@ def labelled_query_key(q, k, labels, kind, mode, *, queue=None, queue_labels=Non
         losses.append(_labelled_anchor(kind, mode, q[i], [k[i]], candidates, int(labels[i]), _scale(kind, p),
                                        [weights[i]], **p))
     return torch.stack(losses).mean() if mean else torch.stack(losses)
+
+
+# ----------------------------------------------------------------------------- as plain PyTorch code writes it
+
+
+def plain(kind, setting, a, b, scale=None, **p):
+    """The loss as plain PyTorch code writes it, for comparing rounding (TF32) and F.normalize's semantics (a
+    row of norm below eps): unit vectors through F.normalize, one similarity matrix, the positives read off
+    it, the objective's formula on the scores (contrastkit.losses.functional), autograd's gradient. Settings
+    "image_text" (logits scale * cosines; default the loss's own scale) and "two_views"."""
+    from contrastkit.losses import functional
+
+    kernel = getattr(functional, kind)
+    if kind == "cacr":  # its logits are 2 t_neg s: a logit scale stands for 2 t_neg
+        options = {"t_pos": p.get("t_pos", 1.0), "t_neg": scale / 2 if scale is not None else p.get("t_neg", 2.0)}
+    else:
+        options = {"temperature": 1.0 / scale if scale is not None else p.get("tau", 0.1)}
+    options.update({k: p[k] for k in ("alpha", "sigma") if k in p and kind in ("eqco", "dclw")})
+    if setting == "image_text":
+        sims = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
+        n = sims.shape[0]
+        off = ~torch.eye(n, dtype=torch.bool)
+        return sum(kernel(s.diagonal(), s.masked_select(off).view(n, n - 1), **options).mean()
+                   for s in (sims, sims.T)) / 2
+    z = torch.nn.functional.normalize(torch.cat([a, b]), dim=1)
+    sims, n = z @ z.T, a.shape[0]
+    partner = (torch.arange(2 * n) + n) % (2 * n)
+    own = torch.eye(2 * n, dtype=torch.bool) | torch.eye(2 * n, dtype=torch.bool).roll(n, dims=1)
+    pos = sims.gather(1, partner[:, None])[:, 0]
+    return kernel(pos, sims.masked_select(~own).view(2 * n, 2 * n - 2), **options).mean()

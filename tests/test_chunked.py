@@ -28,8 +28,10 @@ def _inputs(seed, n, d, dtype, device="cpu"):
 
 
 def _loss(name, setting, chunk, x, extra, output_dict=False, **opts):
-    """Loss and the tensors to differentiate for one objective in one setting."""
-    fn = build_loss(name, chunk_size=chunk, **opts)
+    """Loss and the tensors to differentiate for one objective in one setting: the blockwise torch kernel (chunk
+    None: its automatic blocks, which "auto" takes beyond the dense bound), unless ``backend`` says otherwise;
+    chunk 0 the dense path."""
+    fn = build_loss(name, chunk_size=chunk, **{"backend": "torch", **opts})
     leaves = [t.clone().requires_grad_() for t in x]
     if setting == "2views":
         return fn(*leaves[:2], output_dict=output_dict), leaves[:2]

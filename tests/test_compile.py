@@ -59,6 +59,13 @@ CASES = [(name, "two_views") for name in ("infonce", "dclw", "eqco", "cacr")] + 
 CASES += [("cacr", "image_text")]  # CACR's mean, each image-text direction as rows
 
 
+@pytest.mark.parametrize("name", ["infonce", "dcl", "dclw", "eqco", "cacr"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_dense_path_has_no_graph_break(name, setting):
+    """The default at these sizes: dense.py's Function, its layout made in the graph."""
+    _check(name, setting, "aot_eager")
+
+
 @pytest.mark.parametrize("name, setting", CASES)
 def test_every_objective_and_setting_has_no_graph_break(name, setting):
     # aot_eager: the same capture as inductor (dynamo with fullgraph, autograd traced), without code generation.

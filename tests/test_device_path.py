@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_chunked import SCORE_LOSSES, SETTINGS, _inputs, _loss, _value_and_grads
 
 import contrastkit.losses.base as base
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import (BLOCK_ELEMENTS, DENSE_AUTO_LOGITS, DEVICE_BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS,
-                                    blocking, choose_backend)
+from contrastkit.losses.base import (BLOCK_ELEMENTS, CPU_DENSE_AUTO_LOGITS, DENSE_AUTO_LOGITS, DEVICE_BLOCK_ELEMENTS,
+                                    KEEP_MAX_ELEMENTS, blocking, choose_backend)
 from contrastkit.losses.chunked import negative_stats
 
 
 def test_auto_takes_the_backend_measured_faster(monkeypatch):
     """"auto" on CUDA: the dense path for a matrix of at most DENSE_AUTO_LOGITS logits (host-bound there:
-    docs/gpu/), beyond it Triton for bf16/fp16 products (faster on an H100: docs/gpu/) and for float32 (the
+    docs/gpu/NVIDIA-H200), beyond it Triton for bf16/fp16 products (faster on an H100: docs/gpu/) and for float32 (the
     band design, predicted faster: docs/performance.md), its memory counted in tests/test_memory.py; the
     blockwise torch kernel everywhere else (float64 beyond the dense size), and wherever triton is missing or a
     chunk_size asks for blocks."""
@@ -39,6 +38,9 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
     assert choose_backend("auto", None, "cuda", None, float64=True, logits=small) == "dense"
     assert choose_backend("torch", None, "cuda", torch.bfloat16, logits=small) == "torch"
     assert choose_backend("triton", None, "cuda", logits=small) == "triton"
+    for device in ("cpu", "meta"):  # the CPU's own bound: the dense path where host-bound (CPU_DENSE_AUTO_LOGITS)
+        assert choose_backend("auto", None, device, logits=CPU_DENSE_AUTO_LOGITS) == "dense"
+        assert choose_backend("auto", None, device, logits=CPU_DENSE_AUTO_LOGITS + 1) == "torch"
     assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"
     assert choose_backend("torch", 8) == "torch"
     monkeypatch.setattr(base, "triton_available", lambda: False)
@@ -46,12 +48,12 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
 
 
 @pytest.mark.parametrize("setting, n, expected", [
-    ("two_views", 2048, "dense"), ("two_views", 2049, "triton"), ("image_text", 4096, "dense"),
-    ("image_text", 4097, "triton"), ("queue", 256, "dense"), ("queue", 257, "triton"),
-    ("hard_negatives", 2896, "dense"), ("hard_negatives", 2897, "triton")])
+    ("two_views", 4096, "dense"), ("two_views", 4097, "triton"), ("image_text", 8192, "dense"),
+    ("image_text", 8193, "triton"), ("queue", 1024, "dense"), ("queue", 1025, "triton"),
+    ("hard_negatives", 5792, "dense"), ("hard_negatives", 5793, "triton")])
 def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     """Each setting gives choose_backend its whole matrix (two views: 2N x 2N; image-text: N x N; a queue: N x
-    its 65536 rows; a hard negative per query: N x 2N, 2896^2 * 2 <= 2^24), and every part of one call takes
+    its 65536 rows; a hard negative per query: N x 2N, 5792^2 * 2 <= 2^26), and every part of one call takes
     the same backend."""
     import contrastkit.losses.base as base
 
@@ -189,7 +191,7 @@ def test_low_precision_features_on_the_device_path(name, setting, dtype, device_
         torch.testing.assert_close(grads[2].double(), want_grads[2], rtol=eps, atol=0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "dense"])
 @pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_loss_scaler_gradient_stays_finite(name, setting, backend, device_path):
@@ -206,7 +208,7 @@ def test_loss_scaler_gradient_stays_finite(name, setting, backend, device_path):
         torch.testing.assert_close(s, g * 2.0**24, rtol=1e-5, atol=1e-5 * float(s.abs().max()))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "dense"])
 @pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
 @pytest.mark.parametrize("name", ["infonce", "cacr"])
 def test_backward_called_inside_autocast(name, setting, backend, device_path):
@@ -222,7 +224,7 @@ def test_backward_called_inside_autocast(name, setting, backend, device_path):
         grads = torch.autograd.grad(loss, leaves)
     for g, w in zip(grads, want):
         assert g.dtype == w.dtype
-        tol = (1e-6, 1e-7) if backend == "torch" else (1e-2, 1e-2 * float(w.abs().max()))
+        tol = (1e-2, 1e-2 * float(w.abs().max())) if backend == "triton" else (1e-6, 1e-7)
         torch.testing.assert_close(g, w, rtol=tol[0], atol=tol[1])
 
 
@@ -257,32 +259,13 @@ def _operators(call, monkeypatch) -> int:
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])
 def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_path, monkeypatch):
     """Why "auto" takes the dense path for small matrices on CUDA (DENSE_AUTO_LOGITS): there each operator
-    costs host time, not bandwidth, and the dense path issues about a quarter fewer than the Triton path (DCL
-    at N = 64 on the path of CUDA, a second call: two views 56 against 80, image-text 58 against 83)."""
+    costs host time, not bandwidth, and the dense path issues half as many as the Triton path (DCL at N = 64 on
+    the path of CUDA, a second call: two views 38 against 79, image-text 48 against 80). Against the peers:
+    tests/test_dense.py."""
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     counts = {}
     for backend in ("dense", "triton"):
         fn = build_loss("dcl", backend=backend)
         counts[backend] = _operators(lambda: fn.cross_modal(a, b) if setting == "image_text" else fn(a, b),
                                      monkeypatch)
-    assert counts["dense"] <= 0.8 * counts["triton"], counts
-
-
-@pytest.mark.parametrize("name", ["infonce", "dcl"])
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
-def test_dense_issues_no_more_operators_than_the_peers(name, setting, device_path, monkeypatch):
-    """Where "auto" takes the dense path a step is host-bound (each operator one launch), and there the dense
-    path issues no more operators than open_clip's ClipLoss with its normalisation (image-text, a learnable
-    logit scale: 64 against 67 for DCL at N = 64) and lightly's NTXentLoss (two views: 56 against 83), counted
-    alike on the path of CUDA (no host checks)."""
-    a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
-    scale = torch.tensor(14.0, requires_grad=True)
-    fn = build_loss(name, backend="dense")
-    if setting == "image_text":
-        peer = pytest.importorskip("open_clip.loss").ClipLoss()
-        ours = _operators(lambda: fn.cross_modal(a, b, logit_scale=scale), monkeypatch)
-        theirs = _operators(lambda: peer(F.normalize(a, dim=-1), F.normalize(b, dim=-1), scale), monkeypatch)
-    else:
-        peer = pytest.importorskip("lightly.loss").NTXentLoss()
-        ours, theirs = _operators(lambda: fn(a, b), monkeypatch), _operators(lambda: peer(a, b), monkeypatch)
-    assert ours <= theirs, (ours, theirs)
+    assert counts["dense"] <= 0.65 * counts["triton"], counts

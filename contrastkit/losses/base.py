@@ -17,8 +17,9 @@ from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
 from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
-from contrastkit.losses.functional import (NonFiniteError, Terms, _compute_dtype, normalize_rows, row_cosines,
-                                           softmax_mean)
+from contrastkit.losses.dense import dense_loss, layout
+from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Terms, _compute_dtype, normalize_rows,
+                                           row_cosines, softmax_mean)
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -32,14 +33,20 @@ KEEP_MAX_ELEMENTS = 2**26
 # launch), and the exact path holds at most two or three float32 blocks (128-192 MiB) at a time; 2^27 would
 # hold 1 GiB and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
 DEVICE_BLOCK_ELEMENTS = 2**24
-# On CUDA, "auto" takes the dense path for a call whose matrix has at most this many logits (4096 x 4096: 64
-# MiB in float32): there the work is host-bound and the dense path issues the fewest operators (DCL
-# image-text at N = 64: 58 against the Triton path's 83, and fewer than open_clip's ClipLoss with its
-# normalisation, 64 against 67 with a learnable scale; tests/test_device_path.py counts them). Measured
-# on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): the Triton path's fixed cost, 3.6 ms at N = 64 against
-# open_clip's ClipLoss 0.92 ms (run 6), and 5.4-7.0 ms at N = 4096 against 3.2 ms (run 3). The dense path
-# itself is not timed on a GPU yet: benchmarks/gpu_check.sh's small-N job does, to set this bound from it.
-DENSE_AUTO_LOGITS = 2**24
+# "auto" takes the dense path (dense.py: the whole matrix, one autograd Function with its backward written out;
+# for labels, several views and a queue the matrix through autograd) for a call whose matrix has at most this
+# many logits: there a call's time is the host's, a fixed cost per operator, and the dense path launches the
+# fewest (DCL at N = 64: 61 top-level operators image-text against open_clip's ClipLoss's 77, 40 two views
+# against lightly's NTXentLoss's 144; benchmarks/fixed_cost.py, tests/test_dense.py). On CUDA measured on an
+# H200 (docs/gpu/NVIDIA-H200/bfloat16-small, the autograd dense path of then): faster than the Triton path at
+# every N measured, up to 2^26 logits (two views N = 4096: 4.9 against 5.9 ms; image-text N = 4096: 3.3 against
+# 5.8). It keeps the float32 matrix from forward to backward and holds up to three more in backward (CACR's
+# four): 1 GiB at 2^26 (tests/test_dense.py counts it).
+DENSE_AUTO_LOGITS = 2**26
+# On the CPU (and any device but CUDA) up to 2^19 logits (image-text N <= 724, two views N <= 362): beyond it
+# the blockwise kernel's fused passes win (one thread, D = 512, DCL, dense / blockwise time: image-text
+# N = 512 0.77, N = 1024 1.17; two views N = 256 0.53, N = 512 0.74, N = 1024 1.08; on a loaded machine).
+CPU_DENSE_AUTO_LOGITS = 2**19
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
@@ -62,8 +69,9 @@ def triton_available() -> bool:
 def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
                    low: torch.dtype | None = None, float64: bool = False, logits: int | None = None) -> str:
     """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
-    for "auto" on CUDA: the dense path where the call's matrix holds at most DENSE_AUTO_LOGITS ``logits``
-    (there the work is host-bound and the dense path issues the fewest operators: see there); beyond it the
+    for "auto": the dense path where the call's matrix holds at most DENSE_AUTO_LOGITS ``logits`` on CUDA,
+    CPU_DENSE_AUTO_LOGITS elsewhere (there the work is host-bound and the dense path issues the fewest
+    operators: see there); beyond it on CUDA the
     Triton kernels (triton installed; products in bf16/fp16, ``low``, or float32, not ``float64``: the kernels
     compute in float32), which take the features as given and their inverse norms, so that their memory stays
     within 1 GiB at N = 262144, D = 512 bf16 (tests/test_memory.py counts it, the operators' own buffers
@@ -77,10 +85,11 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     label in their elementwise passes)."""
     if requested == "dense" or chunk_size == 0:
         return "dense"
-    if requested == "auto" and chunk_size is None and device_type == "cuda":
-        if logits is not None and logits <= DENSE_AUTO_LOGITS:
+    if requested == "auto" and chunk_size is None:
+        bound = DENSE_AUTO_LOGITS if device_type == "cuda" else CPU_DENSE_AUTO_LOGITS
+        if logits is not None and logits <= bound:
             return "dense"
-        if not float64:
+        if device_type == "cuda" and not float64:
             return "triton" if triton_available() else "torch"
     return "triton" if requested == "triton" else "torch"
 
@@ -117,6 +126,9 @@ def check_logit_scale(name: str, scale) -> None:
         if not scale.is_floating_point():
             raise TypeError(f"{name}: logit_scale must be a floating-point tensor or a number, got dtype {scale.dtype}")
         if not host_checks_allowed(scale):
+            return
+        value = float(scale.detach()) if scale.dim() == 0 else None  # one host read, the checks on the host's number
+        if value is not None and math.isfinite(value) and value > 0:
             return
         if not bool(torch.isfinite(scale).all()):
             raise NonFiniteError(f"{name}: logit_scale has non-finite values (inf or NaN): the learnable scale "
@@ -375,6 +387,18 @@ class ContrastiveLoss(Objective):
         """Weights [M, P] of the positive cosines in the loss (DCLW's), or None."""
         return None
 
+    def logit_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, scale,
+                    num_neg: int) -> LogitTerms:
+        """The per-anchor loss [M] of one positive per anchor from its logit ``pos``, the negatives' lse and (CACR)
+        their softmax-weighted mean logit, with its partial derivatives in each, for the dense path's backward
+        written by hand (dense.py; functional.LogitTerms). Subclasses without it take the other paths."""
+        raise NotImplementedError
+
+    @property
+    def _fuses(self) -> bool:
+        """Whether this objective has the dense path's form (logit_terms)."""
+        return type(self).logit_terms is not ContrastiveLoss.logit_terms
+
     # ------------------------------------------------------------------ settings
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor,
@@ -384,14 +408,16 @@ class ContrastiveLoss(Objective):
         if labels is not None:
             check_labels(self.name, labels, z1.shape[0], z1.device)
         low = _low_precision(*views.values())
+        v, n, d = len(views), z1.shape[0], z1.shape[1]
+        dtype = _compute_dtype(*views.values())
+        backend = self._resolve_backend(z1, low, dtype, logits=(v * n) * (v * n * self._processes()))
+        if backend == "dense" and v == 2 and labels is None and self._fuses:
+            return self._dense_two_views(z1, z2, dtype, output_dict, views)
         with no_autocast(z1.device.type):
-            v, n, d = len(views), z1.shape[0], z1.shape[1]
-            dtype = _compute_dtype(*views.values())
             zs = list(views.values())
             x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
             # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
             # their size kept for backward); the others take unit vectors, one copy normalised once.
-            backend = self._resolve_backend(x, low, logits=(v * n) * (v * n * self._processes()))
             raw = backend == "torch"
             u = x if raw else self._units(x, dtype, low, backend)
             anchors = u.reshape(v * n, d)
@@ -531,12 +557,15 @@ class ContrastiveLoss(Objective):
             check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
         low = _low_precision(image, text)
+        dtype = _compute_dtype(image, text)
+        if isinstance(scale, torch.Tensor) and scale.dtype != dtype:
+            scale = scale.to(dtype)
+        n = image.shape[0]
+        backend = self._resolve_backend(image, low, dtype, logits=n * n * self._processes())
+        one_scale = not isinstance(scale, torch.Tensor) or scale.numel() == 1
+        if backend == "dense" and labels is None and one_scale and self._fuses:
+            return self._dense_image_text(image, text, scale, output_dict, features)
         with no_autocast(image.device.type):
-            dtype = _compute_dtype(image, text)
-            if isinstance(scale, torch.Tensor):
-                scale = scale.to(dtype)
-            n = image.shape[0]
-            backend = self._resolve_backend(image, low, dtype, logits=n * n * self._processes())
             raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
             if raw:
                 a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
@@ -587,6 +616,66 @@ class ContrastiveLoss(Objective):
                                              partners=partners, labels=ids, itself=None, backend=backend)
             terms = Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms)))
             return self._reduce(terms, output_dict, features)
+
+    # ------------------------------------------------------------------ the dense path (dense.py)
+
+    def _dense_two_views(self, z1, z2, dtype, output_dict, views):
+        """Two views, the whole [2n, 2 total] matrix in one autograd Function (dense.py): anchors the local
+        views (view-major), candidates every process's (gathered whole, then view-major) or the anchors
+        themselves on one process."""
+        n, d = z1.shape
+        same = z1.dtype == z2.dtype
+        anchors = torch.cat([z1, z2] if same else [z1.to(dtype), z2.to(dtype)])
+        candidates, start, total = None, 0, n
+        if self.gather_distributed:
+            both, start = self._gather(torch.cat([z1, z2] if same else [z1.to(dtype), z2.to(dtype)], dim=1))
+            total = both.shape[0]
+            candidates = both.view(total, 2, d).transpose(0, 1).reshape(2 * total, d)
+        if total < 2:
+            raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
+                             "the views of the other samples); use a batch of at least 2")
+        where = layout("two_views", n, total, start, z1.device)
+        scale = self.default_logit_scale()
+        out = dense_loss(anchors, candidates, scale, where, columns=False, terms=self.logit_terms,
+                         num_neg=2 * (total - 1), with_mean=self.needs_mean, normalize=self.normalize)
+        return self._dense_output(out, scale, 2 * (total - 1), output_dict, views)
+
+    def _dense_image_text(self, image, text, scale, output_dict, features):
+        """Image-text in one autograd Function per call (dense.py): on one process the square matrix's rows
+        and columns; gathered, each direction's local rows against every process's candidates."""
+        n = image.shape[0]
+        if not self.gather_distributed:
+            if n < 2:
+                raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
+            out = dense_loss(image, text, scale, layout("image_text", n, n, 0, image.device), columns=True,
+                             terms=self.logit_terms, num_neg=n - 1, with_mean=self.needs_mean,
+                             normalize=self.normalize)
+            return self._dense_output(out, scale, n - 1, output_dict, features)
+        dtype = _compute_dtype(image, text)
+        same = image.dtype == text.dtype
+        both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
+        total = both.shape[0]
+        if total < 2:
+            raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
+        all_images, all_texts = both.split(image.shape[1], dim=1)
+        where = layout("rows", n, total, start, image.device)
+        directions = [dense_loss(a, b, scale, where, columns=False, terms=self.logit_terms, num_neg=total - 1,
+                                 with_mean=self.needs_mean, normalize=self.normalize)
+                      for a, b in ((image, all_texts), (text, all_images))]
+        out = tuple(torch.cat(pair) for pair in zip(*directions))
+        return self._dense_output(out, scale, total - 1, output_dict, features)
+
+    def _dense_output(self, out, scale, num_neg, output_dict, inputs):
+        """The reduced loss of dense_loss's outputs (per-anchor loss, positives' logits, lse[, mean]); the
+        diagnostics, made only where ``output_dict`` asks, from stat_terms on the detached statistics."""
+        if not output_dict:
+            loss = self._apply_reduction(out[0])
+            self._check_finite(loss, inputs)
+            return loss
+        s = scale.detach() if isinstance(scale, torch.Tensor) else scale
+        mean = out[3] / s if len(out) > 3 else None
+        terms = self.stat_terms((out[1] / s)[:, None], out[2], mean, num_neg, s)._replace(loss=out[0])
+        return self._reduce(terms, output_dict, inputs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -801,7 +890,13 @@ class ContrastiveLoss(Objective):
         non-finite loss, so the inputs are searched for them only then: one check per call, not one per
         input."""
         out = self._output(terms, output_dict)
-        loss = out["loss"] if output_dict else out
-        if host_checks_allowed(loss) and not bool(torch.isfinite(loss).all()):
-            check_features(self.name, inputs, same_shape=False)
+        self._check_finite(out["loss"] if output_dict else out, inputs)
         return out
+
+    def _check_finite(self, loss: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
+        """Non-finite features always make a non-finite loss, so the inputs are searched for them only then:
+        one host read per call where host reads are free (the CPU), none on CUDA."""
+        if host_checks_allowed(loss):
+            finite = torch.isfinite(loss)
+            if not bool(finite.all() if loss.dim() else finite):
+                check_features(self.name, inputs, same_shape=False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import Terms, _check_temperature, cacr_positive_stat_terms, cacr_stat_terms
+from contrastkit.losses.functional import (LogitTerms, Terms, _check_temperature, cacr_logit_terms,
+                                           cacr_positive_stat_terms, cacr_stat_terms)
 
 
 class CACRLoss(ContrastiveLoss):
@@ -52,6 +53,9 @@ class CACRLoss(ContrastiveLoss):
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.stack([torch.zeros_like(neg_mean), torch.full_like(neg_mean, 2.0)])  # repulsion 2 mean - 2
+
+    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
+        return cacr_logit_terms(pos, neg_mean, scale)
 
     def _label_positive_terms(self, backend, stats, pos, anchors, candidates, exclude, num_neg, same, scale, low,
                               labels, itself, raw) -> Terms:

@@ -6,7 +6,8 @@ import torch
 
 from contrastkit.distributed import gather_no_grad
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import Terms, _check_temperature, dclw_weights, softmax_terms, supcon_terms
+from contrastkit.losses.functional import (LogitTerms, Terms, _check_temperature, dclw_weights, softmax_logit_terms,
+                                           softmax_terms, supcon_terms)
 
 
 class DCLLoss(ContrastiveLoss):
@@ -43,6 +44,9 @@ class DCLLoss(ContrastiveLoss):
     def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
         return supcon_terms(pos_mean, pos_lse, neg_lse, keep_positives=False)
 
+    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
+        return softmax_logit_terms(pos, neg_lse, keep_positive=False)
+
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.ones_like(neg_lse)[None]  # -w s_p + lse: the positive's weight (DCLW) does not touch lse
 
@@ -70,3 +74,7 @@ class DCLWLoss(DCLLoss):
     def positive_weight(self, pos: torch.Tensor) -> torch.Tensor:
         all_pos = gather_no_grad(pos, uneven=self.uneven) if self.gather_distributed else None
         return dclw_weights(pos, self.sigma, all_pos)
+
+    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
+        weight = self.positive_weight(pos / scale)  # of the positives' cosines
+        return softmax_logit_terms(pos, neg_lse, keep_positive=False, pos_weight=weight)

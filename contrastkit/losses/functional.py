@@ -38,6 +38,21 @@ class Terms(NamedTuple):
     npc: torch.Tensor  # q_B = 1 - softmax probability of the positive (DCL paper, Prop. 1)
 
 
+Partial = torch.Tensor | float | None  # a derivative per anchor [M], one for all anchors, or zero (None)
+
+
+class LogitTerms(NamedTuple):
+    """Per-anchor loss [M] of one positive per anchor and its partial derivatives in the positive's logit, the
+    negatives' lse and their softmax-weighted mean logit, and in the scale where the loss depends on it beside
+    the logits (CACR): what the dense path's backward needs of an objective (dense.py)."""
+
+    loss: torch.Tensor
+    d_lse: Partial
+    d_mean: Partial
+    d_pos: Partial
+    d_scale: torch.Tensor | None
+
+
 # ----------------------------------------------------------------------------- features
 
 
@@ -330,6 +345,21 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
 
 
+def softmax_logit_terms(pos: torch.Tensor, neg_lse: torch.Tensor, *, keep_positive: bool, shift: float = 0.0,
+                        pos_weight: torch.Tensor | None = None) -> LogitTerms:
+    """softmax_terms' loss with one positive per anchor, from its logit [M], and the partial derivatives:
+    keep_positive (InfoNCE; EqCo with ``shift`` log(alpha / K)): softplus(lse + shift - p), whose derivative in
+    lse is q_B = sigmoid(lse + shift - p) (DCL paper, Prop. 1) and -q_B in p; else (DCL, DCLW with its
+    detached ``pos_weight`` w) lse - w p: 1 and -w."""
+    if keep_positive:
+        gap = neg_lse - pos if shift == 0.0 else (neg_lse - pos).add_(shift)
+        q = torch.sigmoid(gap)
+        return LogitTerms(F.softplus(gap, threshold=_SOFTPLUS_EXACT), q, None, q.neg(), None)
+    if pos_weight is None:
+        return LogitTerms(neg_lse - pos, 1.0, None, -1.0, None)
+    return LogitTerms(neg_lse - pos_weight * pos, 1.0, None, pos_weight.neg(), None)
+
+
 def supcon_terms(pos_mean: torch.Tensor, pos_lse: torch.Tensor, neg_lse: torch.Tensor, *,
                  keep_positives: bool) -> Terms:
     """Per-anchor loss with several positives P(i), SupCon's L_out (Khosla et al. 2020, Eq. 2), from the mean
@@ -400,6 +430,15 @@ def cacr_stat_terms(pos: torch.Tensor, neg_mean: torch.Tensor, *, t_pos: float) 
     with torch.no_grad():
         pos_w = torch.softmax(t_pos * pos_cost, dim=1)
     return _cacr((pos_w * pos_cost).sum(dim=1), neg_mean)
+
+
+def cacr_logit_terms(pos: torch.Tensor, neg_mean: torch.Tensor, scale) -> LogitTerms:
+    """cacr_stat_terms with one positive per anchor (its attraction weight is 1), from logits: the positive's
+    p = scale s_p and the negatives' softmax-weighted mean logit m = scale E_pi[s]. Attraction 2 - 2 s_p and
+    repulsion 2 E_pi[s] - 2 make 2 (m - p) / scale, which depends on the scale beside the logits: -loss / scale."""
+    factor = 2.0 / scale
+    loss = (neg_mean - pos) * factor
+    return LogitTerms(loss, None, factor, -factor, -loss / scale if isinstance(scale, torch.Tensor) else None)
 
 
 def cacr_positive_stat_terms(pos_lse: torch.Tensor, pos_mean: torch.Tensor, neg_mean: torch.Tensor, *,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import Terms, _check_temperature, eqco_negatives, softmax_terms, supcon_terms
+from contrastkit.losses.functional import (LogitTerms, Terms, _check_temperature, eqco_negatives, softmax_logit_terms,
+                                           softmax_terms, supcon_terms)
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -35,6 +38,9 @@ class InfoNCELoss(ContrastiveLoss):
 
     def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
         return supcon_terms(pos_mean, pos_lse, neg_lse, keep_positives=True)
+
+    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
+        return softmax_logit_terms(pos, neg_lse, keep_positive=True)
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         # sigmoid(lse - s_p), the NPC multiplier q_B (DCL paper, Prop. 1), as autograd computes it through
@@ -71,3 +77,6 @@ class EqCoLoss(InfoNCELoss):
 
     def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
         return supcon_terms(pos_mean, pos_lse, eqco_negatives(neg_lse, self.alpha, num_neg), keep_positives=True)
+
+    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
+        return softmax_logit_terms(pos, neg_lse, keep_positive=True, shift=math.log(self.alpha / num_neg))

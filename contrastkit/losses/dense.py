@@ -1,0 +1,203 @@
+"""The whole logits matrix in one autograd Function: the path of the batch sizes people train with per device.
+
+At N = 64 .. 4096 a call's time is the host's, a fixed cost per operator launched, not the products'
+(docs/performance.md: ~30 us an operator on an H200, a few on a CPU core). So one call here is one forward and
+one backward written out by hand, each a short straight run of operators:
+
+    forward   u = a / |a|, v = b / |b|;  L = scale u v^T;  p_i = L at anchor i's positive;  the own sample's
+              entries left out (EXCLUDED);  lse_i = logsumexp of row i (and of column i, image-text);  CACR's
+              m_i = sum_j softmax(L_i)_j L_ij;  loss_i = the objective's formula of (p_i, lse_i, m_i)
+    backward  dL = g_i (d_lse_i softmax(L_i) + d_m_i softmax(L_i) (1 + L_i - m_i)) + g_i d_p_i at the
+              positives;  du = scale dL v, dv = scale dL^T u (two views: one product of dL + dL^T);  the
+              normalisation's backward;  d scale = <dL, u v^T> + the objective's direct term
+
+The objective supplies only its formula and its partial derivatives (``logit_terms`` of each loss class, from
+functional.py); the setting supplies which entries are each anchor's positive and which are left out, as flat
+indices made once per shape and device (``layout``). The blockwise paths (chunked.py, triton_stats.py) serve
+the matrices that do not fit (base.choose_backend).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from contrastkit.losses.chunked import EXCLUDED, NORM_EPS, no_autocast
+
+
+class Layout(NamedTuple):
+    """Flat indices into the [M, K] logits: each anchor's positive ([M], then [K] for the columns' anchors of
+    image-text), and the entries left out of the negatives (the anchor's own sample's, its positive included)."""
+
+    positives: torch.Tensor
+    excluded: torch.Tensor
+
+
+_LAYOUTS: dict[tuple, Layout] = {}
+_MAX_LAYOUTS = 64  # shapes seen in one run: the batch, the last batch, an evaluation's
+
+
+def layout(setting: str, n: int, total: int, start: int, device: torch.device) -> Layout:
+    """The layout of ``setting`` for n local samples among ``total`` (gathered; this process's at ``start``):
+
+    - "two_views": anchors the 2n local views (view-major), candidates the 2 total views; anchor (v, i) has
+      its positive at view 1 - v of sample start + i, and leaves out both views of that sample;
+    - "image_text": one process (n = total), anchors the rows and then the columns of the square matrix, each
+      with its positive on the diagonal, which is left out;
+    - "rows": one direction of image-text against gathered candidates: anchor i's positive (left out) at
+      column start + i.
+
+    Made once per shape and device (a cache), or in the graph under torch.compile."""
+    key = (setting, n, total, start, device)
+    found = _LAYOUTS.get(key)
+    if found is not None:
+        return found
+    i = torch.arange(n, device=device)
+    if setting == "two_views":
+        width = 2 * total
+        own = torch.stack([start + i, total + start + i])  # [2, n]: sample start + i's column in each view
+        rows = torch.arange(2 * n, device=device).view(2, n) * width
+        positives = (rows + own.flip(0)).reshape(-1)
+        excluded = torch.cat([(rows + own[0]).reshape(-1), (rows + own[1]).reshape(-1)])
+    elif setting == "image_text":
+        diagonal = i * (n + 1)
+        positives, excluded = torch.cat([diagonal, diagonal]), diagonal
+    else:
+        positives = i * total + start + i
+        excluded = positives.clone()  # two tensors: torch.compile cannot trace one given twice
+    made = Layout(positives, excluded)
+    if not torch.compiler.is_compiling():
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = made
+    return made
+
+
+def _units(x: torch.Tensor, dtype: torch.dtype, normalize: bool):
+    """(rows in ``dtype``, unit rows where ``normalize``; 1 / max(|x|, eps) per row; the inverse norm of the
+    rows whose norm was not clamped, else 0: their projection in backward)."""
+    x = x if x.dtype == dtype else x.to(dtype)
+    if not normalize:
+        return x, None, None
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    inv = norm.clamp_min(NORM_EPS).reciprocal_()
+    return x * inv, inv, inv * (norm >= NORM_EPS)
+
+
+def _normalisation_backward(grad, u, inv, projected):
+    """d loss / d x from d loss / d u for u = x inv: (grad - u <grad, u> [unclamped rows]) inv."""
+    if inv is None:
+        return grad
+    along = (grad * u).sum(dim=1, keepdim=True).mul_(projected)
+    return torch.addcmul(grad * inv, u, along, value=-1.0)
+
+
+class _DenseLoss(torch.autograd.Function):
+    """Per-anchor losses [M (+ K)] of anchors a [M, D] against candidates b [K, D] (None: a itself, two views on
+    one process); also the positives' logits, the negatives' lse and (CACR) mean, for the diagnostics."""
+
+    @staticmethod
+    def forward(ctx, a, b, scale, positives, excluded, columns, terms, num_neg, with_mean, normalize):
+        dtype = torch.float64 if torch.float64 in (a.dtype, a.dtype if b is None else b.dtype) else torch.float32
+        with no_autocast(a.device.type):
+            u, inv_a, proj_a = _units(a, dtype, normalize)
+            v, inv_b, proj_b = (u, inv_a, proj_a) if b is None else _units(b, dtype, normalize)
+            logits = torch.mm(u, v.T).mul_(scale)
+            pos = logits.take(positives)
+            logits.view(-1).index_fill_(0, excluded, EXCLUDED)
+            lse = torch.logsumexp(logits, 1)
+            if columns:
+                lse = torch.cat([lse, torch.logsumexp(logits, 0)])
+            mean = _softmax_means(logits, columns) if with_mean else None
+            loss, d_lse, d_mean, d_pos, d_scale = terms(pos, lse, mean, scale, num_neg)
+        ctx.save_for_backward(a, b, u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives,
+                              *(t if isinstance(t, torch.Tensor) else None for t in (scale, d_lse, d_mean, d_pos,
+                                                                                     d_scale)))
+        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (scale, d_lse, d_mean, d_pos))
+        ctx.columns, ctx.same = columns, b is None
+        outputs = (pos, lse) if mean is None else (pos, lse, mean)
+        ctx.mark_non_differentiable(*outputs)
+        ctx.set_materialize_grads(False)  # the statistics take no gradient: no zeros made for them
+        return (loss, *outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, *_):
+        if grad is None:  # only the statistics were differentiated (they take no gradient)
+            return (None,) * 10
+        a, b, u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives, *tensors = ctx.saved_tensors
+        scale, d_lse, d_mean, d_pos = (c if t is None else t for t, c in zip(tensors, ctx.constants))
+        d_scale_direct = tensors[4]
+        need_a, need_b, need_scale = ctx.needs_input_grad[:3]
+        with no_autocast(grad.device.type):
+            grad = _as(grad, logits.dtype)
+            c_lse, c_mean = _times(grad, d_lse), _times(grad, d_mean)
+            m = logits.shape[0]
+            dl = _d_logits(logits, _part(c_lse, 0, m), _part(c_mean, 0, m), _part(mean, 0, m), 1)
+            if ctx.columns:
+                dl += _d_logits(logits, _part(c_lse, m, None), _part(c_mean, m, None), _part(mean, m, None), 0)
+            if isinstance(d_pos, torch.Tensor):
+                dl.view(-1).index_add_(0, positives, grad * d_pos)
+            else:
+                dl.view(-1).index_add_(0, positives, grad, alpha=d_pos)
+            if ctx.same:
+                du = torch.mm(dl + dl.T, u)
+                d_scale = (du * u).sum() * 0.5 if need_scale else None
+            else:
+                du = torch.mm(dl, v) if need_a or need_scale else None
+                d_scale = (du * u).sum() if need_scale else None
+            if d_scale is not None and d_scale_direct is not None:
+                d_scale = d_scale + (grad * d_scale_direct).sum()
+            if d_scale is not None and d_scale.shape != scale.shape:
+                d_scale = d_scale.view(scale.shape)  # a scale of shape [1]
+            grad_a = grad_b = None
+            if need_a:
+                grad_a = _as(_normalisation_backward(du.mul_(scale), u, inv_a, proj_a), a.dtype)
+            if need_b and not ctx.same:
+                dv = torch.mm(dl.T, u).mul_(scale)
+                grad_b = _as(_normalisation_backward(dv, v, inv_b, proj_b), b.dtype)
+        return grad_a, grad_b, d_scale if need_scale else None, None, None, None, None, None, None, None
+
+
+def _softmax_means(logits, columns):
+    """sum_j softmax(L_i)_j L_ij per row (and per column): the excluded entries weigh 0 (exp(EXCLUDED) is 0)."""
+    rows = (torch.softmax(logits, 1) * logits).sum(1)
+    return torch.cat([rows, (torch.softmax(logits, 0) * logits).sum(0)]) if columns else rows
+
+
+def _as(x, dtype):
+    """x in ``dtype`` (no operator where it is already: each one counts at host-bound sizes)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _times(grad, d):
+    """g d per anchor (None where d is)."""
+    if d is None or isinstance(d, float) and d == 1.0:
+        return None if d is None else grad
+    return grad * d
+
+
+def _part(x, start, stop):
+    return None if x is None else x[start:stop]
+
+
+def _d_logits(logits, c_lse, c_mean, mean, dim):
+    """d loss / d L along ``dim`` (1: each row an anchor's, 0: each column's), from the anchors' coefficients
+    c_lse = g d_lse and c_mean = g d_mean: softmax(L) c_lse + softmax(L) (1 + L - m) c_mean."""
+    p = torch.softmax(logits, dim)
+    along = (slice(None), None) if dim == 1 else (None, slice(None))
+    if c_mean is None:
+        return p.mul_(c_lse[along])
+    weighted = (logits - (mean - 1.0)[along]).mul_(p).mul_(c_mean[along])
+    return weighted if c_lse is None else weighted.add_(p.mul_(c_lse[along]))
+
+
+def dense_loss(a: torch.Tensor, b: torch.Tensor | None, scale, where: Layout, *, columns: bool, terms, num_neg,
+               with_mean: bool, normalize: bool):
+    """(per-anchor losses with their gradient, positives' logits, negatives' lse[, mean]): see the module
+    docstring. ``terms(pos, lse, mean, scale, num_neg)`` -> (loss, d_lse, d_mean, d_pos, d_scale): the
+    objective's per-anchor loss and its partial derivatives (a tensor, a number, or None for zero; d_scale its
+    direct dependence on the scale, beside the logits')."""
+    return _DenseLoss.apply(a, b, scale, where.positives, where.excluded, columns, terms, num_neg, with_mean,
+                            normalize)

@@ -1,0 +1,231 @@
+"""The dense path (contrastkit/losses/dense.py): the whole matrix in one autograd Function with its backward
+written out, what "auto" takes at the batch sizes people train with per device. Against the float64 references
+(tests/reference.py) in values and gradients for every objective, both settings, a learnable scale, every
+reduction, with and without normalisation, on fresh random inputs; F.normalize's semantics for rows of norm
+below eps; no host read on the path of CUDA; autocast; its memory at CUDA's bound; and the operators it
+launches, held exactly (benchmarks/fixed_cost.py counts them beside open_clip's ClipLoss and lightly's
+NTXentLoss)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from test_device_path import no_host_data_on_the_device  # noqa: F401  (a fixture)
+from test_memory import MiB, count
+
+import reference
+from contrastkit.losses import base, build_loss, dense
+
+OPTIONS = {"infonce": {"tau": 0.1}, "dcl": {"tau": 0.1}, "dclw": {"tau": 0.1, "sigma": 0.5},
+           "eqco": {"tau": 0.1, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
+KINDS = list(OPTIONS)
+SETTINGS = ["two_views", "image_text", "image_text_scale"]
+
+
+def _loss_options(kind):
+    names = {"tau": "temperature"}
+    return {names.get(k, k): v for k, v in OPTIONS[kind].items()}
+
+
+def _inputs(seed, setting, n=9, d=7, dtype=torch.float64, size=1.0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = [(size * torch.randn(n, d, generator=g, dtype=dtype)).to(device).requires_grad_() for _ in range(2)]
+    if setting == "image_text_scale":
+        x.append(torch.tensor(7.5, dtype=dtype, device=device, requires_grad=True))
+    return x
+
+
+def _call(fn, setting, x, **kwargs):
+    if setting == "two_views":
+        return fn(x[0], x[1], **kwargs)
+    return fn.cross_modal(x[0], x[1], logit_scale=x[2] if len(x) > 2 else None, **kwargs)
+
+
+def _reference(kind, setting, x, mean):
+    if setting == "two_views":
+        return reference.per_anchor(x, kind, mean=mean, **OPTIONS[kind])
+    return reference.cross_modal(x[0], x[1], kind, scale=x[2] if len(x) > 2 else None, mean=mean, **OPTIONS[kind])
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_auto_takes_the_dense_function_at_small_sizes(setting):
+    x = _inputs(0, setting, n=64, d=32, dtype=torch.float32)
+    loss = _call(build_loss("dcl"), setting, x)
+    node = loss.grad_fn.next_functions[0][0]  # the mean's input
+    assert type(node).__name__ == "_DenseLossBackward"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("kind, normalize", [(k, True) for k in KINDS] + [(k, False) for k in KINDS if k != "cacr"])
+def test_matches_float64_reference(kind, setting, reduction, normalize, monkeypatch):
+    """Values and gradients (features and the learnable scale) against the references written from the
+    formulas, per anchor or reduced; without normalisation the features are the vectors (the references'
+    unit() the identity, features of norm ~0.3 so that the logits stay moderate). CACR is defined on unit
+    vectors (its cost |u - v|^2 = 2 - 2 cos): its reference's distances are another function off the sphere."""
+    seed = hash((kind, setting, reduction, normalize, "dense")) % 2**31
+    x = _inputs(seed, setting, size=1.0 if normalize else 0.3 / 7**0.5)
+    if not normalize:
+        monkeypatch.setattr(reference, "unit", lambda v: v)
+    fn = build_loss(kind, normalize=normalize, reduction=reduction, backend="dense", **_loss_options(kind))
+    got = _call(fn, setting, x)
+    want = _reference(kind, setting, x, mean=reduction == "mean")
+    if reduction == "sum":
+        want = want.sum()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    weights = torch.rand(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(seed))
+    for g, w in zip(torch.autograd.grad((got * weights).sum(), x), torch.autograd.grad((want * weights).sum(), x)):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "dclw"])  # DCLW's weights are detached by design
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
+def test_gradcheck(kind, setting):
+    """Finite differences through the hand-written backward: features and the scale, per-anchor outputs."""
+    x = _inputs(hash((kind, setting)) % 2**31, setting, n=4, d=3)
+    fn = build_loss(kind, backend="dense", reduction="none", **_loss_options(kind))
+    torch.autograd.gradcheck(lambda *t: _call(fn, setting, t), x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_rows_of_norm_below_eps_as_f_normalize(kind, setting):
+    """A zero row and a row of norm 1e-13 (below F.normalize's eps): the loss and its gradient are those of
+    autograd through F.normalize (a constant divisor, no projection, for the clamped rows)."""
+    x = _inputs(hash((kind, setting, "eps")) % 2**31, setting)
+    with torch.no_grad():
+        x[0][1].zero_()
+        x[1][2].mul_(1e-13 / x[1][2].norm())
+    scale = None if setting == "two_views" else 1.0 / OPTIONS.get(kind, {}).get("tau", 0.25)
+    got = _call(build_loss(kind, backend="dense", **_loss_options(kind)), setting,
+                x if scale is None else [*x, torch.tensor(scale, dtype=torch.float64)])
+    want = reference.plain(kind, setting, x[0], x[1], scale, **OPTIONS[kind])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, x), torch.autograd.grad(want, x)):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_output_dict_diagnostics_equal_the_blockwise_ones(kind):
+    """The diagnostics, made only where asked (from the detached statistics), are the blockwise path's."""
+    x = _inputs(5, "image_text_scale")
+    got = _call(build_loss(kind, backend="dense"), "image_text_scale", x, output_dict=True)
+    want = _call(build_loss(kind, backend="torch"), "image_text_scale", x, output_dict=True)
+    assert got.keys() == want.keys()
+    for key in got:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_no_host_read_on_the_path_of_cuda(kind, setting, device_path, no_host_data_on_the_device):  # noqa: F811
+    """Meta tensors (any host read raises) and no tensor made from host data: forward and backward run
+    through, so a CUDA step on the dense path has no sync."""
+    x = [t.detach().to("meta").requires_grad_() for t in _inputs(0, setting, dtype=torch.float32)]
+    loss = _call(build_loss(kind, backend="dense"), setting, x)
+    grads = torch.autograd.grad(loss, x)
+    assert loss.device.type == "meta" and all(g.shape == t.shape for g, t in zip(grads, x))
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
+def test_autocast_and_low_precision_features(setting):
+    """Under bf16 autocast the Function computes in float32 (float32 features: the very loss of no autocast); bf16
+    features give a float32 loss, their gradients in bf16, both those of their float64 values to bf16's
+    rounding; backward called inside the autocast block changes nothing."""
+    x = _inputs(6, setting, n=16, d=8, dtype=torch.float32)
+    fn = build_loss("dcl")
+    plain = _call(fn, setting, x)
+    want_grads = torch.autograd.grad(plain, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _call(fn, setting, x)
+        grads = torch.autograd.grad(loss, x)
+    assert torch.equal(loss, plain) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    low = [t.detach().bfloat16().requires_grad_() if t.dim() else t for t in x]
+    loss = _call(fn, setting, low)
+    ref = [t.detach().double().requires_grad_() for t in low]
+    want = _call(fn, setting, ref)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(torch.autograd.grad(loss, low[:2]), torch.autograd.grad(want, ref[:2])):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.double(), w, rtol=2**-7, atol=2**-7 * float(w.abs().max()))
+
+
+def test_one_sample_is_an_error():
+    for setting in ("two_views", "image_text"):
+        with pytest.raises(ValueError, match="a batch of 1"):
+            _call(build_loss("dcl"), setting, _inputs(0, setting, n=1))
+
+
+def test_layouts_are_made_once_per_shape():
+    dense._LAYOUTS.clear()
+    x = _inputs(0, "two_views", n=5)
+    for _ in range(3):
+        build_loss("dcl")(*x)
+    assert list(dense._LAYOUTS) == [("two_views", 5, 5, 0, torch.device("cpu"))]
+    for n in range(2, 2 + dense._MAX_LAYOUTS + 1):
+        dense.layout("rows", n, n, 0, torch.device("cpu"))
+    assert len(dense._LAYOUTS) <= dense._MAX_LAYOUTS
+
+
+@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+def test_memory_at_cudas_bound(setting):
+    """At DENSE_AUTO_LOGITS (two views N = 4096, image-text N = 8192; D = 512, bf16 features), counted on the
+    meta device: the float32 matrix (4 M K bytes) and the float32 unit vectors kept from forward to backward,
+    at most four matrices' worth at any time (base.DENSE_AUTO_LOGITS: 1 GiB)."""
+    n = 4096 if setting == "two_views" else 8192
+    logits = (2 * n) ** 2 if setting == "two_views" else n**2
+    assert logits == base.DENSE_AUTO_LOGITS
+    x = [torch.empty(n, 512, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    fn = build_loss("dcl", backend="dense")
+    kept, _, peak = count(lambda *t: _call(fn, setting, t), x)
+    matrix = 4 * logits
+    assert matrix <= kept <= matrix + 2 * 4 * 2 * n * 512 + MiB, kept / MiB
+    assert peak <= 4 * matrix + 64 * MiB, peak / MiB
+
+
+# ----------------------------------------------------------------------------- operators: the fixed cost
+
+
+def _fixed_cost():
+    path = Path(__file__).parents[1] / "benchmarks" / "fixed_cost.py"
+    spec = importlib.util.spec_from_file_location("fixed_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Top-level operators of one forward + backward at N = 64, D = 512 (torch 2.14; benchmarks/fixed_cost.py): on
+# the CPU (one host read for a learnable scale, one for the loss's finiteness) and on the path of CUDA (none).
+# One operator more on the path fails this: say why in docs/performance.md and count again.
+OPERATORS = {("image-text", "infonce"): (66, 62), ("image-text", "dcl"): (61, 57), ("image-text", "dclw"): (73, 69),
+             ("image-text", "eqco"): (67, 63), ("image-text", "cacr"): (89, 85),
+             ("two views", "infonce"): (45, 43), ("two views", "dcl"): (40, 38), ("two views", "dclw"): (52, 50),
+             ("two views", "eqco"): (46, 44), ("two views", "cacr"): (50, 48)}
+
+
+@pytest.mark.parametrize("setting", ["image-text", "two views"])
+def test_operators_per_call_below_the_peers(setting):
+    """Each objective's call at N = 64 launches the counted operators, InfoNCE and DCL no more top-level
+    operators than open_clip's ClipLoss (image-text, with its normalisation and a learnable scale) or lightly's
+    NTXentLoss (two views), DCLW, EqCo and CACR at most 1.2 times as many; the same on the path of CUDA."""
+    pytest.importorskip("open_clip")
+    pytest.importorskip("lightly")
+    fixed_cost = _fixed_cost()
+    import argparse
+
+    args = argparse.Namespace(device="cpu", dtype="float32")
+    counts = {}
+    for name, method in fixed_cost.methods(setting).items():
+        call = next(iter(fixed_cost._step(method, 64, 512, args).values()))
+        with fixed_cost.device_path():
+            on_device = fixed_cost.operators(call)[1]
+        counts[name] = (fixed_cost.operators(call)[1], on_device)
+    peer = counts.pop("peer")
+    assert counts == {k: OPERATORS[setting, k] for k in counts}
+    for name, (cpu, on_device) in counts.items():
+        bound = 1.0 if name in ("infonce", "dcl") else 1.2
+        assert cpu <= bound * peer[0] and on_device <= bound * peer[1], (name, cpu, on_device, peer)
