@@ -12,7 +12,7 @@
 # 2. benchmarks/perf_model.py --measure-rates: cuBLAS's bf16 and TF32 rates and the copy bandwidth on this GPU
 #    (seconds), and the model's predictions from them (perf_model.md: what the tables below are compared with).
 #    Then benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
-#    -triton-band, -triton-dense, -triton-fused: each source forced), the cuBLAS floor of the same matrix (timed
+#    -triton-band, -triton-dense: each source forced), the cuBLAS floor of the same matrix (timed
 #    in the same process), open_clip's ClipLoss, lightly's NTXentLoss and Inf-CL. quick, in order of what the
 #    issues need: bf16 at N = 64 .. 4096 (where the e2e run found the Triton path's fixed cost, 3.6 ms at
 #    N = 64, four times open_clip's: the dense path, auto's choice there since, the torch kernel and the peers
@@ -36,14 +36,14 @@ case "${1:-}" in
 esac
 
 # "-triton-band": every Triton kernel reading cuBLAS's logits (the band design); "-triton-dense": the whole
-# matrix written once and kept for backward; "-triton-fused": the products inside the kernels (the first
-# design); "-triton" alone: the defaults (triton_stats.FORWARD/BACKWARD_LOGITS, DENSE_BYTES).
-TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-triton,eqco-triton,cacr-triton,infonce-triton-band,dcl-triton-band,infonce-triton-dense,dcl-triton-dense,infonce-triton-fused,dcl-triton-fused,infonce-torch,lightly-ntxent"
-IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-triton-band,clip-dcl-triton-band,clip-triton-dense,clip-dcl-triton-dense,clip-triton-fused,clip-dcl-triton-fused,clip-torch,openclip,infcl"
+# matrix written once and kept for backward; "-triton" alone: the defaults (triton_stats.FORWARD_LOGITS,
+# DENSE_BYTES: the fused forward beyond the dense bound).
+TWO_VIEW="floor-2v,infonce,dcl,dclw,eqco,cacr,infonce-triton,dcl-triton,dclw-triton,eqco-triton,cacr-triton,infonce-triton-band,dcl-triton-band,infonce-triton-dense,dcl-triton-dense,infonce-torch,lightly-ntxent"
+IMAGE_TEXT="floor-clip,clip,clip-dcl,clip-dclw,clip-eqco,clip-cacr,clip-triton,clip-dcl-triton,clip-dclw-triton,clip-eqco-triton,clip-cacr-triton,clip-triton-band,clip-dcl-triton-band,clip-triton-dense,clip-dcl-triton-dense,clip-torch,openclip,infcl"
 
 # quick: the objective of the examples (DCL) through every source, InfoNCE's default, the peers
-TWO_VIEW_QUICK="floor-2v,infonce-triton,dcl-triton,dcl-triton-band,dcl-triton-rows,dcl-triton-tri,dcl-triton-dense,dcl-triton-fused,infonce-torch,lightly-ntxent"
-IMAGE_TEXT_QUICK="floor-clip,clip-triton,clip-dcl-triton,clip-dcl-triton-band,clip-dcl-triton-dense,clip-dcl-triton-fused,openclip,infcl"
+TWO_VIEW_QUICK="floor-2v,infonce-triton,dcl-triton,dcl-triton-band,dcl-triton-rows,dcl-triton-tri,dcl-triton-dense,infonce-torch,lightly-ntxent"
+IMAGE_TEXT_QUICK="floor-clip,clip-triton,clip-dcl-triton,clip-dcl-triton-band,clip-dcl-triton-dense,openclip,infcl"
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu

@@ -64,15 +64,15 @@ QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "
 # the Triton kernels forced ("-triton"), and image-text through each objective ("clip-<objective>[-backend]").
 OBJECTIVES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-triton" for o in OBJECTIVES[1:]]
-# Where the Triton path's logits come from, forward and backward (triton_stats.LOGITS; "-triton" alone: its
-# defaults, dense where the matrix fits, else the kernels' forward and cuBLAS's backward): "-band" both from
-# cuBLAS per band (every kernel elementwise), "-dense" written whole once and read back, "-fused" both
-# computed inside the kernels (the first design); two views' "-rows": the defaults with both passes over full
-# rows instead of the upper triangle (triton_stats.TRIANGLE_BYTES 0, stats_fwd.TRIANGLE_BAND_ROWS past M),
-# what the triangle gains on the default path; two views' "-tri": the defaults with the fused forward over the
-# triangle too (triton_stats.FUSED_TRIANGLE, off until this shows it faster than "-triton" alone).
-LOGITS_VARIANTS = {"band": ("cublas", "cublas"), "dense": ("dense", "cublas"), "fused": ("kernel", "kernel"),
-                   "rows": ("auto", "cublas"), "tri": ("auto", "cublas")}
+# Where the Triton path's forward takes its logits (triton_stats.LOGITS; backward's are cuBLAS's, recomputed
+# per block, or the dense path's kept ones; "-triton" alone: the defaults, dense where the matrix fits, else
+# the fused kernel's forward): "-band" from cuBLAS per band (every kernel elementwise), "-dense" written whole
+# once and read back; two views' "-rows": the defaults with both passes over full rows instead of the upper
+# triangle (triton_stats.TRIANGLE_BYTES 0, stats_fwd.TRIANGLE_BAND_ROWS past M), what the triangle gains on the
+# default path; two views' "-tri": the defaults with the fused forward over the triangle too
+# (triton_stats.FUSED_TRIANGLE: off, the H200 measured it slower than "-triton" alone, 46.1 against 40.9 ms
+# at N = 32768). The first design's "-fused" (the backward's products inside the kernels) is gone with it.
+LOGITS_VARIANTS = {"band": "cublas", "dense": "dense", "rows": "auto", "tri": "auto"}
 TWO_VIEW_ONLY = ("rows", "tri")
 TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for v in LOGITS_VARIANTS
            if v not in TWO_VIEW_ONLY or not m.startswith("clip")]
@@ -98,7 +98,7 @@ def _step(method: str, n: int, d: int, args) -> dict:
     one entry per variant ("floor-2v/blocks", ...)."""
     base, _, variant = method.rpartition("-")
     if variant in LOGITS_VARIANTS and base.endswith("-triton"):  # the Triton path with its logits from elsewhere
-        return {method: _with_logits(fn, *LOGITS_VARIANTS[variant], full_rows=variant == "rows",
+        return {method: _with_logits(fn, LOGITS_VARIANTS[variant], full_rows=variant == "rows",
                                      fused_triangle=variant == "tri")
                 for fn in _step(base, n, d, args).values()}
     import torch
@@ -147,25 +147,25 @@ def _step(method: str, n: int, d: int, args) -> dict:
     return {method: lambda: loss_fn(x, y).backward()}
 
 
-def _with_logits(fn, forward: str, backward: str, full_rows: bool = False, fused_triangle: bool = False):
-    """fn run with the Triton path's logits taken from ``forward`` and ``backward`` (triton_stats.LOGITS); with
-    ``full_rows`` two views' passes over full rows (no triangle in backward or forward), with
+def _with_logits(fn, forward: str, full_rows: bool = False, fused_triangle: bool = False):
+    """fn run with the Triton path's forward taking its logits from ``forward`` (triton_stats.LOGITS, or
+    "auto"); with ``full_rows`` two views' passes over full rows (no triangle in backward or forward), with
     ``fused_triangle`` the fused forward over the triangle (triton_stats.FUSED_TRIANGLE)."""
     def run():
         from contrastkit.losses import triton_stats
         from contrastkit.losses.kernels import stats_fwd
 
-        saved = (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
-                 stats_fwd.TRIANGLE_BAND_ROWS, triton_stats.FUSED_TRIANGLE)
-        triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS = forward, backward
+        saved = (triton_stats.FORWARD_LOGITS, triton_stats.TRIANGLE_BYTES, stats_fwd.TRIANGLE_BAND_ROWS,
+                 triton_stats.FUSED_TRIANGLE)
+        triton_stats.FORWARD_LOGITS = forward
         triton_stats.FUSED_TRIANGLE = fused_triangle or triton_stats.FUSED_TRIANGLE
         if full_rows:
             triton_stats.TRIANGLE_BYTES, stats_fwd.TRIANGLE_BAND_ROWS = 0, 2**62
         try:
             fn()
         finally:
-            (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
-             stats_fwd.TRIANGLE_BAND_ROWS, triton_stats.FUSED_TRIANGLE) = saved
+            (triton_stats.FORWARD_LOGITS, triton_stats.TRIANGLE_BYTES, stats_fwd.TRIANGLE_BAND_ROWS,
+             triton_stats.FUSED_TRIANGLE) = saved
 
     return run
 

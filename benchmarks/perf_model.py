@@ -72,6 +72,11 @@ LAUNCH_S = 5e-6
 RATES_FROM = "the H100's; TF32 assumed"
 
 TRIANGLE_BYTES = 2**28
+# The backward's blocks are the code's (contrastkit's dlogits.block_shape): a block's float32 logits within
+# BAND_BYTES, a band of every column while that leaves BAND_MIN_ROWS rows, else squares. Until issue 53 the model
+# sized them from its memory budget at 6 B per logit: 7 bands at N = 32768 image-text where the code makes 16 of
+# 2048 rows, 25 bands for two views where it makes 8 x 8 squares of 8192 (36 of them over the triangle).
+BAND_BYTES = 2**28
 BAND_MIN_ROWS = 2048  # below this a band of every column is too thin: square blocks (contrastkit's rule)
 # Two views' backward over the upper triangle where dz's float32 sum, M D 4 bytes, fits this (contrastkit's
 # triton_stats.TRIANGLE_BYTES: N <= 65536 at D = 512): each band's blocks from its first row on, the rows past
@@ -99,6 +104,18 @@ PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
 # trains (the peers' counts below are theirs under the same conditions, bf16 autocast). "band" is the Triton
 # path (its float32 product is band's), "dense" the dense path; tests/test_perf_model.py recounts them.
 BUILT_OPERATORS = {"band": {TWO_VIEW: 79, IMAGE_TEXT: 83}, "dense": {TWO_VIEW: 56, IMAGE_TEXT: 64}}
+# The same at N = 32768, D = 512 (bf16 features, DCL, the default path: band+fwd), counted by
+# `python benchmarks/profile_call.py --count` (the meta device, the Triton operators' bodies counted inside;
+# tests/test_perf_model.py recounts them). Estimated as BUILT_OPERATORS' one block plus each further block's
+# launches, the model had 174 and 106: per band the code also normalises its rows' gradient in chunks
+# (image-text), sums its d scale terms, and the [N, D] passes (inverse norms, positives, the gradients'
+# normalisation) go in chunks of 2^22 elements. predict() takes these where it has them.
+COUNTED_OPERATORS = {TWO_VIEW: {32768: 377}, IMAGE_TEXT: {32768: 424}}
+# Bytes the same calls move in their passes over [N, D] arrays (inverse norms, float16 copies, F.normalize's
+# backward, the positives' cosines, casts, the objective's per-row terms and autograd's sums: everything but the
+# products, the statistics and the d logits), per element of the features (image-text 2 N D, two views 2 N D),
+# counted alike (each operator's tensors' sizes): the model had none of it; 3.6 and 3.5 GB at N = 32768.
+ROW_BYTES = {TWO_VIEW: 109, IMAGE_TEXT: 105}
 
 # Measured on the H100 (docs/gpu/NVIDIA-H100-80GB-HBM3/README.md, run 3, bf16 autocast, D = 512, the minimum
 # of 3 rounds), ms; InfoNCE for the Triton and torch paths. floor-2v timed 3 GEMMs (S, S B, S^T A): two views'
@@ -159,6 +176,24 @@ def passes(path: str, setting: str) -> dict[str, dict[str, int]]:
 
 def bytes_per_logit(path: str, setting: str) -> int:
     return sum(sum(p.values()) for p in passes(path, setting).values())
+
+
+def pass_of(key: str, direction: str) -> str:
+    """The pass a profile puts a passes() entry in: cuBLAS's writes and the products' reads are the GEMMs'
+    ("products"), the forward's elementwise pass "statistics", the backward's "d logits"."""
+    if key.startswith("cuBLAS") or key.startswith("product"):
+        return "products"
+    return "statistics" if direction == "forward" else "d logits"
+
+
+def pass_bytes(path: str, setting: str, share: dict | None = None) -> dict[str, float]:
+    """Bytes per logit by pass (pass_of), each passes() entry times its share of the matrix (share: {(direction,
+    key): share}, default 1)."""
+    out = {"products": 0.0, "statistics": 0.0, "d logits": 0.0}
+    for direction, entries in passes(path, setting).items():
+        for key, nbytes in entries.items():
+            out[pass_of(key, direction)] += nbytes * (share or {}).get((direction, key), 1.0)
+    return out
 
 
 def gemms(path: str, setting: str) -> dict[str, int]:
@@ -231,16 +266,16 @@ class Blocks:
         return self.row_blocks * self.col_blocks
 
 
-def blocks(m: int, k: int, resident: int, budget: int) -> Blocks:
-    """Bands of every column sized from the budget; square blocks where such a band would be thinner than
-    BAND_MIN_ROWS."""
-    if m * k * resident <= budget:
-        return Blocks(m, k, 1, 1)
-    rows = budget // (resident * k) // TILE * TILE
-    if rows >= BAND_MIN_ROWS:
+def blocks(m: int, k: int) -> Blocks:
+    """The code's blocks (dlogits.block_shape): bands of every column whose float32 logits fit BAND_BYTES, square
+    blocks where such a band would be thinner than BAND_MIN_ROWS (or than every row)."""
+    rows = BAND_BYTES // (k * 4) // TILE * TILE
+    if rows >= min(m, BAND_MIN_ROWS):
+        rows = min(m, max(TILE, rows))
         return Blocks(rows, k, math.ceil(m / rows), 1)
-    side = max(TILE, math.isqrt(budget // resident) // TILE * TILE)
-    return Blocks(side, side, math.ceil(m / side), math.ceil(k / side))
+    side = max(TILE, math.isqrt(BAND_BYTES // 4) // TILE * TILE)
+    rows, cols = min(m, side), min(k, side)
+    return Blocks(rows, cols, math.ceil(m / rows), math.ceil(k / cols))
 
 
 def triangle(path: str, setting: str, n: int, d: int) -> bool:
@@ -271,10 +306,25 @@ class Prediction:
     blocks: Blocks
     memory: int  # the [M, K]-sized memory the path holds at once, bytes
     fits: bool  # memory <= the budget
+    traffic: dict  # bytes by pass (by_pass' names), adding to bytes_s
 
     @property
     def seconds(self) -> float:
         return self.gemm_s + self.bytes_s + self.measured_s + self.launch_s
+
+    def by_pass(self) -> dict[str, float]:
+        """Seconds by pass, as benchmarks/profile_call.py groups a call's kernels: products (the GEMMs' FLOPs and
+        bytes: the logits they write, the d logits they read, operands and float32 accumulators), statistics
+        (the forward's pass, or band+fwd's measured kernel), d logits (the backward's pass), normalisation (every
+        [N, D] pass: ROW_BYTES, and the float16 units' copies under TF32; the profile splits these into
+        normalisation, positives, copies/casts and other), launches (the host's, at launch_s each). They add to
+        seconds."""
+        rate = self.bytes_s / max(sum(self.traffic.values()), 1)
+        out = {name: nbytes * rate for name, nbytes in self.traffic.items()}
+        out["products"] += self.gemm_s
+        out["statistics"] += self.measured_s
+        out["launches"] = self.launch_s
+        return out
 
 
 def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,
@@ -287,7 +337,7 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
         blk = Blocks(m, k, 1, 1)
         memory = dense_memory(m, k)
     else:
-        blk = blocks(m, k, RESIDENT_BYTES_PER_LOGIT, budget)
+        blk = blocks(m, k)
         memory = blk.rows * blk.cols * RESIDENT_BYTES_PER_LOGIT
     g = gemms(path, setting)
     products = gemm_s(m, k, d) * (g["forward"] + g["backward"])
@@ -297,51 +347,68 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
     operands = (g["forward"] + g["backward"]) * (blk.rows + blk.cols) * d * 2
     accumulators = 8 * d * ((blk.cols if setting == IMAGE_TEXT and blk.row_blocks > 1 else 0)
                             + (blk.rows if blk.col_blocks > 1 else 0))
-    traffic = m * k * bytes_per_logit(path, setting) + blk.count * (operands + accumulators)
+    share = {}  # each pass's share of the matrix where not all of it (the triangle)
     launches = fixed_launches(path, setting) + blk.count * launches_per_block(path, setting)
+    counted = path == "band+fwd" and d == 512 and n in COUNTED_OPERATORS[setting]
+    if counted:  # the code's own count (less band+fwd's forward launch, added below)
+        launches = COUNTED_OPERATORS[setting][n] - 1
+    extra = {"products": blk.count * (operands + accumulators), "normalisation": 0.0}
     if dtype == "tf32":  # the units made in forward and in backward (read 4 B, write 2 B a feature), their
         inputs = 1 if setting == TWO_VIEW else 2  # launches, 2 more for d logits' factor, 1 a band to finish
-        traffic += 2 * inputs * m * d * (4 + 2)
+        extra["normalisation"] += 2 * inputs * m * d * (4 + 2)
         launches += 2 * inputs + 2 + blk.row_blocks
     if triangle(path, setting, n, d) and blk.row_blocks > 1:
         # The backward's recompute and d-logits pass over the visited share; its products whole (visited +
         # mirrored = 1), the mirrored blocks' second product adding into dZ's rows past the band (float32,
         # read and written by cuBLAS's epilogue: R - 1 bands of (M - r1) D on average half of M D).
         visited = triangle_shares(blk)[0]
-        recomputed = sum(v for key, v in passes(path, setting)["backward"].items()
-                         if not key.startswith("product"))
-        traffic -= (1 - visited) * recomputed * m * k
+        share.update({("backward", key): visited for key in passes(path, setting)["backward"]
+                      if not key.startswith("product")})
         products -= (1 - visited) * gemm_s(m, k, d)
-        traffic += (blk.row_blocks - 1) * (m / 2) * d * 8
         backward_launches = backward_launches_per_block(path, setting)
+        r = blk.row_blocks
         if blk.col_blocks == 1:  # bands, each one block: a second product for all but the last
-            launches += blk.row_blocks - 1
+            extra["products"] += (r - 1) * (m / 2) * d * 8
+            launches += 0 if counted else r - 1
         else:  # square blocks: the triangle's R (R + 1) / 2, the R (R - 1) / 2 past the diagonal with two products
-            r = blk.row_blocks
-            launches += -backward_launches * r * (r - 1) // 2 + r * (r - 1) // 2
+            launches += 0 if counted else -backward_launches * r * (r - 1) // 2 + r * (r - 1) // 2
+            # their operands and float32 sums: the visited blocks' GEMMs and the mirrored products, not all R^2
+            below, above = r * (r - 1) // 2, r * (r + 1) // 2
+            extra["products"] = ((above * (g["forward"] + g["backward"]) + below) * (blk.rows + blk.cols) * d * 2
+                                 + (above + below) * 8 * d * blk.rows)
     measured = 0.0
     if path == "band+fwd":
         measured = STATS_FWD_S * (m * k * d) / STATS_FWD_MKD
         launches += 1
+    if path.startswith("band"):  # the [N, D] passes
+        extra["normalisation"] += ROW_BYTES[setting] * (m if setting == TWO_VIEW else m + k) * d
     fused_triangle = FUSED_TRIANGLE if fused_triangle is None else fused_triangle
     if setting == TWO_VIEW and (path == "band" or path == "band+fwd" and fused_triangle):
-        measured, products, traffic, launches = _forward_triangle(path, m, k, d, blk, measured, products, traffic,
-                                                                  launches)
-    return Prediction(path, setting, n, dtype, products, traffic / HBM_BYTES_PER_S, measured,
-                      launches * launch_s, launches, blk, memory, memory <= budget)
+        measured, products, launches = _forward_triangle(path, m, k, d, blk, measured, products, share, extra,
+                                                         launches)
+    traffic = {name: nbytes * m * k for name, nbytes in pass_bytes(path, setting, share).items()}
+    for name, nbytes in extra.items():
+        traffic[name] = traffic.get(name, 0.0) + nbytes
+    return Prediction(path, setting, n, dtype, products, sum(traffic.values()) / HBM_BYTES_PER_S, measured,
+                      launches * launch_s, launches, blk, memory, memory <= budget, traffic)
 
 
-def _forward_triangle(path, m, k, d, blk, measured, products, traffic, launches):
+def by_pass(path: str, setting: str, n: int, d: int = 512, **options) -> dict[str, float]:
+    """predict(...).by_pass(): the prediction's seconds by pass."""
+    return predict(path, setting, n, d, **options).by_pass()
+
+
+def _forward_triangle(path, m, k, d, blk, measured, products, share, extra, launches):
     """Two views' forward over the upper triangle (stats_fwd.forward_stats): band in the backward's blocks,
     band+fwd's fused kernel in bands of TRIANGLE_BAND_ROWS, each against the columns from its first row on;
-    the products, the passes' bytes and the measured kernel (its 64-column entry's time: the triangle's
-    space) scaled to the visited share, the columns' float32 partials (one per row tile and column) written
-    and read, and the combination's operators."""
+    the products, the passes' bytes (``share``, updated) and the measured kernel (its 64-column entry's time:
+    the triangle's space) scaled to the visited share, the columns' float32 partials (one per row tile and
+    column) written and read (``extra``'s statistics), and the combination's operators."""
     if path == "band":
         if blk.row_blocks == 1:
-            return measured, products, traffic, launches
+            return measured, products, launches
         visited = triangle_shares(blk)[0]
-        traffic -= (1 - visited) * sum(passes(path, TWO_VIEW)["forward"].values()) * m * k
+        share.update({("forward", key): visited for key in passes(path, TWO_VIEW)["forward"]})
         products -= (1 - visited) * gemm_s(m, k, d)
         if blk.col_blocks > 1:  # square blocks: the R (R - 1) / 2 below the diagonal not launched
             r = blk.row_blocks
@@ -350,12 +417,12 @@ def _forward_triangle(path, m, k, d, blk, measured, products, traffic, launches)
     else:
         bands = math.ceil(m / TRIANGLE_BAND_ROWS)
         if bands == 1:
-            return measured, products, traffic, launches
+            return measured, products, launches
         visited = (bands + 1) / (2 * bands)
         measured *= visited * STATS_FWD_TRIANGLE_S / STATS_FWD_S
         launches += bands - 1
-    traffic += visited * m * k * 8 / TILE
-    return measured, products, traffic, launches + TRIANGLE_FORWARD_OPERATORS
+    extra["statistics"] = extra.get("statistics", 0.0) + visited * m * k * 8 / TILE
+    return measured, products, launches + TRIANGLE_FORWARD_OPERATORS
 
 
 def best(setting: str, n: int, d: int = 512, dtype: str = "bf16", budget: int = DEFAULT_BUDGET,

@@ -6,9 +6,10 @@ for registers and spills).
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py              # the whole autotune space, D = 512
     TRITON_INTERPRET=0 python benchmarks/triton_compile.py --quick --json   # tests/test_triton_compile.py
 
-Tiles: BLOCK_M x BLOCK_N x BLOCK_D. Per compiled kernel: the tensor-core instruction in the PTX (wgmma on
-sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120), registers per thread, spill bytes, shared memory, and the blocks per SM those
-allow (the occupancy: 64 K registers and 228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
+Tiles: BLOCK_M x BLOCK_N x BLOCK_D (d logits: BLOCK_M x BLOCK_N, no product inside). Per compiled kernel: the
+tensor-core instruction in the PTX (wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120), registers
+per thread, spill bytes, shared memory, and the blocks per SM those allow (the occupancy: 64 K registers and
+228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 # Per kernel: its module, the pointers' element types (the inputs' dtype where "x"; p_ptr, the band's
 # products, float32), the stride arguments that are 1 at the production size (Triton specialises an int
 # argument equal to 1 into a constant), and its variant's constants. The "-band" variants read the logits
-# cuBLAS wrote (the band design: elementwise, no product inside).
+# cuBLAS wrote (the band design: elementwise, no product inside); the d logits kernel has no other form.
 _FWD = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64"}
-_DLOGITS = {"a_ptr": "x", "b_ptr": "x", "ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64", "dl_ptr": "x"}
+_DLOGITS = {"ex_ptr": "i64", "ids_a_ptr": "i64", "ids_b_ptr": "i64", "dl_ptr": "x"}
 # NORMALIZE: the losses' calls (the features as given, scaled by their inverse norms in the kernels); LABELS 1:
 # pairs left out by label too (issue 41), in the two-view backward, which masks twice (its transposed term).
 # TRIANGLE: the two-view backward over the upper triangle (the default where it fits), a superset of full rows;
@@ -47,16 +48,11 @@ KERNELS = {"fwd": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, 
                                                                        NORMALIZE=True, LABELS=0)),
            "fwd-band-triangle": ("stats_fwd", _FWD, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, TRIANGLE=True,
                                                                             NORMALIZE=True, LABELS=0)),
-           "dlogits": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=False, SYMMETRIC=False,
-                                                                  TRIANGLE=False, NORMALIZE=True, LABELS=0)),
-           "dlogits-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=False,
-                                                                       TRIANGLE=False, NORMALIZE=True, LABELS=0)),
-           "two-view-band": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
-                                                                        TRIANGLE=True, NORMALIZE=True, LABELS=0)),
-           "two-view-band-labels": ("dlogits", _DLOGITS, ("s_ad", "s_bd"), dict(FROM_LOGITS=True, SYMMETRIC=True,
-                                                                               TRIANGLE=True, NORMALIZE=True,
-                                                                               LABELS=1)),
-           "two-view": ("two_view_grad", {"z_ptr": "x", "ex_ptr": "i64", "out_ptr": "x"}, ("s_zd",), {})}
+           "dlogits-band": ("dlogits", _DLOGITS, (), dict(SYMMETRIC=False, TRIANGLE=False, NORMALIZE=True,
+                                                         LABELS=0)),
+           "two-view-band": ("dlogits", _DLOGITS, (), dict(SYMMETRIC=True, TRIANGLE=True, NORMALIZE=True, LABELS=0)),
+           "two-view-band-labels": ("dlogits", _DLOGITS, (), dict(SYMMETRIC=True, TRIANGLE=True, NORMALIZE=True,
+                                                                 LABELS=1))}
 # No product inside these: no tensor-core instruction expected.
 BAND = ("fwd-band", "fwd-band-triangle", "dlogits-band", "two-view-band", "two-view-band-labels")
 
@@ -81,14 +77,12 @@ def compile_kernel(case: dict) -> dict:
     *sizes, warps, stages = case["config"]
     d, dtype, columns = case["d"], DTYPES[case["dtype"]], bool(case.get("columns"))
     consts = dict(D=d, PRECISION="tf32" if dtype == "fp32" else "ieee", UPCAST=False)
-    consts.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), sizes), E=1 if columns else 2, WITH_MEAN=not columns)
-    consts["BLOCK_D"] = min(consts["BLOCK_D"], triton.next_power_of_2(d))
-    if module_name == "two_view_grad":
-        consts.update(PARTIAL=False, D_OUT=min(triton.next_power_of_2(d), module.D_OUT_MAX))
-    else:
-        consts["COLUMNS"] = columns
+    consts.update(zip(module.NAMES, sizes), E=1 if columns else 2, WITH_MEAN=not columns, COLUMNS=columns)
+    if "BLOCK_D" in consts:
+        consts["BLOCK_D"] = min(consts["BLOCK_D"], triton.next_power_of_2(d))
     consts.update({name: 1 for name in unit}, **variant)
     names = list(inspect.signature(kernel.fn).parameters)
+    consts = {k: v for k, v in consts.items() if k in names}  # D and the products' precision: stats_fwd's only
     types = {p: "constexpr" if p in consts else "*" + {"x": dtype}.get(pointers.get(p, "fp32"), pointers.get(p, "fp32"))
              if p.endswith("_ptr") else "i32" for p in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names) if types[p] != "constexpr"}
@@ -134,20 +128,18 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
 
     module = importlib.import_module(f"contrastkit.losses.kernels.{KERNELS[kernel][0]}")
     space = module.triangle_space if kernel.startswith("fwd") and "triangle" in kernel else module.space
-    return [tuple(c.kwargs[k] for k in c.kwargs if k != "D_OUT") + (c.num_warps, c.num_stages)
-            for c in space(d, ITEMSIZE[dtype], arch)]
+    return [tuple(c.kwargs.values()) + (c.num_warps, c.num_stages) for c in space(d, ITEMSIZE[dtype], arch)]
 
 
 # Each kernel's settings: the forward and d logits for rows (CACR's mean, two exclusions) and image-text
-# columns (the diagonal); the products as dA (row-major operands) and dB (dL transposed, float32 accumulated).
-SETTINGS = {"fwd": (False, True), "dlogits": (False, True), "two-view": (False,), "fwd-band": (False, True),
-            "fwd-triangle": (False,), "fwd-band-triangle": (False,), "dlogits-band": (False, True),
-            "two-view-band": (False,), "two-view-band-labels": (False,)}
+# columns (the diagonal).
+SETTINGS = {"fwd": (False, True), "fwd-band": (False, True), "fwd-triangle": (False,), "fwd-band-triangle": (False,),
+            "dlogits-band": (False, True), "two-view-band": (False,), "two-view-band-labels": (False,)}
 
 
-# float16's kernels: the two-view backward (its own dL scaling) on sm_90, and on both the band design's forward
-# and d logits, which float32 under TF32 runs on float16 unit vectors (triton_stats.HALF_UNITS_FOR_TF32).
-FP16 = {90: ("two-view", "two-view-band", "fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band"),
+# float16's kernels: the forward and d logits, which float16 features and float32 under TF32 run on float16 unit
+# vectors (triton_stats.FLOAT16_UNITS, HALF_UNITS_FOR_TF32); on sm_90 the two-view d logits too.
+FP16 = {90: ("two-view-band", "fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band"),
         80: ("fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band")}
 
 
@@ -191,8 +183,9 @@ def table(results: list[dict]) -> str:
              "shared KiB | blocks/SM |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         name = r["kernel"] + (" columns" if r.get("columns") else "")
-        m, n, bd, w, s = r["config"]
-        lines.append(f"| {name} | {r['arch']} | {r['dtype']} | {m}x{n}x{bd}, {w}, {s} | {r['instruction']} | "
+        *sizes, w, s = r["config"]
+        tiles = "x".join(map(str, sizes))
+        lines.append(f"| {name} | {r['arch']} | {r['dtype']} | {tiles}, {w}, {s} | {r['instruction']} | "
                      f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] / 1024:.0f} | {r['blocks_per_sm']} |")
     return "\n".join(lines)
 

@@ -1,18 +1,20 @@
 """Each Triton kernel of the loss alone, per tile configuration, against cuBLAS's product of the same matrix.
 
 Where benchmarks/losses.py times a whole objective, this splits it: for two views (M = 2N anchors against
-themselves) the forward statistics (stats_fwd), the one-kernel backward (two_view_grad) and, to compare, the
-same backward as image-text computes it (two_view_bands: a band of d logits at a time, then two cuBLAS
-products); for image-text (N against N) one band of d logits (dlogits) and its two cuBLAS products
-(band_products). Each line gives the milliseconds, the rate of the [M, K, D] products done (1 for the
-forward, cdiv(D, 256) + 1 for the two-view backward, 3 for a band backward) and that rate over torch.mm's
-on the same shapes, timed in the same process:
+themselves) the forward statistics (stats_fwd, the fused kernel over full rows) and the default backward
+(two_view_backward: triton_stats._triangle_gradients, blocks of the upper triangle, each cuBLAS's recompute,
+the d logits kernel, then cuBLAS's products); for image-text (N against N) one block of d logits from
+cuBLAS's float32 logits (dlogits, elementwise: its rate in GB/s of logits read and d logits written) and its
+two cuBLAS products (band_products). Each line gives the milliseconds, the rate of the [M, K, D] products
+done (1 for the forward, 1 + (R + 1) / 2R for the two-view backward over R bands, 2 for a band's products)
+and that rate over torch.mm's on the same shapes, timed in the same process:
 
     python benchmarks/triton_kernels.py --n 32768 --d 512                 # every entry of each kernel's space
-    python benchmarks/triton_kernels.py --kernels two_view_grad --extra "64,64,64,4,2;128,32,64,8,2"
+    python benchmarks/triton_kernels.py --kernels stats_fwd --extra "64,64,64,4,2;128,32,64,8,2"
 
-An entry is BLOCK_M, BLOCK_N, BLOCK_D, warps, stages (band_products has none). CUDA only; under
-TRITON_INTERPRET=1 it runs on the CPU at tiny sizes (tests/test_benchmark_losses.py checks that it runs).
+An entry is BLOCK_M, BLOCK_N, BLOCK_D, warps, stages (dlogits takes no BLOCK_D: no product inside;
+band_products has none). CUDA only; under TRITON_INTERPRET=1 it runs on the CPU at tiny sizes
+(tests/test_benchmark_losses.py checks that it runs).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import torch
 import triton
 
 from contrastkit.losses import triton_stats
-from contrastkit.losses.kernels import dlogits, launch, stats_fwd, two_view_grad
+from contrastkit.losses.kernels import dlogits, launch, stats_fwd
 
-KERNELS = ("stats_fwd", "two_view_grad", "two_view_bands", "dlogits", "band_products")
+KERNELS = ("stats_fwd", "two_view_backward", "dlogits", "band_products")
 
 
 def timed(fn, repeats: int) -> float:
@@ -49,11 +51,11 @@ def timed(fn, repeats: int) -> float:
 
 def entries(module, d: int, itemsize: int, extra: list[tuple], first: bool) -> list[dict]:
     """The kernel's autotune space for sm_90 (its first entry only where ``first``) then ``extra``, as launch
-    keyword arguments."""
-    names = module.NAMES
+    keyword arguments (an extra entry's sizes that the kernel has no meta-parameter for dropped)."""
     out = [dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
            for config in module.space(d, itemsize)][: 1 if first else None]
-    out += [dict(zip(names, shape[:3]), num_warps=shape[3], num_stages=shape[4]) for shape in extra]
+    out += [{**{k: v for k, v in zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), shape[:3]) if k in module.NAMES},
+             "num_warps": shape[3], "num_stages": shape[4]} for shape in extra]
     return out
 
 
@@ -97,18 +99,22 @@ def main(argv=None) -> int:
     factor = torch.ones((), device=device)
     lines = []
 
-    def report(kernel, config, products, shape, fn):
+    def report(kernel, config, products, shape, fn, moved=0):
+        """One line: the time, and the products' rate (``products`` of the [M, K, D] shape) against cuBLAS's, or
+        for an elementwise kernel (products 0) the bytes it ``moved`` per second."""
         try:
             ms = timed(fn, args.repeats)
         except Exception as error:  # an entry that does not compile or launch: say so, go on
-            print(f"{kernel:14s} {name(config):22s} failed: {str(error).splitlines()[0][:120]}", flush=True)
+            print(f"{kernel:17s} {name(config):22s} failed: {str(error).splitlines()[0][:120]}", flush=True)
             return
         m, k, depth = shape
         tflops = products * 2 * m * k * depth / ms / 1e9 if ms == ms else float("nan")
-        line = dict(kernel=kernel, config=config, ms=ms, tflops=tflops, over_cublas=floor[shape] / ms * products)
+        line = dict(kernel=kernel, config=config, ms=ms, tflops=tflops, over_cublas=floor[shape] / ms * products,
+                    gb_per_s=moved / ms / 1e6)
         lines.append(line)
-        print(f"{kernel:14s} {name(config):22s} {ms:8.2f} ms  {tflops:6.1f} TFLOP/s  "
-              f"{line['over_cublas']:.2f} of cuBLAS's rate", flush=True)
+        rate = (f"{line['gb_per_s']:7.0f} GB/s" if not products else
+                f"{tflops:6.1f} TFLOP/s  {line['over_cublas']:.2f} of cuBLAS's rate")
+        print(f"{kernel:17s} {name(config):22s} {ms:8.2f} ms  {rate}", flush=True)
 
     floor = {}
 
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
         x = torch.randn(m, depth, device=device, dtype=dtype, generator=gen)
         y = torch.randn(k, depth, device=device, dtype=dtype, generator=gen)
         floor[shape] = timed(lambda: torch.mm(x, y.T), args.repeats)
-        print(f"{'cublas mm':14s} {m} x {k} x {depth}  {floor[shape]:8.2f} ms  "
+        print(f"{'cublas mm':17s} {m} x {k} x {depth}  {floor[shape]:8.2f} ms  "
               f"{2 * m * k * depth / floor[shape] / 1e9:6.1f} TFLOP/s", flush=True)
 
     m2 = 2 * n  # two views
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
 
     def inputs(columns, tiles, rows=m2):  # the kernels' shared inputs: rows' own pairs excluded, no mean, no TF32
         return launch.KernelInputs(scale, diagonal[:rows], False, columns, False, tiles)
-    if {"stats_fwd", "two_view_grad", "two_view_bands"} & set(kernels):
+    if {"stats_fwd", "two_view_backward"} & set(kernels):
         cublas((m2, m2, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]  # not autotuned: ncu sees only timed launches
         stats = torch.stack(stats_fwd.forward_stats(z, z, inputs(False, first)))
@@ -135,31 +141,31 @@ def main(argv=None) -> int:
         for config in entries(stats_fwd, d, z.element_size(), extra, args.first):
             report("stats_fwd", config, 1, (m2, m2, d),
                    lambda c=config: stats_fwd.forward_stats(z, z, inputs(False, c)))
-    if "two_view_grad" in kernels:
-        for config in entries(two_view_grad, d, z.element_size(), extra, args.first):
-            report("two_view_grad", config, math.ceil(d / two_view_grad.D_OUT_MAX) + 1, (m2, m2, d),
-                   lambda c=config: two_view_grad.two_view_gradient(z, inputs(False, c), stats, grad, factor))
-    if "two_view_bands" in kernels:  # dlogits' space for the d logits, cuBLAS for the products
+    if "two_view_backward" in kernels:  # dlogits' space for the d logits, cuBLAS for the recompute and products
+        bands = math.ceil(m2 / dlogits.block_shape(m2, m2, 4)[0])  # over the triangle: (R + 1) / 2R recomputed
         for config in entries(dlogits, d, z.element_size(), extra, args.first):
-            report("two_view_bands", config, 3, (m2, m2, d),
-                   lambda c=config: triton_stats._band_gradients(z, z, inputs(False, c), stats, grad, factor))
+            report("two_view_backward", config, 1 + (bands + 1) / (2 * bands), (m2, m2, d),
+                   lambda c=config: triton_stats._triangle_gradients(z, inputs(False, c), stats, grad, factor))
     if {"dlogits", "band_products"} & set(kernels):  # image-text: the first band of d logits, its products
         a, b = z[:n], z[n:]
-        rows, cols = dlogits.block_shape(n, n, a.element_size())
+        rows, cols = dlogits.block_shape(n, n, 4)
         cublas((rows, cols, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]
         pair = torch.cat([stats_fwd.forward_stats(a, b, inputs(True, first, n))[i][None]
                           for i in (0, 1)])
         pair_grad = torch.full_like(pair, 0.5 / n)
         block = a.new_empty((rows, cols))
+        logits = a.new_empty((rows, cols), dtype=torch.float32)  # the block's, as cuBLAS recomputes them
+        triton_stats._write_product(logits, a[:rows], b[:cols].T)
         splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
         ds = a.new_empty((splits, n), dtype=torch.float32)
         out = torch.zeros(rows, d, device=device)
         if "dlogits" in kernels:
             for config in entries(dlogits, d, a.element_size(), extra, args.first):
-                report("dlogits", config, 1, (rows, cols, d),
+                report("dlogits", config, 0, (rows, cols, d),
                        lambda c=config: dlogits.write_dlogits(a, b, inputs(True, c, n), pair, pair_grad, block, ds,
-                                                              0, rows, 0, cols, splits, share))
+                                                              0, rows, 0, cols, splits, share, logits),
+                       moved=rows * cols * (4 + a.element_size()))
         if "band_products" in kernels:  # dA's and dB's, as triton_stats._band_gradients makes them
             out_b = torch.zeros(cols, d, device=device)
             report("band_products", {}, 2, (rows, cols, d),

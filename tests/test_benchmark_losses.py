@@ -94,8 +94,7 @@ def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = json.loads((tmp_path / "k.json").read_text())["lines"]
     kernels = [line["kernel"] for line in lines]
-    assert kernels == ["stats_fwd"] * 2 + ["two_view_grad"] * 2 + ["two_view_bands"] * 2 + ["dlogits"] * 2 + [
-        "band_products"], kernels
+    assert kernels == ["stats_fwd"] * 2 + ["two_view_backward"] * 2 + ["dlogits"] * 2 + ["band_products"], kernels
     bad = subprocess.run([*script, "--kernels", "stats_fwd,band_matmul"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("triton_kernels.py: error: ")
@@ -118,16 +117,15 @@ def test_triton_variants_take_their_paths(monkeypatch):
 
     def spy(a, b, inputs, product, logits, triangle):
         seen.append(("fused" if product is None else "dense" if logits is not None else "band", triangle,
-                     triton_stats.TRIANGLE_BYTES > 0, triton_stats.BACKWARD_LOGITS))
+                     triton_stats.TRIANGLE_BYTES > 0))
         return forward_stats(a, b, inputs, product, logits, triangle)
 
     monkeypatch.setattr(triton_stats, "forward_stats", spy)
-    settings = lambda: (triton_stats.FORWARD_LOGITS, triton_stats.BACKWARD_LOGITS, triton_stats.TRIANGLE_BYTES,
-                        triton_stats.FUSED_TRIANGLE, stats_fwd.TRIANGLE_BAND_ROWS)
+    settings = lambda: (triton_stats.FORWARD_LOGITS, triton_stats.TRIANGLE_BYTES, triton_stats.FUSED_TRIANGLE,
+                        stats_fwd.TRIANGLE_BAND_ROWS)
     before = settings()
-    want = {"": ("fused", False, True, "cublas"), "-tri": ("fused", True, True, "cublas"),
-            "-rows": ("fused", False, False, "cublas"), "-band": ("band", True, True, "cublas"),
-            "-dense": ("dense", False, True, "cublas"), "-fused": ("fused", False, True, "kernel")}
+    want = {"": ("fused", False, True), "-tri": ("fused", True, True), "-rows": ("fused", False, False),
+            "-band": ("band", True, True), "-dense": ("dense", False, True)}
     args = SimpleNamespace(device="cpu", dtype="bfloat16")  # as the runner calls it: under bf16 autocast
     for variant, path in want.items():
         seen.clear()

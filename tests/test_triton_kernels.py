@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("normalize", [False, True])
 def test_band_dlogits_equal_torch(normalize):
     """Rows 5:30 of dL' for image-text (rows' and columns' terms, the diagonal excluded) written to a band
-    buffer, and the rows' d scale terms, against the dense formula. normalize: the features as given (rows of
+    buffer from the block's float32 products, and the rows' d scale terms, against the dense formula. normalize: the features as given (rows of
     norms 0.2 to 5) with their inverse norms: the logits are the unit vectors', dL' is written times
     inv_a inv_b and the d scale terms sum dL' times the cosines."""
     g = torch.Generator().manual_seed(1)
@@ -40,7 +40,8 @@ def test_band_dlogits_equal_torch(normalize):
     a, b, scale, stats, grad = (t.to(DEVICE) for t in (a, b, scale, stats, grad))
     norms = (inv_a.float().to(DEVICE), inv_b.float().to(DEVICE)) if normalize else None
     inputs = launch.KernelInputs(scale, exclude, False, True, False, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=16), norms)
-    dlogits.write_dlogits(a, b, inputs, stats, grad, band, ds, 5, 30, 3, 35, splits, share)
+    products = (a @ b.T)[5:30, 3:35].contiguous()  # the block's, as cuBLAS writes them (float32)
+    dlogits.write_dlogits(a, b, inputs, stats, grad, band, ds, 5, 30, 3, 35, splits, share, products)
     written = want * inv_a[:, None] * inv_b[None, :]
     torch.testing.assert_close(band[:25, :32].double().cpu(), written[5:30, 3:35], rtol=1e-5, atol=1e-6)
     assert torch.isnan(band[25:]).all() and torch.isnan(band[:, 32:]).all()  # nothing past the block

@@ -10,20 +10,21 @@ column's lse. The [M, K] matrix is never stored whole. The kernels, one per file
   two views over the upper triangle, in bands, each row's lower-triangle share from the columns' partials
   (on cuBLAS's band products; the fused kernel's own only where FUSED_TRIANGLE);
 - backward, per block of rows and columns (a band of rows and every column up to large sizes): the block's
-  logits recomputed by cuBLAS in float32, d loss / d logits written once in the inputs' dtype by an
-  elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += dL b[cols] and dB[cols] += dL^T a[rows]
+  logits recomputed by cuBLAS in float32 (or the dense path's, kept from forward), d loss / d logits written
+  once in the inputs' dtype by an elementwise kernel (dlogits.py), then on cuBLAS dA[rows] += dL b[cols] and dB[cols] += dL^T a[rows]
   (image-text, query/queue), or for two views dz[rows] += (dL + dL^T) z[cols],
   one product (L = z z^T is symmetric: dL^T's entries come from the columns' own statistics), and where
   dz's float32 sum fits TRIANGLE_BYTES over the upper triangle alone (_triangle_gradients: the rows past
   each band from the same block's transposed product); each gradient summed in float32 in cuBLAS's
   epilogue (addmm with out_dtype), then times the logit scale once.
 
-Where each pass's logits come from is FORWARD_LOGITS / BACKWARD_LOGITS ("kernel": the Triton kernels compute
-their own products; "cublas": the band design above, every kernel elementwise). The first design, still one
-argument away: the backward's products inside the kernels, and two views in one kernel (two_view_grad.py),
-which an H100 measured latency-bound. Cost in [M, K, D] matrix products (docs/performance.md; c = cdiv(D, 256)):
+Where the forward's logits come from is FORWARD_LOGITS ("kernel": the fused Triton kernel computes its own
+products; "cublas": the band design above, every kernel elementwise; "dense": written whole and kept). The
+first design's backward (the products inside the kernels, two views in one kernel) is gone: an H200 ran its
+two-view kernel at N = 32768 in 3700 ms against the default's 40.9, and no table showed a setting where it was
+fastest (docs/gpu/NVIDIA-H200/README.md). Cost in [M, K, D] matrix products (docs/performance.md):
 
-    two views      forward 1, backward 2 (recompute, (dL + dL^T) z)   = 3   (first design: c + 2 = 4 at D = 512)
+    two views      forward 1, backward 2 (recompute, (dL + dL^T) z)   = 3
       triangle     forward (R + 1) / 2R, backward (R + 1) / 2R + 1, R bands ~ 2
     image-text     forward 1, backward 3 (recompute, dA, dB)          = 4
     rows only      forward 1, backward 3                              = 4
@@ -50,7 +51,6 @@ two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
@@ -60,7 +60,6 @@ from contrastkit.losses.functional import half_units, inverse_norms, normalizati
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
-from contrastkit.losses.kernels.two_view_grad import two_view_gradient
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = launch.INTERPRETED
@@ -70,13 +69,14 @@ def _tiles(blocks):
     return None if blocks is None else dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D"), blocks))
 
 
-# Where each pass's logits come from (the band design, issue 40): "kernel", the Triton kernels compute their
-# own products; "cublas", cuBLAS writes a band's products in float32 and the kernels read them (then every
-# kernel is elementwise: no product inside, no atomics, no cooperation between programs). The defaults follow
-# the rates measured on an H100 (docs/performance.md's model): the fused forward ran the two-view statistics
-# at N = 32768 in 11.8 ms, where a band forward is predicted at ~18; the backward's recompute is an L2-bound
-# Triton product (0.19-0.57 of cuBLAS's rate), so cuBLAS recomputes it, and two views take one product of the
-# band's dL + dL^T instead of the latency-bound two-view kernel.
+# Where the forward's logits come from (the band design, issue 40): "kernel", the fused Triton kernel computes
+# its own products; "cublas", cuBLAS writes a band's products in float32 and the kernel reads them (then every
+# kernel is elementwise: no product inside, no atomics, no cooperation between programs). The backward's are
+# always cuBLAS's (recomputed per block, or the dense path's kept ones): an H100 measured the Triton products
+# L2-bound (0.19-0.57 of cuBLAS's rate), and an H200 the first design's two-view backward kernel at 3700 ms
+# (N = 32768) against 40.9 for the default. The fused forward ran the two-view statistics at N = 32768 in
+# 11.8 ms on the H100, where a band forward is predicted at ~18; on the H200 the band path (cuBLAS's forward)
+# measured 48.8 ms against the default's 40.9 for two views, 23.8 against 20.1 for image-text.
 # "auto" (forward): the fused kernel for bf16/fp16 inputs, where it was measured, and for float32 with TF32 on
 # its float16 unit vectors (HALF_UNITS_FOR_TF32: float16's kernel); other float32 on cuBLAS's products, since a
 # fused float32 kernel becomes a default only with a GPU table that shows it faster.
@@ -84,9 +84,8 @@ def _tiles(blocks):
 # forward and backward reads it back, no recompute: 2 products for two views, 3 for image-text (the floors).
 # "auto" takes it there (the model predicts it the fastest where it fits: a SimCLR batch of 2N <= 8192, a
 # CLIP GPU's 2048 local rows against 65536 gathered columns); it keeps 4 M K bytes from forward to backward.
-LOGITS = ("kernel", "cublas")
+LOGITS = ("kernel", "cublas", "dense")
 FORWARD_LOGITS = "auto"
-BACKWARD_LOGITS = "cublas"
 DENSE_BYTES = 2**29
 # Two views' backward over the upper triangle (_triangle_gradients) where its float32 sum of dz, M D 4 bytes,
 # fits this (up to N = 65536 at D = 512; beyond it the full rows of _band_gradients, whose sums are a band's).
@@ -108,11 +107,11 @@ HALF_UNITS_FOR_TF32 = True
 # statistics within ~2e-3 of the features' at logit scale 10), and the units' copies in each pass.
 FLOAT16_UNITS = True
 # Two views' forward over the upper triangle in the fused kernel (stats_fwd's TRIANGLE, "kernel" forward
-# logits): proven under the interpreter and compiled spill-free for sm_90/sm_80, but never run on a GPU. It is
-# issue 40's stretch (triangle tiles in a fused GEMM kernel), which becomes a default only with a GPU table
-# showing it correct and faster: off until benchmarks/gpu_check.sh's dcl-triton-tri (this on) beats
-# dcl-triton (the fused kernel over full rows, measured at 11.8 ms for N = 32768). The band path's forward
-# ("cublas": cuBLAS's products, an elementwise pass) takes the triangle regardless, as the backward does.
+# logits): proven under the interpreter and compiled spill-free for sm_90/sm_80. It is issue 40's stretch
+# (triangle tiles in a fused GEMM kernel), a default only with a GPU table showing it correct and faster: the
+# H200's (docs/gpu/NVIDIA-H200) showed it slower, dcl-triton-tri 46.1 ms against dcl-triton's 40.9 (the fused
+# kernel over full rows) at N = 32768, so it stays off. The band path's forward ("cublas": cuBLAS's products,
+# an elementwise pass) takes the triangle regardless, as the backward does.
 FUSED_TRIANGLE = False
 
 
@@ -130,14 +129,12 @@ def _write_product(out, x, y):
 def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor, inv_a: torch.Tensor | None,
                     inv_b: torch.Tensor | None, exclude: torch.Tensor | None, ids_a: torch.Tensor | None,
                     ids_b: torch.Tensor | None, labels: int, with_mean: bool, columns: bool, tf32: bool,
-                    blocks: list[int] | None, forward_logits: str,
-                    backward_logits: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    blocks: list[int] | None, forward_logits: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(the statistics, the float32 logits kept for backward: the dense path, else empty); b None: the
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
     kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
-    from_cublas = forward_logits == "dense" or backward_logits == "cublas"
-    a, b, inv_a, inv_b, tf32, _ = _operands(a, b, inv_a, inv_b, tf32, from_cublas)
+    a, b, inv_a, inv_b, tf32, _ = _operands(a, b, inv_a, inv_b, tf32)
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     # L symmetric: its upper triangle (the fused kernel's only where FUSED_TRIANGLE)
     fused_triangle = FUSED_TRIANGLE and forward_logits == "kernel"
@@ -159,12 +156,11 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
     return launch.KernelInputs(scale, exclude, with_mean, columns, tf32, _tiles(blocks), norms, by_label)
 
 
-def takes_half_units(x, normalize, backward_logits=None):
+def takes_half_units(x, normalize):
     """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
-    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32), on the band design. The
-    losses' positives then come from the same units (functional.row_cosines' units16)."""
-    backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
-    return _takes_units(x, normalize, _tf32(x), backward_logits == "cublas")
+    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32). The losses' positives
+    then come from the same units (functional.row_cosines' units16)."""
+    return _takes_units(x, normalize, _tf32(x))
 
 
 def _tf32(x):
@@ -174,21 +170,21 @@ def _tf32(x):
     return x.dtype == torch.float32 and precision.tf32_matmul_allowed() and precision.ampere_or_later(x.device)
 
 
-def _takes_units(x, normalized, tf32, from_cublas):
+def _takes_units(x, normalized, tf32):
     """Whether the features x take float16 copies of their unit vectors as the products' operands: where the
-    kernels normalise and cuBLAS does the backward's products (the band design, or the dense path's kept
-    logits), float16 features (FLOAT16_UNITS) and float32 ones with TF32 allowed (HALF_UNITS_FOR_TF32)."""
-    if not (normalized and from_cublas):
+    kernels normalise, float16 features (FLOAT16_UNITS) and float32 ones with TF32 allowed
+    (HALF_UNITS_FOR_TF32)."""
+    if not normalized:
         return False
     return (FLOAT16_UNITS and x.dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32)
 
 
-def _operands(a, b, inv_a, inv_b, tf32, from_cublas):
+def _operands(a, b, inv_a, inv_b, tf32):
     """(a, b, inv_a, inv_b, tf32, given): what the products take, the same in forward and backward. Where the
     call runs on units (_takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
     norms, no TF32, and given = (the features, their inverse norms), whose gradients backward returns; else
     the arguments as they are and given None."""
-    if not _takes_units(a, inv_a is not None, tf32, from_cublas):
+    if not _takes_units(a, inv_a is not None, tf32):
         return a, b, inv_a, inv_b, tf32, None
     given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
     return half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False, given
@@ -242,25 +238,23 @@ def _finish(total, x, inv, factor, out=None, units=False):
 
 def _block_logits(a, b, r0, r1, c0, c1, kept, buffer):
     """The float32 logits of the block a[r0:r1] b[c0:c1]^T that the d-logits kernel reads: the dense path's kept
-    ones, else cuBLAS's written into ``buffer``, else None (the kernel computes its own products)."""
+    ones, else cuBLAS's written into ``buffer``."""
     if kept is not None:
         return kept[r0:r1, c0:c1]
-    if buffer is None:
-        return None
     out = buffer[: r1 - r0, : c1 - c0]
     _write_product(out, a[r0:r1], b[c0:c1].T)
     return out
 
 
-def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmetric=False, kept=None, given=None):
+def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=None, given=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their
     upstream gradient dL / factor and the call's inputs (launch.KernelInputs): per block of d logits (a band
     of rows and every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py),
     then its two products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
     ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32.
-    from_cublas: the block's logits recomputed by cuBLAS into a float32 buffer that the d logits kernel reads
-    (the band design; the buffer, not d logits, is then what BAND_BYTES bounds); kept: the whole matrix's
-    float32 logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
+    The block's logits are recomputed by cuBLAS into a float32 buffer that the d logits kernel reads (the
+    buffer, not d logits, is what BAND_BYTES bounds), or where ``kept`` is given, the whole matrix's float32
+    logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
     a): d logits dL + dL^T, one product, dA is dz and dB empty. Where the inputs carry inverse norms (a and b
     the features as given) the products give the unit vectors' gradients times the inverse norms, in
     float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
@@ -269,7 +263,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
     gradients are then the features' own, in their dtype."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     x_a, x_b, inv_a, inv_b = given or (a, b, *(inputs.inverse_norms or (None, None)))
-    rows, cols = block_shape(m, k, 4 if from_cublas else a.element_size())
+    rows, cols = block_shape(m, k, 4)
     da = torch.empty_like(x_a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(x_b, memory_format=torch.contiguous_format)
     low = da.dtype != torch.float32  # the products' sums then need float32 buffers: a band's rows of dA, all of dB
@@ -279,7 +273,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, from_cublas=False, symmet
     ds = a.new_empty((triton.cdiv(k, cols), splits, rows), dtype=torch.float32)
     ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
-    logits = a.new_empty((rows, cols), dtype=torch.float32) if from_cublas and kept is None else None
+    logits = a.new_empty((rows, cols), dtype=torch.float32) if kept is None else None
     step = inputs.scale * factor  # on the sums, once
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
@@ -344,15 +338,13 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                              inv_a: torch.Tensor | None, inv_b: torch.Tensor | None, exclude: torch.Tensor | None,
                              ids_a: torch.Tensor | None, ids_b: torch.Tensor | None, labels: int,
                              stats: torch.Tensor, kept: torch.Tensor, with_mean: bool, columns: bool, tf32: bool,
-                             blocks: list[int] | None, forward_logits: str,
-                             backward_logits: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             blocks: list[int] | None,
+                             forward_logits: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dA, dB, per-row terms of d scale through the logits); b None: (dz, an empty dB, ...). kept: the
     forward's logits (the dense path), else empty; inv_a, inv_b: as the forward's (the gradients are then the
     features' own)."""
-    dense = forward_logits == "dense"
-    from_cublas = backward_logits == "cublas" or dense
-    logits = kept if dense else None
-    a, b, inv_a, inv_b, tf32, given = _operands(a, b, inv_a, inv_b, tf32, from_cublas)  # as the forward's
+    logits = kept if forward_logits == "dense" else None
+    a, b, inv_a, inv_b, tf32, given = _operands(a, b, inv_a, inv_b, tf32)  # as the forward's
     if given is not None:  # the gradients in the features' dtype
         factor = _units_factor(grad, scale, with_mean)
     else:
@@ -360,16 +352,12 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     grad = grad / factor
     if b is None and not columns:
-        if from_cublas and a.shape[0] * a.shape[1] * 4 <= TRIANGLE_BYTES:  # the upper triangle alone
+        if a.shape[0] * a.shape[1] * 4 <= TRIANGLE_BYTES:  # the upper triangle alone
             dz, ds = _triangle_gradients(a, inputs, stats, grad, factor, kept=logits, given=given)
-        elif from_cublas:  # the band design: dL + dL^T per band, one product
-            dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, True, symmetric=True, kept=logits,
-                                        given=given)
-        else:
-            dz, ds = two_view_gradient(a, inputs, stats, grad, factor)
+        else:  # full rows: dL + dL^T per band, one product
+            dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, symmetric=True, kept=logits, given=given)
         return dz, a.new_empty(0), ds * factor
-    da, db, ds = _band_gradients(a, a if b is None else b, inputs, stats, grad, factor, from_cublas, kept=logits,
-                                 given=given)
+    da, db, ds = _band_gradients(a, a if b is None else b, inputs, stats, grad, factor, kept=logits, given=given)
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
         return da + db, a.new_empty(0), ds * factor
     return da, db, ds * factor
@@ -392,17 +380,16 @@ def _backward(ctx, grad, _):
         d_scale = ds.sum()
         if with_mean:  # mean = sum p L / scale: its own 1 / scale
             d_scale = d_scale - (grad[1] * stats[1]).sum() / scale
-    return da, None if b is None else db, d_scale, *(None,) * 12
+    return da, None if b is None else db, d_scale, *(None,) * 11
 
 
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits):
-    for name, where, allowed in (("forward_logits", forward_logits, (*LOGITS, "dense")),
-                                 ("backward_logits", backward_logits, LOGITS)):
-        if where not in allowed:
-            raise ValueError(f"negative_stats_triton: {name} must be one of {', '.join(allowed)}, got {where!r}")
+def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits):
+    if forward_logits not in LOGITS:
+        raise ValueError(f"negative_stats_triton: forward_logits must be one of {', '.join(LOGITS)} or auto, "
+                         f"got {forward_logits!r}")
     for name, x in (("anchors", anchors), ("candidates", candidates)):
         if x.dtype == torch.float64:
             raise TypeError(f"negative_stats_triton: {name} are float64; the Triton kernels take float32, "
@@ -450,7 +437,7 @@ def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forw
 def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale, *,
                           exclude: torch.Tensor | None = None, with_mean: bool = False, columns: bool = False,
                           block_m: int | None = None, block_n: int | None = None, block_d: int | None = None,
-                          forward_logits: str | None = None, backward_logits: str | None = None,
+                          forward_logits: str | None = None,
                           normalize: bool = False, labels: tuple[torch.Tensor, torch.Tensor] | None = None,
                           same_label: bool = True) -> torch.Tensor:
     """chunked.negative_stats on Triton kernels: [S, M] float32 statistics of the logits scale * a @ b.T.
@@ -460,16 +447,17 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     Rows: lse, then mean (with_mean); with columns (square, exclude None or the diagonal) then the columns'
     lse. A row whose every column is excluded gets a hugely negative lse (as chunked.py's), mean 0, and no
     gradient; an exclude index outside [0, K) excludes nothing (indices are not checked: that would sync).
-    candidates the very tensor anchors (two views): one gradient for it from one backward kernel.
+    candidates the very tensor anchors (two views): one gradient for it, from one product of dL + dL^T.
     block_m, block_n, block_d: fixed tiles (powers of two >= 16, all three or none); None: autotuned on
-    CUDA, the production default under the interpreter. forward_logits, backward_logits: "kernel" or
-    "cublas", where each pass's logits come from (LOGITS), or for the forward "dense" (cuBLAS writes the
-    whole matrix once and backward reads it: no recompute) or "auto" (dense where the float32 matrix fits
-    DENSE_BYTES, else the kernel for bf16/fp16 or float16 units, measured on an H100, and cuBLAS for float32
-    and on GPUs before sm_80, where Triton's products take no tensor cores (precision.ampere_or_later: there
-    bfloat16 features are taken in float32, since cuBLAS writes no float32 product of them);
-    two views' forward visits the upper triangle on cuBLAS's products, on the kernel's only where
-    FUSED_TRIANGLE); None: FORWARD_LOGITS, BACKWARD_LOGITS. normalize: the logits are those of the unit
+    CUDA, the production default under the interpreter. forward_logits: where the forward's logits come
+    from (LOGITS): "kernel" (the fused kernel's own products) or "cublas" (a band's, written by cuBLAS;
+    backward recomputes each block there in both cases), or "dense" (cuBLAS writes the whole matrix once and
+    backward reads it: no recompute) or "auto" (dense where the float32 matrix fits DENSE_BYTES, else the
+    kernel for bf16/fp16 or float16 units, measured on an H100 and an H200, and cuBLAS for float32 and on
+    GPUs before sm_80, where Triton's products take no tensor cores (precision.ampere_or_later: there
+    bfloat16 features are taken in float32, since cuBLAS writes no float32 product of them); two views'
+    forward visits the upper triangle on cuBLAS's products, on the kernel's only where FUSED_TRIANGLE);
+    None: FORWARD_LOGITS. normalize: the logits are those of the unit
     vectors, scale cos(a_i, b_k): the kernels take the features as given with their float32 inverse norms
     (functional.inverse_norms), so no unit vectors are made or kept (float16 features, and float32 with
     TF32: float16 copies of them, made in each pass, none kept: FLOAT16_UNITS, HALF_UNITS_FOR_TF32), and the
@@ -484,7 +472,6 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
     forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
-    backward_logits = BACKWARD_LOGITS if backward_logits is None else backward_logits
     same = candidates is anchors
     ampere = precision.ampere_or_later(anchors.device)
     if anchors.dtype == torch.bfloat16 and not ampere:
@@ -493,44 +480,33 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         candidates = anchors if same else candidates.float()
     tf32 = _tf32(anchors)
     if forward_logits == "auto":
-        if backward_logits == "cublas" and anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
+        if anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
             forward_logits = "dense"
         else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
-            half = _takes_units(anchors, normalize, tf32, backward_logits == "cublas")  # and on tensor cores:
+            half = _takes_units(anchors, normalize, tf32)  # and on tensor cores:
             fused = ampere and (anchors.dtype in (torch.bfloat16, torch.float16) or half)
             forward_logits = "kernel" if fused else "cublas"
-    _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits, backward_logits)
+    _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)
     else:
         scale = torch.full((), float(scale), dtype=torch.float32, device=anchors.device)
     if exclude is not None:
         exclude = exclude.contiguous()
-    first_two_view = same and not columns and backward_logits == "kernel"  # the first design's two-view kernel
     ids_a = ids_b = None
     if labels is not None:
-        ids_a, ids_b = _check_labels(labels, anchors, candidates, columns, first_two_view)
-    # The first design takes float32 unit vectors for two views (its kernel) and for float16 features (its
-    # kernels fold both rows' inverse norms into float16 d logits: they overflow for rows of norm ~0.005 and
-    # sink into subnormals for large norms, 40 % of the gradient at norm 1000; the band design's FLOAT16_UNITS)
-    if normalize and (first_two_view or backward_logits == "kernel" and anchors.dtype == torch.float16):
-        anchors = F.normalize(anchors.float(), dim=-1)  # unit vectors, float32: not rounded
-        candidates = anchors if same else F.normalize(candidates.float(), dim=-1)
-        normalize = False
+        ids_a, ids_b = _check_labels(labels, anchors, candidates, columns)
     inv_a = inverse_norms(anchors) if normalize else None
     inv_b = None if same or not normalize else inverse_norms(candidates)
     return _negative_stats(anchors, None if same else candidates, scale, inv_a, inv_b, exclude, ids_a,
                            None if same else ids_b, 0 if labels is None else 1 if same_label else 2, with_mean,
-                           columns, tf32, blocks, forward_logits, backward_logits)[0]
+                           columns, tf32, blocks, forward_logits)[0]
 
 
-def _check_labels(labels, anchors, candidates, columns, first_two_view):
+def _check_labels(labels, anchors, candidates, columns):
     """The ids of a labels=(row ids, column ids) argument, contiguous int64, or a ValueError naming the problem."""
     if columns:
         raise ValueError("negative_stats_triton: columns=True takes no labels: give each direction as rows")
-    if first_two_view:
-        raise ValueError("negative_stats_triton: backward_logits='kernel' with one tensor (the first design's "
-                         "two-view kernel) takes no labels; use 'cublas'")
     ids = []
     for name, x, rows in (("row ids", labels[0], anchors.shape[0]), ("column ids", labels[1], candidates.shape[0])):
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != rows or x.is_floating_point():

@@ -4,7 +4,7 @@ products of a band of d logits with the features):
 
 - stats_fwd.py: the forward statistics (rows' lse and mean, the columns' partials per row tile: image-text's,
   and two views' over the upper triangle);
-- dlogits.py: backward's d loss / d logits for a band of rows, written once in the inputs' dtype;
-- two_view_grad.py: the two-view backward, dz from the symmetric logits in one kernel;
+- dlogits.py: backward's d loss / d logits for a block of rows and columns, from cuBLAS's float32 logits,
+  written once in the inputs' dtype (two views: dL + dL^T, for one product);
 - common.py: the device helpers they share; launch.py: tiles, autotune spaces, launches.
 """

@@ -1,13 +1,14 @@
-"""Backward's d loss / d logits for a band of rows, recomputed from the saved statistics and written once
-(Inf-CL / FlashAttention-2 style recompute, then materialised per band): two cuBLAS products
-read it (triton_stats.py), so dA and dB come from one recompute (image-text and query/queue: 1 recompute +
-2 products).
+"""Backward's d loss / d logits for a block of rows and columns, from the block's float32 logits (cuBLAS's
+recompute, or the dense path's kept ones) and the saved statistics, written once: an elementwise pass, no
+product inside. Two cuBLAS products read it (triton_stats.py), so dA and dB come from one recompute
+(image-text and query/queue: 1 recompute + 2 products; two views: 1 + 1, of dL + dL^T).
 
 dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
 buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the
 columns. The logit scale and the factor go on the products' float32 sums once, at the end (triton_stats).
-The buffer is bounded: blocks of at most BAND_BYTES (256 MiB; block_shape): at N = 32768
-bfloat16, 8 bands of 4096 rows and every column; at N = 262144, 23 x 23 blocks of 11520 x 11520.
+The blocks are bounded by their float32 logits, at most BAND_BYTES (256 MiB; block_shape): at N = 32768
+image-text, 16 bands of 2048 rows and every column; two views at N = 32768 (65536 rows) and anything past
+65536 rows, square blocks of 8192 x 8192.
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ import triton
 import triton.language as tl
 
 from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import (EXCLUDED, anchor_dlogits, column_dlogits, dots, inverse_norms,
-                                               kept_by_label, resident, scaled, tile_exp, valid)
+from contrastkit.losses.kernels.common import (EXCLUDED, anchor_dlogits, column_dlogits, inverse_norms,
+                                               kept_by_label, scaled, tile_exp, valid)
 
 BAND_BYTES = 2**28
 BAND_ALIGN = 128
 BAND_MIN_ROWS = 2048
 
-# (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages, architectures) by itemsize (launch.py).
-NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_D")
-# float32 on sm_90: 128x32x32 first, since 128x64x16 spills 16 bytes in the image-text form once the inverse
-# norms are loaded (NORMALIZE); sm_80: 128x32 tiles, since 128x64 sits at 254-255 registers there and spills
-# 8-28 bytes with labels (benchmarks/triton_compile.py).
-SPACE = {2: [(128, 64, 32, 8, 3, (90,)), (128, 64, 64, 8, 3, (90,)), (128, 32, 64, 8, 3, (90, 80))],
-         4: [(128, 32, 32, 8, 3, (90, 80)), (128, 64, 16, 8, 3, (90,))]}
+# (BLOCK_M, BLOCK_N, warps, stages, architectures) by the d logits' itemsize (launch.py): the entries the first
+# design's kernel (its products inside) kept, without their chunk of D. float32 on sm_90: 128 x 32 first, as it
+# was there; sm_80: 128 x 32, as it was. Compiled (benchmarks/triton_compile.py, triton 3.8): every entry
+# spill-free but float32's 128 x 64 on sm_90 with labels in the two-view form (8 bytes; docs/gpu/compile.md).
+NAMES = ("BLOCK_M", "BLOCK_N")
+SPACE = {2: [(128, 64, 8, 3, (90,)), (128, 32, 8, 3, (90, 80))],
+         4: [(128, 32, 8, 3, (90, 80)), (128, 64, 8, 3, (90,))]}
 
 
 def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
-    return launch.configs(launch.entries(SPACE, NAMES, "BLOCK_D", d, itemsize, arch), NAMES)
+    """The autotune space (d: unused, no product inside; the same signature as stats_fwd.space)."""
+    return launch.configs(launch.entries(SPACE, NAMES, None, d, itemsize, arch), NAMES)
 
 
 def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:
@@ -52,46 +54,36 @@ def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:
 
 
 @triton.jit
-def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, ids_b_ptr, stats_ptr, grad_ptr,
-            dl_ptr, ds_ptr, M, K, R0, R1, C0, C1, SPLIT, s_am, s_ad, s_bk, s_bd, s_pr, s_lr, s_ds, D: tl.constexpr,
-            E: tl.constexpr, LABELS: tl.constexpr, WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr,
-            SYMMETRIC: tl.constexpr, TRIANGLE: tl.constexpr, FROM_LOGITS: tl.constexpr,
-            NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def dlogits(dl_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, ids_b_ptr, stats_ptr, grad_ptr, ds_ptr,
+            M, K, R0, R1, C0, C1, SPLIT, s_pr, s_lr, s_ds, E: tl.constexpr, LABELS: tl.constexpr,
+            WITH_MEAN: tl.constexpr, COLUMNS: tl.constexpr, SYMMETRIC: tl.constexpr, TRIANGLE: tl.constexpr,
+            NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dl[rows - R0, cols - C0] = dL'[rows, cols] for rows R0 + [t BLOCK_M, (t + 1) BLOCK_M) (t = program_id(0),
     rows < R1) and the columns C0 + [SPLIT s, SPLIT (s + 1)) (s = program_id(1), columns < C1);
-    ds[s, rows - R0] = sum over those columns of dL' a.b.
+    ds[s, rows - R0] = sum over those columns of dL' a.b, the products a.b of the block read from p
+    [R1 - R0, C1 - C0] float32 (cuBLAS wrote them). dl first: its dtype, the inputs', picks the autotune space.
     stats, grad: [S, M] (rows' lse, then mean (WITH_MEAN) or the columns' lse (COLUMNS, square)).
-    FROM_LOGITS: the products a.b of the block read from p [R1 - R0, C1 - C0] float32 (cuBLAS wrote them: the
-    band design), not computed here. SYMMETRIC (two views, a = b): dl = dL' + dL'^T on the block, the term
-    dL'_ki from row k's statistics and exclusions (L is symmetric), so that one product gives dz; ds from
-    dL' alone. TRIANGLE (with SYMMETRIC: the band design's two views over the upper triangle, the columns from
-    the band's first row on, triton_stats._triangle_gradients): the entries (k, r) below the diagonal are never
-    visited, so ds sums H = dL' + dL'^T times a.b over the columns past the band (k >= R1) and H / 2 on the
-    band's own square (the first block's columns R0:R1, which holds both (r, k) and (k, r)). NORMALIZE: a and
-    b are the features as given, the logits scale (a.b) inv_a inv_b
-    (common.scaled), ds sums dL' times those cosines, and dl is written times inv_a inv_b, so that cuBLAS's
-    products of it with the features are the gradients with respect to the unit vectors, times the rows'
-    inverse norms (triton_stats applies the normalisation's projection after). LABELS: pairs also left out by
+    SYMMETRIC (two views, a = b): dl = dL' + dL'^T on the block, the term dL'_ki from row k's statistics and
+    exclusions (L is symmetric), so that one product gives dz; ds from dL' alone. TRIANGLE (with SYMMETRIC: the band
+    design's two views over the upper triangle, the columns from the band's first row on,
+    triton_stats._triangle_gradients): the entries (k, r) below the diagonal are never visited, so ds sums H = dL' +
+    dL'^T times a.b over the columns past the band (k >= R1) and H / 2 on the band's own square (the first block's
+    columns R0:R1, which holds both (r, k) and (k, r)). NORMALIZE: a and b are the features as given, the logits
+    scale (a.b) inv_a inv_b (common.scaled), ds sums dL' times those cosines, and dl is written times inv_a inv_b,
+    so that cuBLAS's products of it with the features are the gradients with respect to the unit vectors, times the
+    rows' inverse norms (triton_stats applies the normalisation's projection after). LABELS: pairs also left out by
     the samples' ids (common.kept_by_label; two views: one array of ids, the transposed term's too)."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = C0 + tl.program_id(1) * SPLIT
     end = tl.minimum(start + SPLIT, C1)
     scale = tl.load(scale_ptr)
-    a = None
-    if not FROM_LOGITS:
-        a = resident(a_ptr, rows, R1, D, s_am, s_ad, BLOCK_D)
     inv_a = inverse_norms(inv_a_ptr, rows, R1, NORMALIZE)
     ds = tl.zeros([BLOCK_M], dtype=tl.float32)
     inside = rows < R1
     for n0 in range(start, end, BLOCK_N):
         cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        if FROM_LOGITS:
-            products = tl.load(p_ptr + (rows - R0)[:, None] * s_pr + (cols - C0)[None, :],
-                               mask=inside[:, None] & (cols[None, :] < end), other=0.0)
-        else:
-            products = dots(a_ptr, b_ptr, a, rows, cols, R1, K, D, s_am, s_ad, s_bk, s_bd, BLOCK_M, BLOCK_N,
-                            BLOCK_D, PRECISION, UPCAST)
+        products = tl.load(p_ptr + (rows - R0)[:, None] * s_pr + (cols - C0)[None, :],
+                           mask=inside[:, None] & (cols[None, :] < end), other=0.0)
         inv_b = inverse_norms(inv_b_ptr, cols, K, NORMALIZE)
         products = scaled(products, inv_a, inv_b, NORMALIZE)
         s = products * scale
@@ -128,16 +120,16 @@ def dlogits(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_
     tl.store(ds_ptr + tl.program_id(1) * s_ds + rows - R0, ds, mask=inside)
 
 
-def write_dlogits(a, b, inputs: launch.KernelInputs, stats, grad, dl, ds, r0, r1, c0, c1, splits, share,
-                  logits=None, symmetric=False, triangle=False):
+def write_dlogits(a, b, inputs: launch.KernelInputs, stats, grad, dl, ds, r0, r1, c0, c1, splits, share, logits,
+                  symmetric=False, triangle=False):
     """dl[:r1 - r0, :c1 - c0] = dL' of rows r0:r1 and columns c0:c1 (in a's dtype), ds[:, :r1 - r0] their d scale
     terms per split of the columns (splits, share: launch.split), from the forward's statistics and their
-    upstream gradient dL / factor (stats, grad [S, M]) and the call's inputs. logits: the block's products a.b
-    in float32 (cuBLAS's), else the kernel computes them; symmetric: dL' + dL'^T (two views, b is a);
-    triangle: the block is of the upper triangle's (the kernel's TRIANGLE)."""
+    upstream gradient dL / factor (stats, grad [S, M]) and the call's inputs (a, b: the operands, for their
+    sizes). logits: the block's products a.b in float32 (cuBLAS's); symmetric: dL' + dL'^T (two views, b is
+    a); triangle: the block is of the upper triangle's (the kernel's TRIANGLE)."""
+    blocks = None if inputs.blocks is None else {k: v for k, v in inputs.blocks.items() if k != "BLOCK_D"}
     launch.run(dlogits, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits), space,
-               ("M", "K", "D", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "TRIANGLE", "FROM_LOGITS", "NORMALIZE", "LABELS"),
-               *inputs.pointers(a, b, logits), stats, grad, dl, ds, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share,
-               s_pr=0 if logits is None else logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0),
-               SYMMETRIC=symmetric, TRIANGLE=triangle, FROM_LOGITS=logits is not None, **inputs.constants(a, b),
-               blocks=inputs.blocks)
+               ("M", "K", "WITH_MEAN", "COLUMNS", "SYMMETRIC", "TRIANGLE", "NORMALIZE", "LABELS"),
+               dl, *inputs.pointers(logits), stats, grad, ds, R0=r0, R1=r1, C0=c0, C1=c1, SPLIT=share,
+               s_pr=logits.stride(0), s_lr=dl.stride(0), s_ds=ds.stride(0), SYMMETRIC=symmetric, TRIANGLE=triangle,
+               **inputs.form(a.shape[0], b.shape[0]), blocks=blocks)

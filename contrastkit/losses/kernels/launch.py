@@ -22,7 +22,7 @@ SPLIT_ALIGN = 64  # a split's share of the other axis: a multiple of 64 rows (a 
 
 
 class KernelInputs(NamedTuple):
-    """What every launch of one call of the statistics shares (stats_fwd.py, dlogits.py, two_view_grad.py):
+    """What every launch of one call of the statistics shares (stats_fwd.py, dlogits.py):
     the logit scale (a 0-d float32 tensor on the device: never read on the host), the excluded pairs [M, E]
     (None: none), the objective's form (with_mean: CACR's softmax mean; columns: image-text's column
     statistics), TF32 for float32 products, fixed tiles (None: the autotune space), the rows' inverse norms
@@ -37,20 +37,24 @@ class KernelInputs(NamedTuple):
     inverse_norms: tuple[torch.Tensor, torch.Tensor] | None = None
     labels: tuple | None = None
 
-    def pointers(self, a: torch.Tensor, b: torch.Tensor, products: torch.Tensor | None) -> tuple:
-        """The kernels' first arguments, in their order: a, b, the float32 products they read, the scale, the
-        inverse norms, the exclusions, the ids; the scale stands in for what is absent (never read there)."""
+    def pointers(self, products: torch.Tensor | None) -> tuple:
+        """The kernels' pointer arguments after their first ones, in their order: the float32 products they
+        read, the scale, the inverse norms, the exclusions, the ids; the scale stands in for what is absent
+        (never read there)."""
         s = self.scale
-        return (a, b, s if products is None else products, s, *(self.inverse_norms or (s, s)),
-                a if self.exclude is None else self.exclude, *(self.labels[:2] if self.labels else (s, s)))
+        return (s if products is None else products, s, *(self.inverse_norms or (s, s)),
+                s if self.exclude is None else self.exclude, *(self.labels[:2] if self.labels else (s, s)))
+
+    def form(self, m: int, k: int) -> dict:
+        """The kernels' shared keyword arguments: the matrix's sizes and the setting's constexprs."""
+        return dict(M=m, K=k, E=0 if self.exclude is None else self.exclude.shape[1],
+                    LABELS=self.labels[2] if self.labels else 0, WITH_MEAN=self.with_mean, COLUMNS=self.columns,
+                    NORMALIZE=self.inverse_norms is not None)
 
     def constants(self, a: torch.Tensor, b: torch.Tensor) -> dict:
-        """The kernels' shared keyword arguments: sizes, strides and the setting's constexprs."""
-        return dict(M=a.shape[0], K=b.shape[0], s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0),
-                    s_bd=b.stride(1), D=a.shape[1], E=0 if self.exclude is None else self.exclude.shape[1],
-                    LABELS=self.labels[2] if self.labels else 0, WITH_MEAN=self.with_mean, COLUMNS=self.columns,
-                    NORMALIZE=self.inverse_norms is not None, PRECISION=precision(a.dtype, self.tf32),
-                    UPCAST=upcast(a.dtype))
+        """form's, and for a kernel with products inside (stats_fwd) the operands' strides, D and precision."""
+        return dict(self.form(a.shape[0], b.shape[0]), s_am=a.stride(0), s_ad=a.stride(1), s_bk=b.stride(0),
+                    s_bd=b.stride(1), D=a.shape[1], PRECISION=precision(a.dtype, self.tf32), UPCAST=upcast(a.dtype))
 
 
 @triton.jit
@@ -61,12 +65,15 @@ def _probe(x):
 INTERPRETED = not isinstance(_probe, triton.runtime.jit.JITFunction)  # TRITON_INTERPRET=1 (CPU tests)
 
 
-def entries(space: dict, names: tuple[str, ...], chunk: str, d: int, itemsize: int, arch: int = 90) -> list[tuple]:
+def entries(space: dict, names: tuple[str, ...], chunk: str | None, d: int, itemsize: int,
+            arch: int = 90) -> list[tuple]:
     """The entries (sizes..., warps, stages) of an autotune space (keyed 2 or 4 by itemsize) for sm_<arch>,
-    the size named ``chunk`` (a chunk of D) at most D's next power of two."""
+    the size named ``chunk`` (a chunk of D; None: none) at most D's next power of two."""
+    shapes = [shape[:-1] for shape in space[2 if itemsize == 2 else 4] if arch in shape[-1]]
+    if chunk is None:
+        return shapes
     whole, at = max(16, triton.next_power_of_2(d)), names.index(chunk)
-    return [shape[:at] + (min(shape[at], whole),) + shape[at + 1:-1] for shape in space[2 if itemsize == 2 else 4]
-            if arch in shape[-1]]
+    return [shape[:at] + (min(shape[at], whole),) + shape[at + 1:] for shape in shapes]
 
 
 def configs(shapes: list[tuple], names: tuple[str, ...], **extra) -> list[triton.Config]:
@@ -85,10 +92,11 @@ def _tuned(kernel, space_of, key, restore, d, itemsize, arch):
 
 def run(kernel, grid, space_of, key, *args, blocks=None, restore=(), **kwargs):
     """Runs kernel on grid(meta): with ``blocks`` (its meta-parameters) where given (4 warps on CUDA), else
-    under the interpreter the production default (space_of(D, itemsize)[0]), on CUDA autotuned."""
-    itemsize = args[0].element_size()
+    under the interpreter the production default (space_of(D, itemsize)[0]), on CUDA autotuned. The first
+    argument's itemsize and the keyword D (0 where the kernel has none: no product inside) pick the space."""
+    itemsize, d = args[0].element_size(), kwargs.get("D", 0)
     if INTERPRETED:
-        config = dict(blocks) if blocks else dict(space_of(kwargs["D"], itemsize)[0].kwargs)
+        config = dict(blocks) if blocks else dict(space_of(d, itemsize)[0].kwargs)
         if not is_fake(args[0]) and args[0].device.type != "meta":  # runs on the host; nothing to run while
             kernel[grid(config)](*args, **kwargs, **config)          # tracing shapes or counting memory (meta)
         return
@@ -96,7 +104,7 @@ def run(kernel, grid, space_of, key, *args, blocks=None, restore=(), **kwargs):
         wrap_triton(kernel)[grid(blocks)](*args, **kwargs, **blocks)
     else:
         arch = 90 if torch.cuda.get_device_capability(args[0].device)[0] >= 9 else 80
-        tuned = _tuned(kernel, space_of, tuple(key), tuple(restore), kwargs["D"], itemsize, arch)
+        tuned = _tuned(kernel, space_of, tuple(key), tuple(restore), d, itemsize, arch)
         wrap_triton(tuned)[grid](*args, **kwargs)
 
 

@@ -188,7 +188,7 @@ def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, 
             launch.run(stats_fwd, lambda meta: (triton.cdiv(r1 - r0, meta["BLOCK_M"]), splits),
                        triangle_space if triangle else space,
                        ("M", "K", "D", "COLUMNS", "TRIANGLE", "FROM_LOGITS", "NORMALIZE", "LABELS"),
-                       *inputs.pointers(a, b, band), lse[:, r0 - g0:], mean[:, r0 - g0:], cpart[at:], cmean[at:],
+                       a, b, *inputs.pointers(band), lse[:, r0 - g0:], mean[:, r0 - g0:], cpart[at:], cmean[at:],
                        R0=r0, R1=r1, C0=c0, SPLIT=share, s_pr=0 if band is None else band.stride(0),
                        s_part=lse.stride(0), TRIANGLE=triangle, FROM_LOGITS=band is not None,
                        **inputs.constants(a, b), blocks=blocks)
