@@ -272,12 +272,13 @@ def plain(kind, setting, a, b, scale=None, **p):
     if setting == "image_text":
         sims = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
         n = sims.shape[0]
-        off = ~torch.eye(n, dtype=torch.bool)
+        off = ~torch.eye(n, dtype=torch.bool, device=sims.device)
         return sum(kernel(s.diagonal(), s.masked_select(off).view(n, n - 1), **options).mean()
                    for s in (sims, sims.T)) / 2
     z = torch.nn.functional.normalize(torch.cat([a, b]), dim=1)
     sims, n = z @ z.T, a.shape[0]
-    partner = (torch.arange(2 * n) + n) % (2 * n)
-    own = torch.eye(2 * n, dtype=torch.bool) | torch.eye(2 * n, dtype=torch.bool).roll(n, dims=1)
+    partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
+    eye = torch.eye(2 * n, dtype=torch.bool, device=z.device)
+    own = eye | eye.roll(n, dims=1)
     pos = sims.gather(1, partner[:, None])[:, 0]
     return kernel(pos, sims.masked_select(~own).view(2 * n, 2 * n - 2), **options).mean()
