@@ -284,18 +284,20 @@ class ContrastiveLoss(Objective):
       True: every process holds the same batch size (checked on the device: no host round trip, and the
       call compiles with fullgraph=True); "uneven": batch sizes may differ (exchanged between the hosts on
       every call, e.g. for an epoch's last batch).
-    - ``chunk_size``: how the [M, K] anchor-negative matrix is handled. None (default): blocks of about
-      BLOCK_ELEMENTS logits through an exact custom autograd function (losses/chunked.py): objectives
-      with a closed-form ``stat_grad`` get backward's products done in forward and keep no block; the
-      others (image-text on one process) keep the blocks' exponentials for backward up to
-      KEEP_MAX_ELEMENTS entries (the first blocks) and recompute the rest, so memory grows linearly in
-      the batch; a positive number: blocks of that many anchors, none kept; 0: the dense reference (one
-      product, autograd through logsumexp). All three give the same values and gradients.
+    - ``chunk_size``: how the [M, K] anchor-negative matrix is handled by the blockwise torch kernel. None
+      (default): blocks of about BLOCK_ELEMENTS logits through an exact custom autograd function
+      (losses/chunked.py): objectives with a closed-form ``stat_grad`` get backward's products done in
+      forward and keep no block; the others (image-text on one process) keep the blocks' exponentials for
+      backward up to KEEP_MAX_ELEMENTS entries (the first blocks) and recompute the rest, so memory grows
+      linearly in the batch; a positive number: blocks of that many anchors, none kept; 0: the dense path.
+      All give the same values and gradients.
     - ``backend`` ("auto" | "triton" | "torch" | "dense"): how the negatives' statistics are computed:
-      "auto" is the one measured faster (see choose_backend): on CUDA the Triton kernels (bf16/fp16 products,
-      or float32 with TF32 where allowed), elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with host-checked
-      fast paths, on CUDA cuBLAS products in GPU-sized blocks (DEVICE_BLOCK_ELEMENTS) on the exact path, no
-      value read on the host. In the
+      "auto" is the one measured faster (see choose_backend): the dense path where the matrix is small (the
+      call host-bound: dense.py, one autograd Function for two views and image-text, the matrix through
+      autograd otherwise); beyond it on CUDA the Triton kernels (bf16/fp16 products, or float32 with TF32
+      where allowed), elsewhere the blockwise torch kernel ("torch"): on CPU cache-sized blocks with
+      host-checked fast paths, on CUDA cuBLAS products in GPU-sized blocks (DEVICE_BLOCK_ELEMENTS) on the exact
+      path, no value read on the host. In the
       two-view and image-text settings the torch kernel takes the features as given and normalises them
       per block, so that no float32 copy of them is made (about 0.5-0.8 GiB of loss memory at N = 262144,
       D = 512 bf16 on CUDA: docs/performance.md).
@@ -501,11 +503,13 @@ class ContrastiveLoss(Objective):
         elif queue_labels is not None:
             raise ValueError(f"{self.name}: queue_labels without labels: give the batch's labels too")
         low = _low_precision(*features.values())
+        dtype = _compute_dtype(*features.values())
+        per_sample = keys.shape[1] + (0 if negatives is None else negatives.shape[1])
+        candidates = queue.shape[0] if queue is not None else query.shape[0] * per_sample * self._processes()
+        backend = self._resolve_backend(query, low, dtype, logits=query.shape[0] * candidates)
+        if backend == "dense" and labels is None and keys.shape[1] == 1 and self._fuses:
+            return self._dense_query_key(query, keys[:, 0], queue, negatives, dtype, output_dict, features)
         with no_autocast(query.device.type):
-            dtype = _compute_dtype(*features.values())
-            per_sample = keys.shape[1] + (0 if negatives is None else negatives.shape[1])
-            candidates = queue.shape[0] if queue is not None else query.shape[0] * per_sample * self._processes()
-            backend = self._resolve_backend(query, low, dtype, logits=query.shape[0] * candidates)
             q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
             if backend == "triton":  # float32 cosines of the rows the kernels take
                 pos = torch.stack([self._positive_cosines(q, k[:, j]) for j in range(k.shape[1])], 1)
@@ -664,6 +668,34 @@ class ContrastiveLoss(Objective):
                       for a, b in ((image, all_texts), (text, all_images))]
         out = tuple(torch.cat(pair) for pair in zip(*directions))
         return self._dense_output(out, scale, total - 1, output_dict, features)
+
+    def _dense_query_key(self, query, key, queue, negatives, dtype, output_dict, features):
+        """One key per query (dense.py): against [its key, the queue] with the other keys left out, or against
+        every sample's key and hard negatives (gathered whole), its own key the positive."""
+        n, d = query.shape
+        if queue is not None:
+            same = key.dtype == queue.dtype
+            candidates = torch.cat([key, queue] if same else [key.to(dtype), queue.to(dtype)])
+            where, num_neg = layout("queue", n, queue.shape[0], 0, query.device), queue.shape[0]
+        else:
+            rows = key[:, None] if negatives is None else torch.cat(  # [n, c, D]: each sample's key, then extras
+                [key[:, None], negatives] if key.dtype == negatives.dtype else
+                [key[:, None].to(dtype), negatives.to(dtype)], dim=1)
+            per_sample = rows.shape[1]
+            start, total = 0, n
+            if self.gather_distributed:  # the raw rows gathered (their own dtype)
+                rows, start = self._gather(rows.reshape(n, per_sample * d))
+                total = rows.shape[0]
+            candidates = rows.reshape(total * per_sample, d)
+            if total * per_sample < 2:
+                raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
+                                 "and a batch of 1 has none")
+            where = layout("rows", n, total, start, query.device, per_sample)
+            num_neg = total * per_sample - 1
+        scale = self.default_logit_scale()
+        out = dense_loss(query, candidates, scale, where, columns=False, terms=self.logit_terms, num_neg=num_neg,
+                         with_mean=self.needs_mean, normalize=self.normalize)
+        return self._dense_output(out, scale, num_neg, output_dict, features)
 
     def _dense_output(self, out, scale, num_neg, output_dict, inputs):
         """The reduced loss of dense_loss's outputs (per-anchor loss, positives' logits, lse[, mean]); the

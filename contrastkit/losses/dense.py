@@ -38,18 +38,19 @@ _LAYOUTS: dict[tuple, Layout] = {}
 _MAX_LAYOUTS = 64  # shapes seen in one run: the batch, the last batch, an evaluation's
 
 
-def layout(setting: str, n: int, total: int, start: int, device: torch.device) -> Layout:
-    """The layout of ``setting`` for n local samples among ``total`` (gathered; this process's at ``start``):
+def layout(setting: str, n: int, total: int, start: int, device: torch.device, per_sample: int = 1) -> Layout:
+    """The layout of ``setting`` for n local anchors, this process's samples at ``start`` of ``total``:
 
     - "two_views": anchors the 2n local views (view-major), candidates the 2 total views; anchor (v, i) has
       its positive at view 1 - v of sample start + i, and leaves out both views of that sample;
     - "image_text": one process (n = total), anchors the rows and then the columns of the square matrix, each
       with its positive on the diagonal, which is left out;
-    - "rows": one direction of image-text against gathered candidates: anchor i's positive (left out) at
-      column start + i.
+    - "rows": candidates ``per_sample`` rows per sample (image-text gathered: its other modality; a query's
+      key, then its hard negatives): anchor i's positive (left out) the first row of sample start + i;
+    - "queue": candidates the n keys, then a queue of ``total``: anchor i's positive its key, every key left out.
 
     Made once per shape and device (a cache), or in the graph under torch.compile."""
-    key = (setting, n, total, start, device)
+    key = (setting, n, total, start, device, per_sample)
     found = _LAYOUTS.get(key)
     if found is not None:
         return found
@@ -63,8 +64,11 @@ def layout(setting: str, n: int, total: int, start: int, device: torch.device) -
     elif setting == "image_text":
         diagonal = i * (n + 1)
         positives, excluded = torch.cat([diagonal, diagonal]), diagonal
+    elif setting == "queue":
+        positives = i * (n + total) + i
+        excluded = (i[:, None] * (n + total) + i).reshape(-1)
     else:
-        positives = i * total + start + i
+        positives = i * (total * per_sample) + (start + i) * per_sample
         excluded = positives.clone()  # two tensors: torch.compile cannot trace one given twice
     made = Layout(positives, excluded)
     if not torch.compiler.is_compiling():
@@ -179,7 +183,8 @@ def _times(grad, d):
 
 
 def _part(x, start, stop):
-    return None if x is None else x[start:stop]
+    """x[start:stop] of per-anchor values (rows, then columns' anchors); x itself where that is all of it."""
+    return x if x is None or start == 0 and stop == x.shape[0] else x[start:stop]
 
 
 def _d_logits(logits, c_lse, c_mean, mean, dim):
