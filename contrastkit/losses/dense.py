@@ -164,6 +164,44 @@ class _DenseLoss(torch.autograd.Function):
         return grad_a, grad_b, d_scale if need_scale else None, None, None, None, None, None, None, None
 
 
+class _ScoreLoss(torch.autograd.Function):
+    """Per-anchor losses [M] of scores given whole (the wav2vec 2.0 frames'): the positive's cosine pos [M], the
+    candidates' cosines neg [M, K] where ``valid`` [M, K]: _DenseLoss's statistics, formula and backward
+    without the product. An anchor with no valid candidate gets a finite loss (its lse the excluded logit's)."""
+
+    @staticmethod
+    def forward(ctx, pos, neg, valid, scale, terms, num_neg, with_mean):
+        dtype = torch.float64 if torch.float64 in (pos.dtype, neg.dtype) else torch.float32
+        with no_autocast(neg.device.type):
+            logits = _as(neg, dtype) * scale
+            if valid is not None:
+                logits = torch.where(valid, logits, EXCLUDED)
+            lse = torch.logsumexp(logits, 1)
+            mean = (torch.softmax(logits, 1) * logits).sum(1) if with_mean else None
+            loss, d_lse, d_mean, d_pos, _ = terms(_as(pos, dtype) * scale, lse, mean, scale, num_neg)
+        ctx.save_for_backward(logits, mean, *(t if isinstance(t, torch.Tensor) else None for t in (d_lse, d_mean, d_pos)))
+        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (d_lse, d_mean, d_pos))
+        ctx.scale, ctx.dtypes = scale, (pos.dtype, neg.dtype)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        logits, mean, *tensors = ctx.saved_tensors
+        d_lse, d_mean, d_pos = (c if t is None else t for t, c in zip(tensors, ctx.constants))
+        with no_autocast(grad.device.type):
+            grad = _as(grad, logits.dtype)
+            d_neg = _d_logits(logits, _times(grad, d_lse), _times(grad, d_mean), mean, 1).mul_(ctx.scale)
+            d_pos = grad * (d_pos * ctx.scale) if isinstance(d_pos, float) else (grad * d_pos).mul_(ctx.scale)
+        return _as(d_pos, ctx.dtypes[0]), _as(d_neg, ctx.dtypes[1]), None, None, None, None, None
+
+
+def score_loss(pos: torch.Tensor, neg: torch.Tensor, valid: torch.Tensor | None, scale: float, *, terms, num_neg,
+               with_mean: bool) -> torch.Tensor:
+    """Per-anchor losses [M] of given scores (see _ScoreLoss; ``terms`` as dense_loss's), scale a number."""
+    return _ScoreLoss.apply(pos, neg, valid, scale, terms, num_neg, with_mean)
+
+
 def _softmax_means(logits, columns):
     """sum_j softmax(L_i)_j L_ij per row (and per column): the excluded entries weigh 0 (exp(EXCLUDED) is 0)."""
     rows = (torch.softmax(logits, 1) * logits).sum(1)

@@ -22,6 +22,7 @@ import torch
 
 from contrastkit.distributed import gather_no_grad
 from contrastkit.losses import functional as K
+from contrastkit.losses.dense import score_loss
 
 # name -> (kernel, options it takes besides pos/neg/neg_mask)
 KERNELS: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
@@ -62,23 +63,45 @@ class FrameObjective:
         0-dim tensor). ``frames`` [M] bool: the rows that are frames to contrast (default: every row); the others
         count for nothing, not even as dropped (the Hugging Face adapter scores every frame and passes its mask).
 
-        No value is read on the host and no shape depends on values, so a CUDA step never waits for the device:
-        a frame left out keeps its row, its scores set to 0 and every distractor made valid so that its loss is
-        finite, and that loss is then replaced by an exact 0 (which gives its scores no gradient either)."""
+        One autograd Function for the per-frame losses (dense.score_loss: the formula and its backward written
+        out, as the loss core's dense path), so that a step pays few operators. No value is read on the host and
+        no shape depends on values, so a CUDA step never waits for the device: a frame left out keeps its row
+        (its lse the excluded logit's, its loss finite) and its loss is replaced by an exact 0, which gives its
+        scores no gradient either."""
         has_negative = valid.any(dim=1)
         keep = has_negative if frames is None else has_negative & frames
         dropped = (~has_negative if frames is None else frames & ~has_negative).sum()
-        out = ~keep[:, None]
-        pos, neg, valid = pos.masked_fill(~keep, 0.0), neg.masked_fill(out, 0.0), valid | out
-        options = dict(self.options)
-        if "temperature" in KERNELS[self.name][1]:
-            options.setdefault("temperature", model_temperature)
-        if self.name == "dclw":  # a collective: called on every process, also one with no frame left
-            options["pos_weight"] = frame_weights(pos, keep, options.get("sigma", 0.5))
         if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
             return neg.sum() * 0.0, dropped
-        per_frame = self.kernel(pos, neg, neg_mask=valid, **options)
+        scale, terms, num_neg = self._formula(pos, valid, keep, model_temperature)
+        per_frame = score_loss(pos, neg, valid, scale, terms=terms, num_neg=num_neg, with_mean=self.name == "cacr")
         return torch.where(keep, per_frame, 0.0).sum(), dropped
+
+    def _formula(self, pos, valid, keep, model_temperature):
+        """(the logits' scale, the per-frame formula with its partial derivatives, the negatives' count) of this
+        objective (functional.softmax_logit_terms, cacr_logit_terms: one positive per frame)."""
+        options = self.options
+        if self.name == "cacr":  # one positive: its attraction weight is 1, t_pos has nothing to weigh
+            return 2.0 * options.get("t_neg", 2.0), _cacr_terms, None
+        temperature = options.get("temperature", model_temperature)
+        K._check_temperature(self.name, temperature)
+        weight, num_neg = None, None
+        if self.name == "dclw":  # a collective: called on every process, also one with no frame left
+            weight = frame_weights(pos, keep, options.get("sigma", 0.5))
+        if self.name == "eqco":
+            num_neg = valid.sum(dim=1, dtype=K._compute_dtype(pos)).clamp_min_(1.0)
+        keep_positive = self.name in ("infonce", "eqco")
+        alpha = options.get("alpha", 256.0)
+
+        def terms(p, lse, mean, scale, k):
+            shift = torch.log(alpha / k) if k is not None else 0.0
+            return K.softmax_logit_terms(p, lse, keep_positive=keep_positive, shift=shift, pos_weight=weight)
+
+        return 1.0 / temperature, terms, num_neg
+
+
+def _cacr_terms(pos, lse, mean, scale, num_neg):
+    return K.cacr_logit_terms(pos, mean, scale)
 
 
 def frame_weights(pos: torch.Tensor, keep: torch.Tensor, sigma: float) -> torch.Tensor:

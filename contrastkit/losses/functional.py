@@ -345,14 +345,14 @@ def softmax_terms(pos_logits: torch.Tensor, neg_lse: torch.Tensor, *, keep_posit
     return Terms(pos_term + neg_lse, pos_term.detach(), neg_lse.detach(), npc)
 
 
-def softmax_logit_terms(pos: torch.Tensor, neg_lse: torch.Tensor, *, keep_positive: bool, shift: float = 0.0,
-                        pos_weight: torch.Tensor | None = None) -> LogitTerms:
+def softmax_logit_terms(pos: torch.Tensor, neg_lse: torch.Tensor, *, keep_positive: bool,
+                        shift: float | torch.Tensor = 0.0, pos_weight: torch.Tensor | None = None) -> LogitTerms:
     """softmax_terms' loss with one positive per anchor, from its logit [M], and the partial derivatives:
-    keep_positive (InfoNCE; EqCo with ``shift`` log(alpha / K)): softplus(lse + shift - p), whose derivative in
-    lse is q_B = sigmoid(lse + shift - p) (DCL paper, Prop. 1) and -q_B in p; else (DCL, DCLW with its
-    detached ``pos_weight`` w) lse - w p: 1 and -w."""
+    keep_positive (InfoNCE; EqCo with ``shift`` log(alpha / K), one number or per anchor): softplus(lse + shift
+    - p), whose derivative in lse is q_B = sigmoid(lse + shift - p) (DCL paper, Prop. 1) and -q_B in p; else
+    (DCL, DCLW with its detached ``pos_weight`` w) lse - w p: 1 and -w."""
     if keep_positive:
-        gap = neg_lse - pos if shift == 0.0 else (neg_lse - pos).add_(shift)
+        gap = neg_lse - pos if isinstance(shift, float) and shift == 0.0 else (neg_lse - pos).add_(shift)
         q = torch.sigmoid(gap)
         return LogitTerms(F.softplus(gap, threshold=_SOFTPLUS_EXACT), q, None, q.neg(), None)
     if pos_weight is None:
