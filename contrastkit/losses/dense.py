@@ -115,11 +115,11 @@ class _DenseLoss(torch.autograd.Function):
                 lse = torch.cat([lse, torch.logsumexp(logits, 0)])
             mean = _softmax_means(logits, columns) if with_mean else None
             loss, d_lse, d_mean, d_pos, d_scale = terms(pos, lse, mean, scale, num_neg)
-        ctx.save_for_backward(a, b, u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives,
+        ctx.save_for_backward(u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives,
                               *(t if isinstance(t, torch.Tensor) else None for t in (scale, d_lse, d_mean, d_pos,
                                                                                      d_scale)))
         ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (scale, d_lse, d_mean, d_pos))
-        ctx.columns, ctx.same = columns, b is None
+        ctx.columns, ctx.same, ctx.dtypes = columns, b is None, (a.dtype, a.dtype if b is None else b.dtype)
         outputs = (pos, lse) if mean is None else (pos, lse, mean)
         ctx.mark_non_differentiable(*outputs)
         ctx.set_materialize_grads(False)  # the statistics take no gradient: no zeros made for them
@@ -130,7 +130,7 @@ class _DenseLoss(torch.autograd.Function):
     def backward(ctx, grad, *_):
         if grad is None:  # only the statistics were differentiated (they take no gradient)
             return (None,) * 10
-        a, b, u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives, *tensors = ctx.saved_tensors
+        u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives, *tensors = ctx.saved_tensors
         scale, d_lse, d_mean, d_pos = (c if t is None else t for t, c in zip(tensors, ctx.constants))
         d_scale_direct = tensors[4]
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
@@ -157,10 +157,10 @@ class _DenseLoss(torch.autograd.Function):
                 d_scale = d_scale.view(scale.shape)  # a scale of shape [1]
             grad_a = grad_b = None
             if need_a:
-                grad_a = _as(_normalisation_backward(du.mul_(scale), u, inv_a, proj_a), a.dtype)
+                grad_a = _as(_normalisation_backward(du.mul_(scale), u, inv_a, proj_a), ctx.dtypes[0])
             if need_b and not ctx.same:
                 dv = torch.mm(dl.T, u).mul_(scale)
-                grad_b = _as(_normalisation_backward(dv, v, inv_b, proj_b), b.dtype)
+                grad_b = _as(_normalisation_backward(dv, v, inv_b, proj_b), ctx.dtypes[1])
         return grad_a, grad_b, d_scale if need_scale else None, None, None, None, None, None, None, None
 
 
@@ -179,8 +179,9 @@ class _ScoreLoss(torch.autograd.Function):
             lse = torch.logsumexp(logits, 1)
             mean = (torch.softmax(logits, 1) * logits).sum(1) if with_mean else None
             loss, d_lse, d_mean, d_pos, _ = terms(_as(pos, dtype) * scale, lse, mean, scale, num_neg)
-        ctx.save_for_backward(logits, mean, *(t if isinstance(t, torch.Tensor) else None for t in (d_lse, d_mean, d_pos)))
-        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (d_lse, d_mean, d_pos))
+        partials = (d_lse, d_mean, d_pos)
+        ctx.save_for_backward(logits, mean, *(t if isinstance(t, torch.Tensor) else None for t in partials))
+        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in partials)
         ctx.scale, ctx.dtypes = scale, (pos.dtype, neg.dtype)
         return loss
 
