@@ -145,3 +145,25 @@ def test_labels_have_no_graph_break(name, mode, setting):
         assert (g_got is None) == (g_want is None)
         if g_want is not None:
             torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["infonce", "dcl", "dclw", "eqco", "cacr"])
+def test_wav2vec2_frames_have_no_graph_break(name):
+    """The frames' objective (dense.score_loss with the objective's formula) in one graph, equal to eager."""
+    from contrastkit.losses.frames import FrameObjective
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(hash(name) % 2**31)
+    pos, neg = torch.rand(12, generator=g), torch.rand(12, 6, generator=g)
+    valid, frames = torch.rand(12, 6, generator=g) > 0.3, torch.rand(12, generator=g) > 0.2
+    valid[0] = False  # a frame with no valid distractor
+    objective = FrameObjective(name)
+
+    def call(p, n):
+        return objective.summed(p, n, valid, model_temperature=0.1, frames=frames)[0]
+
+    want, want_grads = _value_and_grads(call, [pos, neg])
+    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend="aot_eager"), [pos, neg])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g_got, g_want in zip(got_grads, want_grads):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)

@@ -116,13 +116,22 @@ def inverse_norms(x: torch.Tensor) -> torch.Tensor:
 _CLAMPED_INVERSE = float(1.0 / torch.tensor(NORM_EPS, dtype=torch.float32))
 
 
-def normalization_backward(pre: torch.Tensor, x: torch.Tensor, inv: torch.Tensor, out: torch.Tensor) -> None:
+def projection_weights(inv: torch.Tensor) -> torch.Tensor:
+    """normalization_backward's weights [rows, 1] from the rows' inverse norms [rows]: inv^2, 0 for a row whose
+    norm was clamped to eps (a constant divisor: no projection). Made once per call, not per band of rows."""
+    return (inv * inv).mul_(inv < _CLAMPED_INVERSE)[:, None]
+
+
+def normalization_backward(pre: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     """out = d loss / d x from pre = inv * (d loss / d unit vector) (float32, [rows, D]): F.normalize's
-    backward, pre - inv^2 (x . pre) x, the projection dropped for a row whose norm was clamped to eps (a
-    constant divisor). out may be pre itself; the float32 work goes in chunks of rows."""
-    for r0, r1 in _row_chunks(x.shape[0], x.shape[1]):
-        p, v, i = pre[r0:r1].float(), x[r0:r1].float(), inv[r0:r1, None]
-        drop_along(p, v, i * i * (i < _CLAMPED_INVERSE), out=out[r0:r1])
+    backward, pre - inv^2 (x . pre) x, with the rows' ``weight`` (projection_weights). out may be pre itself;
+    the float32 work goes in chunks of rows (one chunk: the tensors as they are, no slices)."""
+    rows = x.shape[0]
+    for r0, r1 in _row_chunks(rows, x.shape[1]):
+        whole = r1 - r0 == rows
+        v = x if whole else x[r0:r1]
+        drop_along(pre if whole else pre[r0:r1], v if v.dtype == torch.float32 else v.float(),
+                   weight if whole else weight[r0:r1], out=out if whole else out[r0:r1])
 
 
 @torch.library.custom_op("contrastkit::half_units", mutates_args=())

@@ -56,7 +56,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from contrastkit.losses import precision
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
-from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward
+from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward, projection_weights
 from contrastkit.losses.kernels import launch
 from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
 from contrastkit.losses.kernels.stats_fwd import forward_stats
@@ -220,16 +220,16 @@ def _add_product(out, x, y, accumulate):
         out.copy_(_mm_f32(x, y))
 
 
-def _finish(total, x, inv, factor, out=None, units=False):
+def _finish(total, x, inv, weight, factor, out=None, units=False):
     """A gradient from its float32 sum of products of d logits: times ``factor`` (the logit scale, and the
     d logits' own factor: d logits in float16 stay in range without either), then F.normalize's
-    backward where the rows' inverse norms ``inv`` are given (functional.normalization_backward), written
-    into ``out`` in its dtype, or in place in ``total`` where out is None. units: the products were of the
-    unit vectors (functional.half_units), so the sum is d loss / d unit vector, which the normalisation's
-    backward takes times inv."""
+    backward where the rows' inverse norms ``inv`` are given, with their ``weight``
+    (functional.normalization_backward, projection_weights), written into ``out`` in its dtype, or in place in
+    ``total`` where out is None. units: the products were of the unit vectors (functional.half_units), so the sum
+    is d loss / d unit vector, which the normalisation's backward takes times inv."""
     if inv is not None:
         total.mul_(factor)
-        normalization_backward(total.mul_(inv[:, None]) if units else total, x, inv, total if out is None else out)
+        normalization_backward(total.mul_(inv[:, None]) if units else total, x, weight, total if out is None else out)
     elif out is None:
         total.mul_(factor)
     else:
@@ -275,6 +275,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if kept is None else None
     step = inputs.scale * factor  # on the sums, once
+    w_a = None if inv_a is None else projection_weights(inv_a)
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
@@ -288,10 +289,11 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
-        _finish(da_band, x_a[r0:r1], None if inv_a is None else inv_a[r0:r1], step,
-                None if da_sum is None else da[r0:r1], given is not None)
+        _finish(da_band, x_a[r0:r1], None if inv_a is None else inv_a[r0:r1], None if w_a is None else w_a[r0:r1],
+                step, None if da_sum is None else da[r0:r1], given is not None)
     if not symmetric:
-        _finish(db_sum, x_b, inv_b, step, None if db_sum is db else db, given is not None)
+        _finish(db_sum, x_b, inv_b, None if inv_b is None else projection_weights(inv_b), step,
+                None if db_sum is db else db, given is not None)
     return da, db, ds_rows
 
 
@@ -329,7 +331,8 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None, given=None):
                 _add_product(dz[past:c1], block[:, past - c0:].T, z[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[: len(blocks), :, : r1 - r0].sum((0, 1))
     out = None if x.dtype == torch.float32 else torch.empty_like(x, memory_format=torch.contiguous_format)
-    _finish(dz, x, inv, inputs.scale * factor, out, given is not None)
+    _finish(dz, x, inv, None if inv is None else projection_weights(inv), inputs.scale * factor, out,
+            given is not None)
     return (dz if out is None else out), ds_rows
 
 
