@@ -7,12 +7,12 @@ one backward written out by hand, each a short straight run of operators:
     forward   u = a / |a|, v = b / |b|;  L = scale u v^T;  p_i = L at anchor i's positive;  the own sample's
               entries left out (EXCLUDED);  lse_i = logsumexp of row i (and of column i, image-text);  CACR's
               m_i = sum_j softmax(L_i)_j L_ij;  loss_i = the objective's formula of (p_i, lse_i, m_i)
-    backward  dL = g_i (d_lse_i softmax(L_i) + d_m_i softmax(L_i) (1 + L_i - m_i)) + g_i d_p_i at the
+    backward  dL = g_i (d_lse_i softmax(L_i) + d_m_i softmax(L_i) (1 + L_i - m_i)) - g_i pull_i at the
               positives;  du = scale dL v, dv = scale dL^T u (two views: one product of dL + dL^T);  the
               normalisation's backward;  d scale = <dL, u v^T> + the objective's direct term
 
 The objective supplies only its formula and its partial derivatives (``logit_terms`` of each loss class, from
-functional.py); the setting supplies which entries are each anchor's positive and which are left out, as flat
+functional.py: functional.LogitTerms); the setting supplies which entries are each anchor's positive and which are left out, as flat
 indices made once per shape and device (``layout``). The blockwise paths (chunked.py, triton_stats.py) serve
 the matrices that do not fit (base.choose_backend).
 """
@@ -114,11 +114,12 @@ class _DenseLoss(torch.autograd.Function):
             if columns:
                 lse = torch.cat([lse, torch.logsumexp(logits, 0)])
             mean = _softmax_means(logits, columns) if with_mean else None
-            loss, d_lse, d_mean, d_pos, d_scale = terms(pos, lse, mean, scale, num_neg)
+            loss, d_lse, d_mean, pull, d_scale = terms(pos, lse, mean, scale, num_neg)
+        pull = _pull(pull, d_lse, d_mean)
         ctx.save_for_backward(u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives,
-                              *(t if isinstance(t, torch.Tensor) else None for t in (scale, d_lse, d_mean, d_pos,
+                              *(t if isinstance(t, torch.Tensor) else None for t in (scale, d_lse, d_mean, pull,
                                                                                      d_scale)))
-        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (scale, d_lse, d_mean, d_pos))
+        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (scale, d_lse, d_mean, pull))
         ctx.columns, ctx.same, ctx.dtypes = columns, b is None, (a.dtype, a.dtype if b is None else b.dtype)
         outputs = (pos, lse) if mean is None else (pos, lse, mean)
         ctx.mark_non_differentiable(*outputs)
@@ -131,7 +132,7 @@ class _DenseLoss(torch.autograd.Function):
         if grad is None:  # only the statistics were differentiated (they take no gradient)
             return (None,) * 10
         u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives, *tensors = ctx.saved_tensors
-        scale, d_lse, d_mean, d_pos = (c if t is None else t for t, c in zip(tensors, ctx.constants))
+        scale, d_lse, d_mean, pull = (c if t is None else t for t, c in zip(tensors, ctx.constants))
         d_scale_direct = tensors[4]
         need_a, need_b, need_scale = ctx.needs_input_grad[:3]
         with no_autocast(grad.device.type):
@@ -141,10 +142,7 @@ class _DenseLoss(torch.autograd.Function):
             dl = _d_logits(logits, _part(c_lse, 0, m), _part(c_mean, 0, m), _part(mean, 0, m), 1)
             if ctx.columns:
                 dl += _d_logits(logits, _part(c_lse, m, None), _part(c_mean, m, None), _part(mean, m, None), 0)
-            if isinstance(d_pos, torch.Tensor):
-                dl.view(-1).index_add_(0, positives, grad * d_pos)
-            else:
-                dl.view(-1).index_add_(0, positives, grad, alpha=d_pos)
+            dl.view(-1).index_add_(0, positives, _pulled(pull, grad, c_lse, c_mean), alpha=-1.0)
             if ctx.same:
                 du = torch.mm(dl + dl.T, u)
                 d_scale = (du * u).sum() * 0.5 if need_scale else None
@@ -178,8 +176,8 @@ class _ScoreLoss(torch.autograd.Function):
                 logits = torch.where(valid, logits, EXCLUDED)
             lse = torch.logsumexp(logits, 1)
             mean = (torch.softmax(logits, 1) * logits).sum(1) if with_mean else None
-            loss, d_lse, d_mean, d_pos, _ = terms(_as(pos, dtype) * scale, lse, mean, scale, num_neg)
-        partials = (d_lse, d_mean, d_pos)
+            loss, d_lse, d_mean, pull, _ = terms(_as(pos, dtype) * scale, lse, mean, scale, num_neg)
+        partials = (d_lse, d_mean, _pull(pull, d_lse, d_mean))
         ctx.save_for_backward(logits, mean, *(t if isinstance(t, torch.Tensor) else None for t in partials))
         ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in partials)
         ctx.scale, ctx.dtypes = scale, (pos.dtype, neg.dtype)
@@ -189,11 +187,12 @@ class _ScoreLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         logits, mean, *tensors = ctx.saved_tensors
-        d_lse, d_mean, d_pos = (c if t is None else t for t, c in zip(tensors, ctx.constants))
+        d_lse, d_mean, pull = (c if t is None else t for t, c in zip(tensors, ctx.constants))
         with no_autocast(grad.device.type):
             grad = _as(grad, logits.dtype)
-            d_neg = _d_logits(logits, _times(grad, d_lse), _times(grad, d_mean), mean, 1).mul_(ctx.scale)
-            d_pos = grad * (d_pos * ctx.scale) if isinstance(d_pos, float) else (grad * d_pos).mul_(ctx.scale)
+            c_lse, c_mean = _times(grad, d_lse), _times(grad, d_mean)
+            d_pos = _pulled(pull, grad, c_lse, c_mean) * -ctx.scale
+            d_neg = _d_logits(logits, c_lse, c_mean, mean, 1).mul_(ctx.scale)
         return _as(d_pos, ctx.dtypes[0]), _as(d_neg, ctx.dtypes[1]), None, None, None, None, None
 
 
@@ -221,6 +220,22 @@ def _times(grad, d):
     return grad * d
 
 
+def _pull(pull, d_lse, d_mean):
+    """What backward needs of the positive's pull: "lse" or "mean" where it is that partial derivative itself
+    (its product with the upstream gradient is made already), else the pull."""
+    for name, d in (("lse", d_lse), ("mean", d_mean)):
+        if pull is d or isinstance(pull, float) and isinstance(d, float) and pull == d:
+            return name
+    return pull
+
+
+def _pulled(pull, grad, c_lse, c_mean):
+    """g pull per anchor: c_lse or c_mean where the pull is that partial derivative (see _pull)."""
+    if isinstance(pull, str):
+        return c_lse if pull == "lse" else c_mean
+    return _times(grad, pull)
+
+
 def _part(x, start, stop):
     """x[start:stop] of per-anchor values (rows, then columns' anchors); x itself where that is all of it."""
     return x if x is None or start == 0 and stop == x.shape[0] else x[start:stop]
@@ -240,8 +255,9 @@ def _d_logits(logits, c_lse, c_mean, mean, dim):
 def dense_loss(a: torch.Tensor, b: torch.Tensor | None, scale, where: Layout, *, columns: bool, terms, num_neg,
                with_mean: bool, normalize: bool):
     """(per-anchor losses with their gradient, positives' logits, negatives' lse[, mean]): see the module
-    docstring. ``terms(pos, lse, mean, scale, num_neg)`` -> (loss, d_lse, d_mean, d_pos, d_scale): the
-    objective's per-anchor loss and its partial derivatives (a tensor, a number, or None for zero; d_scale its
-    direct dependence on the scale, beside the logits')."""
+    docstring. ``terms(pos, lse, mean, scale, num_neg)`` -> functional.LogitTerms (loss, d_lse, d_mean, pull,
+    d_scale): the objective's per-anchor loss and its partial derivatives (a tensor, a number, or None for zero;
+    the pull minus the derivative in the positive's logit; d_scale the direct dependence on the scale, beside
+    the logits')."""
     return _DenseLoss.apply(a, b, scale, where.positives, where.excluded, columns, terms, num_neg, with_mean,
                             normalize)

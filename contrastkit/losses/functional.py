@@ -42,14 +42,16 @@ Partial = torch.Tensor | float | None  # a derivative per anchor [M], one for al
 
 
 class LogitTerms(NamedTuple):
-    """Per-anchor loss [M] of one positive per anchor and its partial derivatives in the positive's logit, the
-    negatives' lse and their softmax-weighted mean logit, and in the scale where the loss depends on it beside
-    the logits (CACR): what the dense path's backward needs of an objective (dense.py)."""
+    """Per-anchor loss [M] of one positive per anchor and its partial derivatives in the negatives' lse and their
+    softmax-weighted mean logit, the positive's pull (minus the derivative in its logit: the same tensor or
+    number as d_lse or d_mean where it equals it, which backward then reuses), and the derivative in the scale
+    where the loss depends on it beside the logits (CACR): what the dense path's backward needs of an
+    objective (dense.py)."""
 
     loss: torch.Tensor
     d_lse: Partial
     d_mean: Partial
-    d_pos: Partial
+    pull: Partial
     d_scale: torch.Tensor | None
 
 
@@ -358,15 +360,15 @@ def softmax_logit_terms(pos: torch.Tensor, neg_lse: torch.Tensor, *, keep_positi
                         shift: float | torch.Tensor = 0.0, pos_weight: torch.Tensor | None = None) -> LogitTerms:
     """softmax_terms' loss with one positive per anchor, from its logit [M], and the partial derivatives:
     keep_positive (InfoNCE; EqCo with ``shift`` log(alpha / K), one number or per anchor): softplus(lse + shift
-    - p), whose derivative in lse is q_B = sigmoid(lse + shift - p) (DCL paper, Prop. 1) and -q_B in p; else
-    (DCL, DCLW with its detached ``pos_weight`` w) lse - w p: 1 and -w."""
+    - p), whose derivative in lse is q_B = sigmoid(lse + shift - p) (DCL paper, Prop. 1), the positive's pull
+    q_B too; else (DCL, DCLW with its detached ``pos_weight`` w) lse - w p: 1, and a pull of w."""
     if keep_positive:
         gap = neg_lse - pos if isinstance(shift, float) and shift == 0.0 else (neg_lse - pos).add_(shift)
         q = torch.sigmoid(gap)
-        return LogitTerms(F.softplus(gap, threshold=_SOFTPLUS_EXACT), q, None, q.neg(), None)
+        return LogitTerms(F.softplus(gap, threshold=_SOFTPLUS_EXACT), q, None, q, None)
     if pos_weight is None:
-        return LogitTerms(neg_lse - pos, 1.0, None, -1.0, None)
-    return LogitTerms(neg_lse - pos_weight * pos, 1.0, None, pos_weight.neg(), None)
+        return LogitTerms(neg_lse - pos, 1.0, None, 1.0, None)
+    return LogitTerms(neg_lse - pos_weight * pos, 1.0, None, pos_weight, None)
 
 
 def supcon_terms(pos_mean: torch.Tensor, pos_lse: torch.Tensor, neg_lse: torch.Tensor, *,
@@ -447,7 +449,7 @@ def cacr_logit_terms(pos: torch.Tensor, neg_mean: torch.Tensor, scale) -> LogitT
     repulsion 2 E_pi[s] - 2 make 2 (m - p) / scale, which depends on the scale beside the logits: -loss / scale."""
     factor = 2.0 / scale
     loss = (neg_mean - pos) * factor
-    return LogitTerms(loss, None, factor, -factor, -loss / scale if isinstance(scale, torch.Tensor) else None)
+    return LogitTerms(loss, None, factor, factor, -loss / scale if isinstance(scale, torch.Tensor) else None)
 
 
 def cacr_positive_stat_terms(pos_lse: torch.Tensor, pos_mean: torch.Tensor, neg_mean: torch.Tensor, *,
