@@ -36,7 +36,7 @@ DEVICE_BLOCK_ELEMENTS = 2**24
 # "auto" takes the dense path (dense.py: the whole matrix, one autograd Function with its backward written out;
 # for labels, several views and a queue the matrix through autograd) for a call whose matrix has at most this
 # many logits: there a call's time is the host's, a fixed cost per operator, and the dense path launches the
-# fewest (DCL at N = 64: 61 top-level operators image-text against open_clip's ClipLoss's 77, 40 two views
+# fewest (DCL at N = 64: 61 top-level operators image-text against open_clip's ClipLoss's 77, 39 two views
 # against lightly's NTXentLoss's 144; benchmarks/fixed_cost.py, tests/test_dense.py). On CUDA measured on an
 # H200 (docs/gpu/NVIDIA-H200/bfloat16-small, the autograd dense path of then): faster than the Triton path at
 # every N measured, up to 2^26 logits (two views N = 4096: 4.9 against 5.9 ms; image-text N = 4096: 3.3 against
