@@ -83,9 +83,25 @@ def create_clip(name: str, **model_options):
     import open_clip
 
     check_model(name)
-    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True,
-                                                                 **model_options)
+    # open_clip warns that the model got no pretrained weights: the point here, so that one message is dropped
+    from_scratch = f"No pretrained weights loaded for model '{name}'. Model initialized randomly."
+    with without_message(logging.getLogger(), from_scratch):
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True,
+                                                                     **model_options)
     return model, preprocess, open_clip.get_tokenizer(name)
+
+
+@contextmanager
+def without_message(logger: logging.Logger, message: str):
+    """Drop the records of ``logger`` whose text is exactly ``message`` inside the block; every other passes."""
+    def other(record: logging.LogRecord) -> bool:
+        return record.getMessage() != message
+
+    logger.addFilter(other)
+    try:
+        yield
+    finally:
+        logger.removeFilter(other)
 
 
 def _major_minor(version: str) -> tuple[int, int]:
