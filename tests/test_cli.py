@@ -16,6 +16,8 @@ from contrastkit.cli import held_back, parse, typed_value
 from contrastkit.clip.train import ClipTrainConfig
 from contrastkit.vision.train import VisionConfig
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["recipes/clip/train.py", "recipes/clip/compare.py", "recipes/vision/train.py", "recipes/vision/sweep.py",
            "recipes/wav2vec2/train.py", "recipes/wav2vec2/compare.py", "eval/zeroshot.py", "eval/knn.py",

@@ -4,9 +4,12 @@ utterances x layers x dim."""
 
 import logging
 
+import pytest
 import torch
 
 from contrastkit.evaluation.superb import Downstream
+
+pytestmark = pytest.mark.quick
 
 
 def test_pooled_downstream_equals_the_frame_level_formula():

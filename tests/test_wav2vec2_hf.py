@@ -21,7 +21,7 @@ from contrastkit.speech.models import hf_mask_and_negatives, hf_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("one_thread")]
 
 
 def _batch(model, seed=0, batch=3, samples=6400):
