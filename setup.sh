@@ -34,7 +34,7 @@ EOF
 case "${1:-}" in
   ""|--with-legacy|--legacy-only) ;;
   --accelerate-config)
-    python -c "import accelerate" 2>/dev/null \
+    python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('accelerate'))" 2>/dev/null \
       || { echo "error: --accelerate-config needs an environment with accelerate (source .venv/bin/activate)" >&2; exit 2; }
     accelerate_config python; exit ;;
   *) echo "error: unknown option ${1} (usage: bash setup.sh [--with-legacy | --legacy-only | --accelerate-config])" >&2
