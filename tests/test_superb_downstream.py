@@ -38,21 +38,20 @@ def test_upstream_shows_transformers_load_report_only_where_encoder_weights_are_
     from contrastkit.evaluation.superb import Upstream
     from contrastkit.speech.models import hf_model
 
-    def reports():
+    def shown():
         logger = logging.getLogger("transformers")  # transformers' records do not reach the root logger
         logger.addHandler(caplog.handler)
         try:
             Upstream(tmp_path, "cpu")
         finally:
             logger.removeHandler(caplog.handler)
-        found = [m for m in caplog.messages if "LOAD REPORT" in m]
+        text = "\n".join(caplog.messages)
         caplog.clear()
-        return found
+        return text
 
     hf_model().save_pretrained(tmp_path)
-    assert reports() == []
+    assert "quantizer" not in shown()
     weights = load_file(tmp_path / "model.safetensors")
     del weights["wav2vec2.encoder.layers.0.attention.k_proj.bias"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    (report,) = reports()
-    assert "encoder.layers.0.attention.k_proj.bias | MISSING" in report
+    assert "encoder.layers.0.attention.k_proj.bias" in shown()  # transformers 5: its load report; 4.57: a warning
