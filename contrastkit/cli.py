@@ -29,9 +29,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import sys
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Callable, get_type_hints
 
 from transformers import HfArgumentParser
 
@@ -117,6 +118,26 @@ def one_line_errors(*kinds: type[BaseException], status: int = 2):
     except kinds as err:
         sys.stderr.write(f"error: {' '.join(str(err).split())}\n")
         raise SystemExit(status) from None
+
+
+@contextlib.contextmanager
+def held_back(logger: logging.Logger, match: Callable[[str], bool]):
+    """Inside the block, the records of ``logger`` whose message ``match`` accepts are held back, not shown: a
+    library's note on what the script does on purpose. Yields the list of them, for the caller to show
+    (``logger.handle(record)``) where they turn out to say more; every other record passes as usual."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if match(record.getMessage()):
+            held.append(record)
+            return False
+        return True
+
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -21,6 +21,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+QUICK = pytest.StashKey[list]()  # the items marked quick, whatever this run selects (tests/test_quick_tier.py)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect
+def pytest_collection_modifyitems(config, items):
+    config.stash[QUICK] = [item for item in items if item.get_closest_marker("quick")]
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """accelerate keeps one state per process: a test that made an Accelerator must not fix the next one's

@@ -101,6 +101,7 @@ def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
     assert "band_matmul" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.quick
 def test_triton_variants_take_their_paths(monkeypatch):
     """Each "-triton-<variant>" of two views runs the path it names (under the interpreter, DENSE_BYTES 0 so
     that auto's default is the fused forward, not dense): where the forward's logits come from, whether it

@@ -15,6 +15,8 @@ from contrastkit.losses import build_loss
 from contrastkit.losses.base import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking
 from contrastkit.losses.chunked import negative_stats
 
+pytestmark = pytest.mark.quick
+
 SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 SETTINGS = ["2views", "3views", "query_key", "queue", "multi_key", "cross_modal", "cross_modal_scale"]
 

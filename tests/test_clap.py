@@ -65,6 +65,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 4
 
 
+@pytest.mark.quick
 def test_batches_hold_different_intents_and_follow_from_the_step():
     rows = [{"intent": f"i{k}", "transcription": f"say {k}", "action": "bring", "object": f"o{k}",
              "location": "none" if k % 2 else "kitchen", "path": f"{k}-{j}.wav"} for k in range(5) for j in range(3)]
@@ -80,6 +81,7 @@ def test_batches_hold_different_intents_and_follow_from_the_step():
     assert intent_prompt(rows[0]) == "bring o0 in the kitchen" and intent_prompt(rows[3]) == "bring o1"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv,message", [
     (["--width", "12"], "--width must be a multiple of 8"),
     (["--batch-size", "1"], "--batch-size must be >= 2"),
@@ -110,6 +112,7 @@ def test_bad_data_found_while_running_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("error: "), err
 
 
+@pytest.mark.quick
 def test_comparison_table_verdicts_and_plot(tmp_path):
     from contrastkit.speech.clap_compare import ClapCompareArgs, write_comparison
 
@@ -139,6 +142,7 @@ def test_compare_script_writes_and_prints_its_results_dir(tmp_path, capsys):
     assert not (tmp_path / "runs" / "results.md").exists()
 
 
+@pytest.mark.quick
 def test_eval_script_bad_model_folder_is_one_line(tmp_path, capsys):
     from contrastkit.speech.clap import ZeroShotIntentArgs
 

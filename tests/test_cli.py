@@ -3,6 +3,7 @@ typed loss options, YAML configs the command line overrides, and bad values refu
 ``error: ...`` line and exit status 2 before any work."""
 
 import importlib.util
+import logging
 import os
 import runpy
 import subprocess
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from contrastkit.cli import parse, typed_value
+from contrastkit.cli import held_back, parse, typed_value
 from contrastkit.clip.train import ClipTrainConfig
 from contrastkit.vision.train import VisionConfig
+
+pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["recipes/clip/train.py", "recipes/clip/compare.py", "recipes/vision/train.py", "recipes/vision/sweep.py",
@@ -182,3 +185,15 @@ def test_yaml_config_is_overridden_by_the_command_line(tmp_path):
     (tmp_path / "typo.yaml").write_text("learning_rate: 0.1\n")
     with pytest.raises(SystemExit):
         parse(ClipTrainConfig, argv=["--config", str(tmp_path / "typo.yaml")])
+
+
+def test_held_back_holds_only_the_matching_records_and_only_inside(caplog):
+    """What a script leaves unshown on purpose (create_clip: open_clip's from-scratch warning) is that message
+    alone, in that block alone: every other record passes."""
+    logger = logging.getLogger("contrastkit.test_cli")
+    with held_back(logger, lambda message: message == "on purpose") as held:
+        logger.warning("on purpose")
+        logger.warning("something else")
+    logger.warning("on purpose")
+    assert caplog.messages == ["something else", "on purpose"]
+    assert [record.getMessage() for record in held] == ["on purpose"]

@@ -51,6 +51,7 @@ def _kernel_loss(name, image, text, scale):
     return torch.cat(losses).mean()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", CLIP_LOSSES)
 def test_adapter_equals_core_kernel(name):
     image, text = (x.requires_grad_() for x in _features())
@@ -69,6 +70,7 @@ def test_adapter_equals_core_kernel(name):
         assert grads[2].abs().item() > 1e-6
 
 
+@pytest.mark.quick
 def test_infonce_equals_open_clip_cliploss_with_gradients():
     """open_clip's models normalise their features before ClipLoss; the adapter normalises inside, so the
     same function of the raw features, with the same gradients, is ClipLoss after F.normalize."""
@@ -84,6 +86,7 @@ def test_infonce_equals_open_clip_cliploss_with_gradients():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.quick
 def test_logit_bias_cancels_in_softmax_losses():
     image, text = _features()
     scale = torch.tensor(10.0, dtype=torch.float64)
@@ -136,6 +139,7 @@ def test_called_the_open_clip_4_way_compiles_whole_and_keeps_no_state(name):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_bad_names_and_versions():
     with pytest.raises(ValueError, match="unknown loss 'nope'"):
         build_clip_loss("nope")
@@ -150,6 +154,7 @@ def test_bad_names_and_versions():
         build_clip_loss("dcl")(torch.randn(4), torch.randn(4), 10.0)
 
 
+@pytest.mark.quick
 def test_patch_makes_create_loss_return_the_loss():
     import argparse
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from contrastkit.clip.compare import report
+
+pytestmark = pytest.mark.quick
 
 
 def test_report_table_and_plot(tmp_path):

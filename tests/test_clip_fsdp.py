@@ -39,6 +39,7 @@ def shapes(data_dir):
     return make_shapes_clip(data_dir, num_train=64, num_zeroshot_per_class=4, progress=False)
 
 
+@pytest.mark.quick
 def test_check_launch_refuses_a_run_other_than_launched(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)

@@ -58,6 +58,7 @@ def _epoch_captions(urls, *, world, workers, batch, steps, per_epoch=None, start
     return out
 
 
+@pytest.mark.quick
 def test_every_sample_once_per_epoch_across_processes_and_workers(tmp_path):
     write_img2dataset_shards(tmp_path, _pairs(128), per_shard=16)  # 8 shards
     urls, samples, steps = plan_epochs(str(tmp_path), 16, world=2, workers=2)
@@ -107,6 +108,7 @@ def test_resampled_mode_draws_shards_with_replacement_deterministically(tmp_path
     assert len(seen) == 32 and set(seen) <= {f"pair {i}" for i in range(32)} and len(set(seen)) < 32  # repeats
 
 
+@pytest.mark.quick
 def test_shard_errors_are_one_line(tmp_path, monkeypatch, capsys):
     write_img2dataset_shards(tmp_path, _pairs(48), per_shard=16)  # 3 shards
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -105,6 +105,7 @@ def test_two_accelerate_processes_equal_one(data_dir, tmp_path, loss):
     assert two == pytest.approx(one, rel=1e-5)  # step 3's follows step 2's update: same gradients
 
 
+@pytest.mark.quick
 def test_step_batches_split_each_global_batch_and_cover_the_epoch():
     one = list(StepBatches(20, 8, 0, 1, seed=3, start=0, stop=4))
     two = [list(StepBatches(20, 8, r, 2, seed=3, start=0, stop=4)) for r in range(2)]
@@ -134,6 +135,7 @@ def _csv(tmp_path, n=20, corrupt=0, header="filepath\ttitle"):
     return tmp_path / "pairs.tsv"
 
 
+@pytest.mark.quick
 def test_missing_data_path_and_columns(tmp_path):
     from contrastkit.data.image_text import load_image_text
 
@@ -191,6 +193,7 @@ def test_training_on_user_csv_goes_on_past_an_unreadable_image(tmp_path):
     assert summary["train_pairs"] == 19 and summary["bad_samples"] == 0
 
 
+@pytest.mark.quick
 def test_unknown_model_and_loss(tmp_path):
     with pytest.raises(ValueError, match="unknown open_clip model config 'ViT-Nope'"):
         create_clip("ViT-Nope")
@@ -267,6 +270,7 @@ def test_siglip_is_open_clips_loss_on_open_clips_initialisation_and_its_loss_fal
     assert -10.0 < records[-1]["logit_bias"] < -9.9  # learnt, slowly (Adam: about lr a step), and logged
 
 
+@pytest.mark.quick
 def test_zero_steps_saves_the_initial_model(data_dir, tmp_path):
     """--steps 0 (the suite's untrained row): checkpoint_0 holds the model as created from the seed, and the
     run still reports its zero-shot accuracy."""

@@ -9,6 +9,8 @@ import torch
 
 from contrastkit.evaluation.zeroshot import zeroshot_classes, zeroshot_metrics
 
+pytestmark = pytest.mark.quick
+
 
 def test_metrics_known_answers():
     # 3 classes; targets 0,0,0,1 and 2. Predictions (top-1): 0,1,0,1,2 -> top-1 4/5.

@@ -19,6 +19,8 @@ from test_memory import MiB, count
 import reference
 from contrastkit.losses import base, build_loss, dense
 
+pytestmark = pytest.mark.quick
+
 OPTIONS = {"infonce": {"tau": 0.1}, "dcl": {"tau": 0.1}, "dclw": {"tau": 0.1, "sigma": 0.5},
            "eqco": {"tau": 0.1, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
 KINDS = list(OPTIONS)

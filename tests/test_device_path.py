@@ -16,6 +16,8 @@ from contrastkit.losses.base import (BLOCK_ELEMENTS, CPU_DENSE_AUTO_LOGITS, DENS
                                     KEEP_MAX_ELEMENTS, blocking, choose_backend)
 from contrastkit.losses.chunked import negative_stats
 
+pytestmark = pytest.mark.quick
+
 
 def test_auto_takes_the_backend_measured_faster(monkeypatch):
     """"auto" on CUDA: the dense path for a matrix of at most DENSE_AUTO_LOGITS logits (host-bound there:

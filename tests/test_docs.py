@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 LANGUAGES = ("python", "bash", "yaml", "text")
 LEGACY = "# second environment"

@@ -51,6 +51,7 @@ def test_budget_spent_runs_no_stage_and_still_reports(tmp_path):
     assert (tmp_path / "e2e" / "report" / "e2e.md").exists()
 
 
+@pytest.mark.quick
 def test_compare_names_a_difference(tmp_path):
     """The resume check reads two checkpoints' weights: equal ones are bit-identical, a changed entry is not,
     with its difference."""

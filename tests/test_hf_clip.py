@@ -87,6 +87,7 @@ def float64():
         yield
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 @pytest.mark.parametrize("name", hf_tiny.CLASSES)
 def test_infonce_equals_model_loss_and_gradients(name, float64):
@@ -112,6 +113,7 @@ def test_infonce_equals_model_loss_and_gradients(name, float64):
     assert hf_clip.active_objective(model) is None
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 @pytest.mark.parametrize("kind", ["dcl", "dclw", "eqco", "cacr", "infonce"])
 @pytest.mark.parametrize("name", hf_tiny.CLASSES)
@@ -137,6 +139,7 @@ def test_objectives_equal_formula_on_model_embeddings(name, kind, float64):
         assert any(abs(float(g)) > 1e-6 for g in scale_grads)
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 def test_patch_targets_replace_and_undo():
     from transformers import AlignModel, CLIPModel
@@ -162,6 +165,7 @@ def test_patch_targets_replace_and_undo():
     assert not a._forward_pre_hooks and not a._forward_hooks
 
 
+@pytest.mark.quick
 def test_bad_arguments():
     from transformers import SiglipConfig, SiglipModel
 
@@ -186,6 +190,7 @@ def test_bad_arguments():
         model(**hf_tiny.batch("CLIPModel", n=1), return_loss=True)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["dcl", "dclw", "eqco", "cacr", "infonce"])
 def test_clap_both_directions_equal_formula(kind, float64):
     """directions="both": texts against audio clips with the text scale, audio clips against texts with the
@@ -213,6 +218,7 @@ def test_clap_both_directions_equal_formula(kind, float64):
     assert abs(float((own - out.loss).detach())) > 1e-3
 
 
+@pytest.mark.quick
 def test_fixed_temperature_keeps_the_scale_in_the_graph():
     model, batch = hf_tiny.model("CLIPModel"), hf_tiny.batch("CLIPModel")
     with hf_clip.patch(model, loss="dcl", temperature=0.5):
@@ -226,6 +232,7 @@ def test_fixed_temperature_keeps_the_scale_in_the_graph():
 # ----------------------------------------------------------------------------- one import
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("env,message", [
     ({"CONTRASTKIT_TEMPERATURE": "abc"}, "CONTRASTKIT_TEMPERATURE='abc' is not a number"),
     ({"CONTRASTKIT_TEMPERATURE": "0"}, "CONTRASTKIT_TEMPERATURE='0': the temperature must be a positive"),
@@ -243,6 +250,7 @@ def test_one_import_rejects_a_bad_environment_at_import(monkeypatch, env, messag
     assert hf_clip.active_objective(hf_tiny.model("CLIPModel")) is None
 
 
+@pytest.mark.quick
 def test_one_import_patches_every_class(monkeypatch):
     monkeypatch.setenv("CONTRASTKIT_LOSS", "dclw")
     monkeypatch.setenv("CONTRASTKIT_TEMPERATURE", "0.2")
@@ -272,6 +280,7 @@ def test_one_import_patches_every_class(monkeypatch):
 # ----------------------------------------------------------------------------- accelerate, mixed precision
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 @pytest.mark.parametrize("order", ["patch_then_prepare", "prepare_then_patch"])
 def test_patch_survives_accelerate_bf16_in_either_order(order):
@@ -433,6 +442,7 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     assert after >= before + 0.05, (before, after)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["CLIPModel", "ClapModel"])
 @pytest.mark.parametrize("kind,mode", [("dcl", "mask"), ("infonce", "positive")])
 def test_sample_ids_keep_duplicates_from_being_negatives(name, kind, mode, float64):

@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from contrastkit.losses import build_loss
 from contrastkit.losses.frames import KERNELS, FrameObjective
 
+pytestmark = pytest.mark.quick
+
 aten = torch.ops.aten
 SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "several_keys", "hard_negatives", "cross_modal",

@@ -242,6 +242,7 @@ def test_a_torchrun_restart_resumes_without_being_asked(tmp_path, capsys, monkey
     assert [r["step"] for r in json.loads((tmp_path / "summary.json").read_text())["resumes"]] == [3]
 
 
+@pytest.mark.quick
 def test_resume_auto_starts_fresh_and_resume_needs_a_checkpoint(tmp_path, capsys, monkeypatch):
     code, out, err = run_script("recipes/vision/train.py", [*VISION, "--steps", "2", "--out-dir", str(tmp_path / "a"),
                                                             "--resume", "auto"], capsys, monkeypatch)

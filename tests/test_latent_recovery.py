@@ -48,6 +48,7 @@ def test_generator_is_invertible_with_bounded_condition():
     assert float(torch.linalg.svdvals(jac).min()) > 1e-3
 
 
+@pytest.mark.quick
 def test_linear_r2_against_the_formula():
     gen = torch.Generator().manual_seed(0)
     z, z_test = torch.randn(4000, 5, generator=gen, dtype=torch.float64), torch.randn(4000, 5, generator=gen,
@@ -63,6 +64,7 @@ def test_linear_r2_against_the_formula():
     assert abs(linear_r2(f, z, f_test, z_test)) < 0.01  # independent features explain nothing
 
 
+@pytest.mark.quick
 def test_hungarian_against_brute_force():
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -73,6 +75,7 @@ def test_hungarian_against_brute_force():
         assert sum(float(cost[i, j]) for i, j in enumerate(rows)) == pytest.approx(best, abs=1e-9)
 
 
+@pytest.mark.quick
 def test_mcc_is_one_for_a_signed_scaled_permutation_and_low_for_a_rotation():
     z = sample_sphere(4000, 10, torch.Generator().manual_seed(0))
     perm = torch.randperm(10, generator=torch.Generator().manual_seed(1))
@@ -81,6 +84,7 @@ def test_mcc_is_one_for_a_signed_scaled_permutation_and_low_for_a_rotation():
     assert mcc(z @ q, z) < 0.9
 
 
+@pytest.mark.quick
 def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="unigrad has no queue form"):
         train_recovery(RecoveryConfig(loss="unigrad", form="queue"))

@@ -9,6 +9,8 @@ import reference
 from contrastkit.losses import (CACRLoss, DCLLoss, DCLWLoss, EqCoLoss, InfoNCELoss, UniGradLoss, available_losses,
                                 build_loss, functional)
 
+pytestmark = pytest.mark.quick
+
 SCORE_LOSSES = {
     "infonce": (InfoNCELoss, {"temperature": 0.1}, {"tau": 0.1}),
     "dcl": (DCLLoss, {"temperature": 0.1}, {"tau": 0.1}),

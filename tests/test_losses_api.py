@@ -14,6 +14,8 @@ import reference
 from contrastkit.losses import (CACRLoss, ContrastiveLoss, Objective, UniGradLoss, available_losses, build_loss,
                                 registry)
 
+pytestmark = pytest.mark.quick
+
 SCORE = {"infonce": {"tau": 0.1}, "dcl": {"tau": 0.1}, "dclw": {"tau": 0.1, "sigma": 0.5},
          "eqco": {"tau": 0.1, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
 SHARED = {"normalize", "reduction"}

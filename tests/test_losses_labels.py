@@ -11,6 +11,8 @@ import reference
 from contrastkit.losses import build_loss
 from contrastkit.losses.base import choose_backend
 
+pytestmark = pytest.mark.quick
+
 PARAMS = {
     "infonce": ({"temperature": 0.2}, {"tau": 0.2}),
     "dcl": ({"temperature": 0.2}, {"tau": 0.2}),

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
 from contrastkit.losses import build_loss
+
+pytestmark = pytest.mark.quick
 
 PROFILE = settings(max_examples=60, derandomize=True, deadline=None, database=None,
                    suppress_health_check=[HealthCheck.too_slow])

@@ -7,6 +7,8 @@ import torch
 
 from contrastkit.losses import available_losses, build_loss, functional
 
+pytestmark = pytest.mark.quick
+
 LOW_PRECISION = [torch.bfloat16, torch.float16]
 
 

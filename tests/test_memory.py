@@ -82,6 +82,7 @@ def _features(n, d, count_=2, dtype=torch.bfloat16):
     return [torch.empty(n, d, device="meta", dtype=dtype, requires_grad=True) for _ in range(count_)]
 
 
+@pytest.mark.quick
 def test_the_counter_counts():
     """Frees are seen as they happen: 3 buffers of 4 MiB at most, 1 left alive."""
     mode = LiveBytes()
@@ -214,6 +215,7 @@ def test_one_gib_at_262144(name, setting):
     assert peak <= LIMIT, f"{peak / MiB:.0f} MiB at the peak"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])
 def test_dense_keeps_its_matrix_and_the_band_path_none(monkeypatch, setting):
     """The Triton path's dense form keeps the float32 matrix from forward to backward, 4 M K bytes, and
@@ -238,6 +240,7 @@ TRITON_CALLS = {"two_views": (lambda fn, z: fn(z[0], z[1]), 2),
                 "queue": (lambda fn, z: fn.query_key(z[0], z[1], z[2].detach()), 3)}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["dcl", "cacr"])
 @pytest.mark.parametrize("setting", TRITON_CALLS)
 def test_triton_path_keeps_at_most_two_rows_a_row(monkeypatch, name, setting):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("perf_model", ROOT / "benchmarks" / "perf_model.py")
 pm = importlib.util.module_from_spec(_spec)

@@ -47,6 +47,7 @@ def finite_checkpoints(out_dir) -> list[str]:
     return names
 
 
+@pytest.mark.quick
 def test_a_diverging_vision_run_stops_with_one_line(tmp_path, capsys, monkeypatch):
     code, _, err = vision(tmp_path, "--steps", "6", "--lr", "1e30", capsys=capsys, monkeypatch=monkeypatch)
     line = one_line(err)
@@ -90,6 +91,7 @@ def test_a_diverging_speech_run_stops(tmp_path, one_thread):
     assert saved and saved[-1] in str(caught.value)
 
 
+@pytest.mark.quick
 def test_resume_faults_are_one_line(tmp_path, capsys, monkeypatch):
     code, _, err = vision(tmp_path / "empty", "--steps", "3", "--resume", capsys=capsys, monkeypatch=monkeypatch)
     assert code == 2 and "--resume: no complete checkpoint under" in one_line(err)

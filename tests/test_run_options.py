@@ -23,6 +23,8 @@ from contrastkit.training import RUN_CONFIG, Checkpoints, RunOptions
 from contrastkit.vision.train import VisionConfig, load_backbone
 from contrastkit.vision.models import build_backbone
 
+pytestmark = pytest.mark.quick
+
 RECIPES = {"clip": ClipTrainConfig, "clap": ClapTrainConfig, "vision": VisionConfig, "wav2vec2": PretrainConfig}
 COMMON = ("steps", "lr", "warmup", "log_every", "eval_every", "save_every", "seed", "progress")
 

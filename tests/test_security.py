@@ -12,6 +12,8 @@ from contrastkit.evaluation.zeroshot import load_clip_checkpoint
 from environments import skip_without_fairseq2
 from test_cli import run_script
 
+pytestmark = pytest.mark.quick
+
 
 class _RunsCode:
     """Unpickling this calls os.system: what a shared checkpoint can hide."""

@@ -108,6 +108,7 @@ def test_infonce_is_mnrl_on_minilm(minilm, form):
     _assert_same(got, expected)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", list(OPTIONS))
 @pytest.mark.parametrize("form", ["pairs", "hard_negatives", "symmetric_hard"])
 def test_each_objective_matches_float64_reference_on_minilm_embeddings(minilm, embeddings, kind, form):
@@ -124,6 +125,7 @@ def test_each_objective_matches_float64_reference_on_minilm_embeddings(minilm, e
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.quick
 def test_unigrad_matches_reference_on_minilm_embeddings(minilm, embeddings):
     z1, z2 = (c.clone().requires_grad_() for c in embeddings[:2])
     got = MultipleNegativesLoss(minilm, "unigrad", lam=10.0).compute_loss_from_embeddings([z1, z2])
@@ -153,6 +155,7 @@ def test_cached_infonce_is_sentence_transformers_cached_mnrl(minilm):
     _assert_same(got, expected)
 
 
+@pytest.mark.quick
 def test_errors_name_the_problem(minilm):
     with pytest.raises(ValueError, match="unknown loss 'nce'"):
         MultipleNegativesLoss(minilm, "nce")
@@ -301,6 +304,7 @@ def _assert_close64(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("hard", [0, 2])
 @pytest.mark.parametrize("hardness_mode", HARDNESS)
 @pytest.mark.parametrize("directions,partition_mode", PARTITIONS, ids=[_name(*p) for p in PARTITIONS])
@@ -313,6 +317,7 @@ def test_infonce_is_mnrl_in_every_argument_combination(directions, partition_mod
     _assert_close64(_value_and_grads(MultipleNegativesLoss(STAND_IN, "infonce", **arguments), columns), expected)
 
 
+@pytest.mark.quick
 def test_infonce_is_mnrl_with_dot_score_and_its_own_scale():
     arguments = {**_arguments((QD, QQ, DQ, DD), "joint", "all_negatives"), "similarity_fct": dot_score, "scale": 0.5}
     columns = _columns(5, 1, seed=3, d=8)
@@ -408,6 +413,7 @@ FORMULA_CASES = [((QD, QQ, DQ, DD), "joint", "all_negatives", 2), ((QD, DQ), "pe
                  ((QD, QQ), "joint", "hard_negatives", 2), ((QD, DD), "joint", None, 1), ((QD, DQ), "joint", None, 0)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", list(OPTIONS))
 @pytest.mark.parametrize("case", FORMULA_CASES, ids=[f"{_name(*c[:2])}-{c[2]}-hard{c[3]}" for c in FORMULA_CASES])
 def test_each_objective_matches_its_formula_in_new_combinations(kind, case):
@@ -513,6 +519,7 @@ def test_score_matrix_path_hard_negatives_stay_negatives(kind, same_label):
     with pytest.raises(ValueError, match="no negative left: every candidate shares its label"):
         loss_fn.compute_loss_from_embeddings(columns[:2], one_label)
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", list(OPTIONS))
 @pytest.mark.parametrize("directions,partition_mode", [((QD,), "joint"), ((QD, DQ), "per_direction")])
 def test_score_matrix_path_equals_the_core_on_mnrl_defaults(kind, directions, partition_mode):
@@ -567,6 +574,7 @@ def test_cached_equals_uncached_with_labels(minilm, kind, same_label, form):
     unlabelled = _loss_and_grads(minilm, MultipleNegativesLoss(minilm, kind, **options), features)
     assert abs(unlabelled[0] - expected[0]) > 1e-3
 
+@pytest.mark.quick
 def test_mnrl_argument_errors_name_the_problem(caplog):
     with pytest.raises(ValueError, match="unknown 'query_to_passage'"):
         MultipleNegativesLoss(STAND_IN, "dcl", directions=(QD, "query_to_passage"))
@@ -665,6 +673,7 @@ LABEL_REFERENCE = {"infonce": {"tau": 0.05}, "dcl": {"tau": 0.05}, "dclw": {"tau
                    "eqco": {"tau": 0.05, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("hard", [0, 1])
 @pytest.mark.parametrize("kind,mode", [(k, m) for k in LABEL_REFERENCE for m in ("mask", "positive")])
 def test_label_column_matches_reference(kind, mode, hard):
@@ -680,6 +689,7 @@ def test_label_column_matches_reference(kind, mode, hard):
     _assert_close64((got, torch.autograd.grad(got, columns)), (expected, torch.autograd.grad(expected, columns)))
 
 
+@pytest.mark.quick
 def test_label_column_symmetric_and_scores():
     """doc_to_query (per_direction) takes the labels too; a floating-point column (scores) is ignored, as MNRL
     ignores it, on the score-matrix path too; distinct labels change nothing; UniGrad refuses labels, and a column of the wrong length is a ValueError."""

@@ -1,8 +1,11 @@
 import random
 
 import numpy as np
+import pytest
 
 from contrastkit.data.shapes import SHAPES, caption, render, sample_spec
+
+pytestmark = pytest.mark.quick
 
 
 def test_render_is_deterministic_and_differs_by_seed():

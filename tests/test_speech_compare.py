@@ -7,6 +7,8 @@ import pytest
 from contrastkit.speech.compare import write_comparison
 from contrastkit.speech.pretrain import PretrainConfig
 
+pytestmark = pytest.mark.quick
+
 
 def test_comparison_intervals_and_verdicts(tmp_path):
     acc = {"untrained": [0.10, 0.12, 0.11], "infonce": [0.20, 0.22, 0.21], "dcl": [0.21, 0.21, 0.24]}

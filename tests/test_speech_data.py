@@ -16,6 +16,8 @@ from contrastkit.data import speech
 from contrastkit.data.speech import load_audio, resample
 from contrastkit.data.speech_synth import synthesize
 
+pytestmark = pytest.mark.quick
+
 
 def test_synthesis_is_deterministic_and_voices_differ():
     a, sr = synthesize("Turn on the lights", voice="en+m1", pitch=40, rate=160)

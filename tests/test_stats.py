@@ -6,6 +6,8 @@ import pytest
 
 from contrastkit.evaluation.stats import grouped_verdicts, interval, pairwise_verdicts, t_quantile_975, verdict
 
+pytestmark = pytest.mark.quick
+
 
 def test_t_quantiles_match_tables():
     # t_{0.975, df} from standard tables (the expansion is used beyond df = 30)

@@ -119,6 +119,7 @@ def test_missing_data_path_skips_the_domain_with_a_clear_line(tmp_path):
     assert report["cells"] == []
 
 
+@pytest.mark.quick
 def test_config_files_and_plan(tmp_path):
     path = tmp_path / "suite.yaml"
     path.write_text("objectives: [infonce, dcl]\nseeds: [0, 1, 2]\ndomains:\n  speech: {evals: [intent]}\n"
@@ -148,6 +149,7 @@ def test_example_config_loads_and_skips_missing_paths(tmp_path):
     assert report["cells"] == []
 
 
+@pytest.mark.quick
 def test_report_gives_intervals_and_paired_verdicts():
     from contrastkit.suite import build_report
 

@@ -41,6 +41,7 @@ class EmulateTF32(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.quick
 def test_emulation_rounds_to_tf32():
     x = torch.tensor([1.0 + 2**-11 + 2**-13, 1.0 + 2**-12, 3.0])
     assert to_tf32(x).tolist() == [1.0 + 2**-10, 1.0, 3.0]
@@ -140,6 +141,7 @@ def test_positive_cosines_of_float16_units():
         torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_autocast_positives_from_the_bf16_features():
     """Under bf16 autocast the Triton path's products take bf16 copies of float32 features; its positives are
     the cosines of the same copies, so that the loss is the float64 loss of the bf16-rounded features to 1e-4

@@ -1,9 +1,12 @@
 import json
 
 import matplotlib.pyplot as plt
+import pytest
 from PIL import Image
 
 from contrastkit.training import MetricsLog, latest_checkpoint
+
+pytestmark = pytest.mark.quick
 
 
 def test_metrics_log_plot_summary_and_resume(tmp_path, monkeypatch):

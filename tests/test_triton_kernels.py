@@ -9,7 +9,7 @@ import torch
 
 from contrastkit.losses.kernels import dlogits, launch
 
-pytestmark = pytest.mark.legacy  # the kernels under triton 3.5.1 / torch 2.9.1 too
+pytestmark = [pytest.mark.quick, pytest.mark.legacy]  # the kernels under triton 3.5.1 / torch 2.9.1 too
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -193,6 +193,7 @@ def test_row_with_every_column_excluded(logits_from):
     assert torch.isfinite(da).all() and torch.isfinite(db).all() and float(da[0].abs().max()) == 0.0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("diagonal", [True, False])
 def test_columns_equal_float64_reference(diagonal, as_given, logits_from):
     """Image-text on one process: the columns' lse too, the diagonal (each image's caption) excluded or not."""
@@ -363,6 +364,7 @@ def test_labels_in_bands_at_production_tiles(monkeypatch, logits_from):
                 with_mean=True, normalize=True)
 
 
+@pytest.mark.quick
 def test_bad_inputs_raise_clear_errors():
     a = torch.randn(8, 16, device=DEVICE)
     with pytest.raises(TypeError, match="float64"):
@@ -493,6 +495,7 @@ def test_two_views_in_bands(small_buffers, two_view_backward, dtype, with_mean, 
              labels=labels, normalize=as_given)
 
 
+@pytest.mark.quick
 def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
     """Two views' backward over the upper triangle writes each band's logits from its first row on (40 rows
     in bands of 16: 16 x 40 + 16 x 24 + 8 x 8 = 1088 logits), against the full rows' 40 x 40 = 1600."""
@@ -595,6 +598,7 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
     _compare_at(a, b, 14.0, 2e-6, grad_tol, scale_tol=1e-5, same=setting == "two views", tiles={}, **options, normalize=as_given)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("forward", ["dense", "cublas"])
 def test_dense_keeps_the_logits_and_backward_reads_them(monkeypatch, forward):
     """The dense path: cuBLAS writes the whole matrix once in forward and backward reads it back (no product

@@ -14,6 +14,8 @@ from contrastkit.evaluation.knn import extract_features, knn_accuracy, knn_predi
 from contrastkit.evaluation.linear_probe import linear_probe_sgd, logistic_regression_lbfgs
 from contrastkit.vision.train import VisionConfig, train
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

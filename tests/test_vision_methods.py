@@ -1,9 +1,12 @@
 """MoCo's queue in the method module: which rows each step's keys replace, and where the pointer goes."""
 
+import pytest
 import torch
 from torch import nn
 
 from contrastkit.vision.methods import ContrastiveModel
+
+pytestmark = pytest.mark.quick
 
 
 def _moco(queue_size):

@@ -1,10 +1,13 @@
 """Encoders: the CPU-capable SyncBatchNorm is batch norm on one process; torchvision ResNets with the small stem."""
 
+import pytest
 import torch
 from torch import nn
 
 from contrastkit.vision.methods import cosine_momentum
 from contrastkit.vision.models import SyncBatchNorm, build_backbone, projection_head
+
+pytestmark = pytest.mark.quick
 
 
 def test_sync_batchnorm_equals_batchnorm_on_one_process():

@@ -2,8 +2,12 @@
 
 from pathlib import Path
 
+import pytest
+
 from contrastkit.vision.sweep import negatives, plot, run_sweep, summary_table, sweep_configs, table
 from contrastkit.vision.train import VisionConfig
+
+pytestmark = pytest.mark.quick
 
 
 def test_sweep_grid_negatives_table_and_plots(tmp_path):

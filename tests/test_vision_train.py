@@ -118,6 +118,7 @@ def test_resume_continues_exactly(tmp_path, method, loss):
         torch.testing.assert_close(weights_b[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.quick
 def test_views_and_batches_depend_only_on_seed_epoch_index():
     from contrastkit.data.images import ShapesImages
 
@@ -132,6 +133,7 @@ def test_views_and_batches_depend_only_on_seed_epoch_index():
     assert sorted(i for batch in whole[:3] for _, i in batch) == list(range(24))  # one epoch covers the data once
 
 
+@pytest.mark.quick
 def test_bad_setups_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match="unknown method 'byol'"):
         check_setup("byol", "dcl", 32)
@@ -223,6 +225,7 @@ def test_supervised_contrastive_with_labels_learns(tmp_path):
         assert trained[metric] > untrained[metric] + margin, (metric, trained, untrained)
 
 
+@pytest.mark.quick
 def test_random_init_floor_is_the_backbone_an_untrained_run_saves(tmp_path):
     """``baselines``' random-init floor is the weights a run starts from: ``--steps 0`` (the suite's untrained
     row) saves a backbone that scores exactly the same; the pixel floor is the same data flattened."""

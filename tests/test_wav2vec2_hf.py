@@ -48,6 +48,7 @@ def _model_logits(model, out, neg_idx, mask):
     return logits.permute(1, 2, 0)[mask.bool()]
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 @pytest.mark.parametrize("conformer", [False, True])
 @pytest.mark.parametrize("codevectors", [32, 2])  # 2 codevectors: many distractors equal their target
@@ -75,6 +76,7 @@ def test_infonce_equals_model_loss(conformer, codevectors):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("loss,options", [("dcl", {}), ("dcl", {"temperature": 0.2}), ("dclw", {"sigma": 0.5}),
                                           ("eqco", {"alpha": 64.0}), ("cacr", {})])
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
@@ -102,6 +104,7 @@ def test_objectives_equal_core_kernels_on_model_logits(loss, options):
                                                 neg_mask=valid[keep], temperature=kw["temperature"]).sum()
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 def test_frames_without_valid_distractor():
     """One codevector: every distractor equals its target. The model's InfoNCE is 0 for such frames;
@@ -118,6 +121,7 @@ def test_frames_without_valid_distractor():
             out.loss.backward()  # stays differentiable (the diversity term)
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 @pytest.mark.parametrize("loss", ["infonce", "dcl", "dclw", "eqco", "cacr"])
 def test_frames_left_out_in_place(loss):
@@ -161,6 +165,7 @@ def test_frames_left_out_in_place(loss):
     assert all(bool((t.grad == 0).all()) for t in leaves)
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 def test_patch_targets_and_undo():
     from transformers import Wav2Vec2ConformerForPreTraining, Wav2Vec2ForPreTraining
@@ -196,6 +201,7 @@ def test_patch_targets_and_undo():
     assert a(x).loss is None
 
 
+@pytest.mark.quick
 def test_bad_arguments():
     with pytest.raises(ValueError, match="UniGrad has no distractor form"):
         hf_wav2vec2.patch(None, loss="unigrad")
@@ -209,6 +215,7 @@ def test_bad_arguments():
         model(x, sampled_negative_indices=neg)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("env,message", [
     ({"CONTRASTKIT_TEMPERATURE": "abc"}, "CONTRASTKIT_TEMPERATURE='abc' is not a number"),
     ({"CONTRASTKIT_TEMPERATURE": "0"}, "CONTRASTKIT_TEMPERATURE='0': the temperature must be a positive"),
@@ -236,6 +243,7 @@ def test_one_import_rejects_a_bad_environment_at_import(monkeypatch, env, messag
         sys.modules.pop("contrastkit.adapters.hf_wav2vec2_dcl", None)
 
 
+@pytest.mark.quick
 @pytest.mark.legacy  # the adapters promise transformers 4.57 too
 @pytest.mark.parametrize("order", ["patch_then_prepare", "prepare_then_patch"])
 def test_patch_survives_accelerate_bf16_in_either_order(order):

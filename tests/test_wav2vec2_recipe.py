@@ -186,6 +186,7 @@ def test_recipe_on_two_processes(tmp_path):
     assert (out / "checkpoints" / "checkpoint_2").is_dir() and (out / "upstream" / "model.safetensors").is_file()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("backend", ["hf", pytest.param("fairseq2", marks=needs_fairseq2)])
 def test_zero_steps_exports_the_initial_model(tmp_path, backend):
     """--steps 0 is the untrained baseline (the suite's 'untrained' row): the exported upstream is the model

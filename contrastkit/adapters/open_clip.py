@@ -44,7 +44,7 @@ from torch import nn
 
 from contrastkit.adapters import patching
 from contrastkit.adapters.patching import Patch
-from contrastkit.cli import key_value
+from contrastkit.cli import held_back, key_value
 from contrastkit.distributed import gather_no_grad
 from contrastkit.losses import build_loss
 
@@ -83,8 +83,11 @@ def create_clip(name: str, **model_options):
     import open_clip
 
     check_model(name)
-    model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True,
-                                                                 **model_options)
+    # open_clip warns that the model got no pretrained weights: the point here (a model trained from scratch)
+    from_scratch = f"No pretrained weights loaded for model '{name}'. Model initialized randomly."
+    with held_back(logging.getLogger(), lambda message: message == from_scratch):
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=None, output_dict=True,
+                                                                     **model_options)
     return model, preprocess, open_clip.get_tokenizer(name)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +26,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contrastkit.cli import arg, check_device, default_device, existing, one_line_errors, parse, positive
+from contrastkit.cli import (arg, check_device, default_device, existing, held_back, one_line_errors, parse,
+                             positive)
 from contrastkit.data import speech as data
 
 
 # ----------------------------------------------------------------------------- upstream
+
+
+def _hf_encoder(path: Path):
+    """The encoder of a Hugging Face upstream (AutoModel: Wav2Vec2Model of the recipe's Wav2Vec2ForPreTraining).
+    Leaving the checkpoint's heads out is the point, so transformers' load report, which lists them, is shown
+    only where it says more: encoder weights missing from the checkpoint, or of another shape."""
+    from transformers import AutoModel
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    with held_back(logger, lambda message: "LOAD REPORT" in message) as reports:
+        model, info = AutoModel.from_pretrained(str(path), output_loading_info=True)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        for record in reports:
+            logger.handle(record)
+    return model
 
 
 class Upstream:
@@ -56,9 +73,7 @@ class Upstream:
                 raise ValueError(f"{f2}: a fairseq2 export, and loading it needs fairseq2 ({err}): run it in the "
                                  "environment with fairseq2 0.8.1") from None
         elif (path / "config.json").is_file():
-            from transformers import AutoModel
-
-            self.backend, self.model = "hf", AutoModel.from_pretrained(str(path))
+            self.backend, self.model = "hf", _hf_encoder(path)
         else:
             raise ValueError(f"{path}: neither a Hugging Face model folder (config.json) nor a fairseq2 export "
                              "(fairseq2_wav2vec2.pt) nor a recipe run folder (upstream/)")
