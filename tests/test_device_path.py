@@ -12,8 +12,9 @@ from test_chunked import SCORE_LOSSES, SETTINGS, _inputs, _loss, _value_and_grad
 import contrastkit.losses.base as base
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import (BLOCK_ELEMENTS, CPU_DENSE_AUTO_LOGITS, DENSE_AUTO_LOGITS, DEVICE_BLOCK_ELEMENTS,
-                                    KEEP_MAX_ELEMENTS, blocking, choose_backend)
+from contrastkit.losses.base import (BLOCK_ELEMENTS, CPU_DENSE_AUTO_LOGITS, CPU_MEAN_DENSE_AUTO_LOGITS,
+                                     DENSE_AUTO_LOGITS, DEVICE_BLOCK_ELEMENTS,
+                                     KEEP_MAX_ELEMENTS, blocking, choose_backend)
 from contrastkit.losses.chunked import negative_stats
 
 pytestmark = pytest.mark.quick
@@ -43,6 +44,9 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
     for device in ("cpu", "meta"):  # the CPU's own bound: the dense path where host-bound (CPU_DENSE_AUTO_LOGITS)
         assert choose_backend("auto", None, device, logits=CPU_DENSE_AUTO_LOGITS) == "dense"
         assert choose_backend("auto", None, device, logits=CPU_DENSE_AUTO_LOGITS + 1) == "torch"
+        assert choose_backend("auto", None, device, logits=CPU_MEAN_DENSE_AUTO_LOGITS, needs_mean=True) == "dense"
+        assert choose_backend("auto", None, device, logits=CPU_MEAN_DENSE_AUTO_LOGITS + 1, needs_mean=True) == "torch"
+    assert choose_backend("auto", None, "cuda", logits=DENSE_AUTO_LOGITS + 1, needs_mean=True) == "triton"
     assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"
     assert choose_backend("torch", 8) == "torch"
     monkeypatch.setattr(base, "triton_available", lambda: False)
@@ -62,8 +66,8 @@ def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     seen = []
     original = base.choose_backend
 
-    def on_cuda(requested, chunk_size, device_type="cpu", low=None, float64=False, logits=None):
-        seen.append(original(requested, chunk_size, "cuda", low, float64, logits))
+    def on_cuda(requested, chunk_size, device_type="cpu", low=None, float64=False, logits=None, needs_mean=False):
+        seen.append(original(requested, chunk_size, "cuda", low, float64, logits, needs_mean))
         return "dense" if seen[-1] == "dense" else "torch"  # the meta tensors' stand-in for Triton
 
     monkeypatch.setattr(base, "triton_available", lambda: True)
@@ -73,6 +77,24 @@ def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     {"two_views": lambda: fn(z, z), "image_text": lambda: fn.cross_modal(z, z),
      "queue": lambda: fn.query_key(z, z, torch.empty(65536, 8, device="meta")),
      "hard_negatives": lambda: fn.query_key(z, z, negatives=z)}[setting]()
+    assert seen == [expected]
+
+
+@pytest.mark.parametrize("name, setting, n, expected", [
+    ("dcl", "image_text", 724, "dense"), ("dcl", "image_text", 725, "torch"), ("dcl", "two_views", 362, "dense"),
+    ("dcl", "two_views", 363, "torch"), ("cacr", "image_text", 2048, "dense"), ("cacr", "image_text", 2049, "torch"),
+    ("cacr", "two_views", 1024, "dense"), ("cacr", "two_views", 1025, "torch")])
+def test_cpu_bound_per_objective(monkeypatch, name, setting, n, expected):
+    """Off CUDA, "auto" keeps the dense path to 2^19 logits, and to 2^22 for CACR, whose blockwise kernel takes
+    a second pass for the negatives' mean (base.CPU_MEAN_DENSE_AUTO_LOGITS)."""
+    import contrastkit.losses.base as base
+
+    seen = []
+    original = base.choose_backend
+    monkeypatch.setattr(base, "choose_backend", lambda *args: seen.append(original(*args)) or "dense")
+    z = torch.empty(n, 8, device="meta", requires_grad=True)
+    fn = build_loss(name)
+    fn.cross_modal(z, z) if setting == "image_text" else fn(z, z)
     assert seen == [expected]
 
 

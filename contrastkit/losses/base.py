@@ -47,6 +47,10 @@ DENSE_AUTO_LOGITS = 2**26
 # the blockwise kernel's fused passes win (one thread, D = 512, DCL, dense / blockwise time: image-text
 # N = 512 0.77, N = 1024 1.17; two views N = 256 0.53, N = 512 0.74, N = 1024 1.08; on a loaded machine).
 CPU_DENSE_AUTO_LOGITS = 2**19
+# CACR (an objective that needs the negatives' mean) up to 2^22 on the CPU (image-text N <= 2048, two views
+# N <= 1024): the blockwise kernel takes a second pass for the mean, the dense path none (one thread, D = 512,
+# dense / blockwise time: image-text N = 1024 0.50, N = 4096 0.89; two views N = 1024 0.87, N = 4096 1.55).
+CPU_MEAN_DENSE_AUTO_LOGITS = 2**22
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
@@ -67,11 +71,12 @@ def triton_available() -> bool:
 
 
 def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
-                   low: torch.dtype | None = None, float64: bool = False, logits: int | None = None) -> str:
+                   low: torch.dtype | None = None, float64: bool = False, logits: int | None = None,
+                   needs_mean: bool = False) -> str:
     """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
     for "auto": the dense path where the call's matrix holds at most DENSE_AUTO_LOGITS ``logits`` on CUDA,
     CPU_DENSE_AUTO_LOGITS elsewhere (there the work is host-bound and the dense path issues the fewest
-    operators: see there); beyond it on CUDA the
+    operators: see there; CPU_MEAN_DENSE_AUTO_LOGITS for an objective that ``needs_mean``); beyond it on CUDA the
     Triton kernels (triton installed; products in bf16/fp16, ``low``, or float32, not ``float64``: the kernels
     compute in float32), which take the features as given and their inverse norms, so that their memory stays
     within 1 GiB at N = 262144, D = 512 bf16 (tests/test_memory.py counts it, the operators' own buffers
@@ -86,7 +91,10 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     if requested == "dense" or chunk_size == 0:
         return "dense"
     if requested == "auto" and chunk_size is None:
-        bound = DENSE_AUTO_LOGITS if device_type == "cuda" else CPU_DENSE_AUTO_LOGITS
+        if device_type == "cuda":
+            bound = DENSE_AUTO_LOGITS
+        else:
+            bound = CPU_MEAN_DENSE_AUTO_LOGITS if needs_mean else CPU_DENSE_AUTO_LOGITS
         if logits is not None and logits <= bound:
             return "dense"
         if device_type == "cuda" and not float64:
@@ -756,7 +764,8 @@ class ContrastiveLoss(Objective):
         features: this process's anchors; dtype: the call's compute dtype where it is not the features' own
         (another input in float64); logits: the size of the call's matrix (anchors x candidates)."""
         float64 = (dtype or features.dtype) == torch.float64
-        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, float64, logits)
+        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, float64, logits,
+                                 self.needs_mean)
         if backend == "triton":
             if float64:
                 raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
