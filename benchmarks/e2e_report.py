@@ -209,7 +209,7 @@ def write(run: Path, out: Path, command: str, commit: str) -> tuple[bool, bool]:
     timed = [r for r in rows if r["dcl"] and r["dcl"]["probe"].get("objective_ms") is not None]
     all_ran = all(r["dcl"] is None or r["dcl"]["ran"] for r in rows) and bool(rows)
     if timed:
-        lines += ["", "Timings of the DCL runs (no other run on the GPU meanwhile). Step: the median interval between "
+        lines += ["", "Timings of the DCL runs (on a GPU each alone there). Step: the median interval between "
                       "optimizer steps on the GPU's timeline (CUDA events), after the first fifth. DCL and InfoNCE: "
                       "forward + backward of the loss alone, replayed on the last step's own features under the step's "
                       "autocast, times the calls per step (CUDA events, median of 10), with the share of the step in "

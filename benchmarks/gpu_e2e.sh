@@ -13,13 +13,13 @@
 #                                             # docs/gpu/cpu/ (the CPU evidence that every stage learns)
 #     bash benchmarks/gpu_e2e.sh --dry-run    # no GPU: every run on the CPU, tiny, float32, into a temp dir
 #
-# Runs (RUNS lists them in order): the DCL stages clip (the main job; then its --resume check), clip_2proc (the
-# main job on 2 processes sharing the GPU: --ddp-backend gloo, the harness putting both on device 0, sync debug
-# mode "warn"), vision_simclr, vision_moco, wav2vec2, clap, open_clip, run_clip, run_wav2vec2, st, st_cached;
-# the baselines: clip-untrained and vision-untrained (the recipes' --steps 0: their evaluation of the model at
-# initialisation) and NAME-own for each stage but clip_2proc (the same run with the ecosystem's own loss:
-# the recipes' --loss infonce, open_clip_train without the adapter, the transformers scripts without the import,
-# sentence-transformers' MultipleNegativesRankingLoss).
+# Runs (DCL_RUNS and BASELINE_RUNS below, in order): the DCL stages clip (the main job; then its --resume check),
+# clip_2proc (the main job on 2 processes sharing the GPU: --ddp-backend gloo, the harness putting both on device
+# 0, sync debug mode "warn"), vision_simclr, vision_moco, wav2vec2, clap, open_clip, run_clip, run_wav2vec2, st,
+# st_cached; the baselines: clip-untrained and vision-untrained (the recipes' --steps 0: their evaluation of the
+# model at initialisation) and NAME-own for each stage but clip_2proc (the same run with the ecosystem's own
+# loss: the recipes' --loss infonce, open_clip_train without the adapter, the transformers scripts without the
+# import, sentence-transformers' MultipleNegativesRankingLoss).
 # Environment: PYTHON (default python), COMMIT (the commit the report names, where the tree has no .git),
 # E2E_SET (dcl, baselines or all, the default), STAGES (a space list of run names: of E2E_SET's, these only),
 # E2E_JOBS (baselines run this many at a time, default 1: they are not timed), E2E_WORKERS (data loader
@@ -27,9 +27,8 @@
 # script's start after which no run starts, each run's limit cut to what is left: a device call that does more),
 # E2E_KEEP=1 (keep the runs already in the work folder: a second device call's report covers the first's),
 # E2E_SKIP_DONE=1 (with E2E_KEEP: leave out the runs that ended with status 0 there), E2E_RESUME=0 (no resume
-# check), E2E_WORK (the work folder: --dry-run's default a new temp
-# folder, --cpu's .e2e-cpu), E2E_OUT_DIR (where the report goes; default docs/gpu/<device>, docs/gpu/cpu, or
-# the work folder's report/).
+# check), E2E_WORK (the work folder: --dry-run's default a new temp folder, --cpu's .e2e-cpu), E2E_OUT_DIR
+# (where the report goes; default docs/gpu/<device>, docs/gpu/cpu, or --dry-run's work folder's report/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -46,17 +45,19 @@ DCL_RUNS="clip clip_2proc vision_simclr vision_moco wav2vec2 clap open_clip run_
 BASELINE_RUNS="clip-untrained vision-untrained clip-own vision_simclr-own vision_moco-own wav2vec2-own clap-own
 open_clip-own run_clip-own run_wav2vec2-own st-own st_cached-own"
 case "${E2E_SET:-all}" in
-  dcl) SELECTED=$DCL_RUNS ;;
-  baselines) SELECTED=$BASELINE_RUNS ;;
-  all) SELECTED="$DCL_RUNS $BASELINE_RUNS" ;;
+  dcl) SET=$DCL_RUNS ;;
+  baselines) SET=$BASELINE_RUNS ;;
+  all) SET="$DCL_RUNS $BASELINE_RUNS" ;;
   *) echo "error: E2E_SET must be dcl, baselines or all, got '$E2E_SET'" >&2; exit 2 ;;
 esac
 for name in ${STAGES:-}; do
   [[ " $(echo $DCL_RUNS $BASELINE_RUNS) " == *" $name "* ]] || {
     echo "error: unknown run '$name' in STAGES (runs: $(echo $DCL_RUNS $BASELINE_RUNS))" >&2; exit 2; }
 done
-SELECTED=" $(for name in $SELECTED; do if [[ -z "${STAGES:-}" || " $STAGES " == *" $name "* ]]; then echo "$name"; fi; done) "
-SELECTED=" $(echo $SELECTED) "
+SELECTED=" "  # the set's runs that STAGES names (all where it is unset), space-delimited
+for name in $SET; do
+  if [[ -z "${STAGES:-}" || " $STAGES " == *" $name "* ]]; then SELECTED+="$name "; fi
+done
 
 if [ "$MODE" = prepare ]; then
   "$PY" benchmarks/e2e_data.py .e2e --speech-only
