@@ -11,7 +11,9 @@ Writes into DIR (each part skipped where it is already there):
                voxceleb1/ layouts), for the wav2vec 2.0 and CLAP recipes and, as an audio folder, for
                transformers' wav2vec 2.0 pre-training script
   shapes/      the CLIP recipe's embedded image-text set (its train.csv is open_clip_train's --train-data)
-  run_clip/    run_clip.py's --train_file (json lines) and a small VisionTextDualEncoderModel (ViT + BERT)
+  run_clip/    run_clip.py's --train_file (json lines) and a small CLIPModel (a word-level tokenizer over the
+               captions): a ViT + BERT dual encoder this small starts with every caption at one point (the BERT
+               and ViT poolers' tanh of a near-constant [CLS]; mean cosine 0.9999) and its loss sits at ln(batch)
   wav2vec2/    a small Wav2Vec2Config (stable layer norm, what the script requires) and its feature extractor
   st/          a small SentenceTransformer (BERT + mean pooling) over the paraphrase set's words
 """
@@ -21,16 +23,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # hf_tiny: the tests' small Hugging Face models, built locally
 
 # (--small, full): the models' widths; the image sets' sizes
 SIZES = {
     "shapes_pairs": (256, 4096), "zeroshot_per_class": (4, 50),
     "run_clip_pairs": (64, 1024), "hidden": (32, 256), "layers": (1, 4),
+    "clip_width": (32, 128), "clip_layers": (1, 2), "clip_embed": (16, 64),  # contrastkit-tiny's widths
 }
 
 
@@ -48,8 +47,6 @@ def shapes(out: Path, small: bool) -> Path:
 
 
 def run_clip(out: Path, shapes_dir: Path, small: bool) -> None:
-    import hf_tiny
-
     root = out / "run_clip"
     if (root / "model" / "config.json").exists():
         return
@@ -58,7 +55,32 @@ def run_clip(out: Path, shapes_dir: Path, small: bool) -> None:
     rows = rows[: SIZES["run_clip_pairs"][not small]]
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    hf_tiny.dual_encoder_dir(root / "model", [r["caption"] for r in rows])
+    clip_model(root / "model", [r["caption"] for r in rows], small)
+
+
+def clip_model(root: Path, captions: list[str], small: bool, image_size: int = 32) -> None:
+    """A CLIPModel of contrastkit-tiny's widths (random weights) with a word-level tokenizer over the captions
+    and an image processor, saved where run_clip.py's --model_name_or_path reads them. The text tower pools at
+    the first [SEP] (its eos_token_id; CLIP's legacy rule, the largest token id, takes id 2 to mean it)."""
+    import torch
+    import transformers as T
+
+    from contrastkit.speech.clap import word_tokenizer
+
+    tokenizer = word_tokenizer(root, captions, ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))  # [SEP] = 3
+    assert tokenizer.sep_token_id != 2, "eos_token_id 2 selects CLIP's legacy pooling"
+    width = SIZES["clip_width"][not small]
+    common = dict(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=SIZES["clip_layers"][not small],
+                  num_attention_heads=4)
+    text = dict(common, vocab_size=len(tokenizer), max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id)
+    config = T.CLIPConfig(text_config=text, vision_config=dict(common, image_size=image_size, patch_size=8),
+                          projection_dim=SIZES["clip_embed"][not small])
+    torch.manual_seed(0)
+    T.CLIPModel(config).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    T.ViTImageProcessor(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
+                        image_std=[0.5] * 3).save_pretrained(root)
 
 
 def wav2vec2(out: Path) -> None:

@@ -8,7 +8,9 @@
 # 1. The CUDA tests: tests/test_cuda.py (host syncs, autocast, TF32, compile, memory at a large batch), then the
 #    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot
 #    show). quick: test_cuda.py and the kernels' D = 512 production tests (every logits source: kernel, band,
-#    dense) and the dense/band checks; full: every kernel test.
+#    dense) and the dense/band checks; full: every kernel test. Saved beside the tables: tests-cuda.xml and
+#    tests-cuda-triton.xml (junit) and tests-cuda.log (each test's result as it ends), so a failure's name comes
+#    back even from a cut run (TESTS_TIMEOUT: seconds for this step, then pytest is interrupted and writes both).
 # 2. benchmarks/perf_model.py --measure-rates: cuBLAS's bf16 and TF32 rates and the copy bandwidth on this GPU
 #    (seconds), and the model's predictions from them (perf_model.md: what the tables below are compared with).
 #    Then benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
@@ -22,8 +24,8 @@
 #    what it measured; every stage prints its seconds, so the next plan can be sized from them.
 # 3. benchmarks/triton_kernels.py (full only): each Triton kernel alone over its autotune space, against
 #    cuBLAS's rate (kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
-# Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), BENCH=0 (skip step 2),
-# KERNELS=0 (skip step 3),
+# Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), TESTS_TIMEOUT, BENCH=0 (skip
+# step 2), KERNELS=0 (skip step 3), GPU_OUT (where everything goes: default docs/gpu/<device>, --dry-run's a temp dir),
 # and for full: SIZES, DIMS, REPEATS, MEM_LIMIT_GIB, DTYPES, METHODS, MEMORY=0 (times only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +49,7 @@ IMAGE_TEXT_QUICK="floor-clip,clip-triton,clip-dcl-triton,clip-dcl-triton-band,cl
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu
-  OUT=$(mktemp -d)/gpu/dry-run
+  OUT=${GPU_OUT:-$(mktemp -d)/gpu/dry-run}
   SIZES=${SIZES:-64,128}; DIMS=${DIMS:-16}; REPEATS=${REPEATS:-1}; MEM_LIMIT_GIB=${MEM_LIMIT_GIB:-1}
   MEMORY=--no-memory  # a subprocess per method: minutes on a CPU (tests/test_benchmark_losses.py covers it)
 else
@@ -59,7 +61,7 @@ else
   DEVICE=cuda
   [ "${MEMORY:-1}" = 0 ] && MEMORY=--no-memory || MEMORY=
   NAME=$("$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.]+', '-', torch.cuda.get_device_name()).strip('-'))")
-  OUT=docs/gpu/$NAME
+  OUT=${GPU_OUT:-docs/gpu/$NAME}
   SIZES=${SIZES:-256,1024,4096,16384,32768,65536,131072,262144}; DIMS=${DIMS:-512}; REPEATS=${REPEATS:-5}
   MEM_LIMIT_GIB=${MEM_LIMIT_GIB:-$("$PY" -c "import torch; print(int(0.8 * torch.cuda.get_device_properties(0).total_memory / 2**30))")}
 fi
@@ -71,17 +73,28 @@ case "$PLAN" in quick|full) ;; *) echo "error: PLAN must be quick or full, got '
 stage_start=$SECONDS
 took() { echo "   ($((SECONDS - stage_start)) s)"; stage_start=$SECONDS; }
 
-echo "== 1/3 CUDA tests ($PLAN)"
+tests() {  # tests NAME PYTEST-ARGS...: junit XML $OUT/NAME.xml, and every test's result, as it ends, in
+  # $OUT/tests-cuda.log (-v, unbuffered); TESTS_TIMEOUT cut: SIGINT first, which pytest answers by writing both
+  local name=$1 left=$(( ${TESTS_TIMEOUT:-999999} - (SECONDS - stage_start) )); shift
+  if [ "$left" -lt 10 ]; then echo "$name: not run (TESTS_TIMEOUT=$TESTS_TIMEOUT s spent)" | tee -a "$OUT/tests-cuda.log"; return 0; fi
+  echo "== $name: pytest $*" >> "$OUT/tests-cuda.log"
+  PYTHONUNBUFFERED=1 timeout -s INT -k 20 "$left" "$PY" -m pytest -v -rfE -p no:cacheprovider \
+    --junitxml "$OUT/$name.xml" "$@" >> "$OUT/tests-cuda.log" 2>&1 || true  # a failure is a finding: go on
+  grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed|error|skipped|no tests ran).* =+$" "$OUT/tests-cuda.log" | tail -n 20 || true
+}
+echo "== 1/3 CUDA tests ($PLAN): $OUT/tests-cuda.log, $OUT/tests-cuda*.xml"
 if [ "${TESTS:-1}" = 0 ]; then
   echo "(skipped: TESTS=0)"
-elif [ "$DRY" = 1 ]; then
-  "$PY" -m pytest -q tests/test_cuda.py  # skipped without CUDA: checks that it collects
-elif [ "$PLAN" = quick ]; then
-  "$PY" -m pytest -q tests/test_cuda.py || true  # a failure is a finding: the benchmark still runs
-  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py -k "production or dense_keeps or two_views" || true
 else
-  "$PY" -m pytest -q tests/test_cuda.py || true
-  "$PY" -m pytest -q --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py || true
+  rm -f "$OUT"/tests-cuda*
+  tests tests-cuda tests/test_cuda.py  # --dry-run: skipped without CUDA, it checks that they collect, and the files
+  if [ "$DRY" = 1 ]; then
+    :
+  elif [ "$PLAN" = quick ]; then
+    tests tests-cuda-triton --device cuda tests/test_triton_stats.py -k "production or dense_keeps or two_views"
+  else
+    tests tests-cuda-triton --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py
+  fi
 fi
 took
 

@@ -204,6 +204,9 @@ class RunOptions:
     resume: bool | str = arg(False, RESUME_HELP, choices=("auto",))
     ddp_timeout: int = arg(1800, "seconds a collective (all-reduce, barrier) waits for the other processes before "
                                  "the run stops with an error naming the lost peer")
+    ddp_backend: str | None = arg(None, "the processes' collective backend (default: accelerate's, NCCL on GPUs); gloo "
+                                        "lets several processes share one GPU, which NCCL refuses (its collectives "
+                                        "then pass through host memory)", choices=("nccl", "gloo"))
     save_on_each_node: bool = arg(False, "several machines whose --out-dir is not one shared folder: each machine "
                                          "writes complete checkpoints to its own (needed for --resume there)")
     requeue_signal: str = arg("USR1", "the signal that, like SIGTERM, stops the run at the next step boundary with a "
@@ -249,7 +252,8 @@ class RunOptions:
 
 def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
     """An Accelerator for a run of ``run``'s options: trackers (``report_to``: none, tensorboard, wandb or all)
-    logging under ``out_dir/logs``, collectives that time out after ``ddp_timeout`` seconds, and checkpoints
+    logging under ``out_dir/logs``, collectives that time out after ``ddp_timeout`` seconds (on ``ddp_backend``
+    where given), and checkpoints
     written on each machine that does not share ``out_dir`` with the main process (``save_on_each_node``
     allows it; without it such a machine is an error). Checkpoints: ``Checkpoints`` (not accelerate's
     ``total_limit``, which deletes the old checkpoint before the new one is written). The processes that write
@@ -259,7 +263,8 @@ def make_accelerator(out_dir: str | Path, run: RunOptions, **kwargs):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs"))
-    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=run.ddp_timeout))
+    backend = {"backend": run.ddp_backend} if run.ddp_backend else {}
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=run.ddp_timeout), **backend)
     accelerator = Accelerator(project_config=project, log_with=None if run.report_to == "none" else run.report_to,
                               kwargs_handlers=[timeout], **kwargs)
     check_launch(accelerator)

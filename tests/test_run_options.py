@@ -202,3 +202,29 @@ def test_a_checkpoint_saved_before_the_rename_compares_under_the_new_names(tmp_p
     torch.save(backbone.state_dict(), tmp_path / "backbone.pt")
     _, cfg = load_backbone(tmp_path)
     assert (cfg.warmup, cfg.save_every) == (10, 0)
+
+
+@pytest.mark.parametrize("backend", [None, "gloo"])
+def test_ddp_backend_is_the_process_groups(backend, monkeypatch, tmp_path):
+    """--ddp-backend gloo (several processes sharing one GPU, which NCCL refuses) is the backend make_accelerator
+    gives accelerate's process group options; without it, none is given (accelerate's choice: NCCL on GPUs)."""
+    import accelerate
+
+    from contrastkit.training import make_accelerator
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def accelerator(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(accelerate, "Accelerator", accelerator)
+    cfg = parse(ClipTrainConfig, argv=[] if backend is None else ["--ddp-backend", backend])
+    with pytest.raises(Stop):
+        make_accelerator(tmp_path, cfg)
+    (handler,) = seen["kwargs_handlers"]
+    assert handler.to_kwargs().get("backend") == backend
+    assert handler.to_kwargs()["timeout"].total_seconds() == cfg.ddp_timeout

@@ -4,7 +4,8 @@ user runs. On several processes (a global batch of 8 split over them, negatives 
     accelerate launch --multi_gpu --num_processes 2 tests/scripts/st_train.py --out DIR --loss dclw --steps 4
 
 writes the number of processes and the logged losses to DIR/losses.json, of MultipleNegativesLoss and
-then of CachedMultipleNegativesLoss (mini-batches of half the process's batch).
+then of CachedMultipleNegativesLoss (mini-batches of half the process's batch). ``--loss mnrl``: the library's
+own MultipleNegativesRankingLoss (or its cached form), the baseline.
 tests/test_sentence_transformers.py imports train() for the one-process run it compares with, and
 train_and_score() for the learning check. benchmarks/gpu_e2e.sh runs one form on a model folder of its own, on
 whatever device there is (``--model DIR [--cached] [--bf16]``).
@@ -34,7 +35,12 @@ def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_
         output_dir=out, per_device_train_batch_size=batch // world, max_steps=steps, learning_rate=1e-4,
         warmup_steps=0, logging_steps=logging_steps, seed=0, save_strategy="no", report_to="none", disable_tqdm=True,
         use_cpu=use_cpu, bf16=bf16, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 and use_cpu else None)
-    if cached:
+    if loss == "mnrl":  # sentence-transformers' own loss
+        from sentence_transformers.sentence_transformer import losses
+
+        own = losses.CachedMultipleNegativesRankingLoss if cached else losses.MultipleNegativesRankingLoss
+        loss_fn = own(model, gather_across_devices=world > 1, **({"mini_batch_size": batch // 2} if cached else {}))
+    elif cached:
         loss_fn = CachedMultipleNegativesLoss(model, loss, mini_batch_size=batch // 2, gather_across_devices=world > 1)
     else:
         loss_fn = MultipleNegativesLoss(model, loss, gather_across_devices=world > 1)
@@ -86,7 +92,7 @@ def train_model(model_dir: str, out: str, *, loss: str, steps: int, batch: int, 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--loss", default="dcl")
+    p.add_argument("--loss", default="dcl", help="contrastkit's objective, or mnrl: the library's own loss")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--model", help="a SentenceTransformer folder: train one form of the loss on it")
     p.add_argument("--batch-size", type=int, default=64)
