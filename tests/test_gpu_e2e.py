@@ -29,7 +29,9 @@ RUNS = [*e2e_report.STAGES, *e2e_report.UNTRAINED_RUNS, *(f"{name}-own" for name
 
 
 def _script(name: str, *args, env=None, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    bin_dir = str(Path(sys.executable).parent)  # this interpreter's environment, activated or not
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable,
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **(env or {})}
     return subprocess.run(["bash", str(ROOT / "benchmarks" / name), *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
