@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch 2.14's profiler prints two USDT lines per profile below 6
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from losses import _step  # noqa: E402  (benchmarks/losses.py: the same calls, the same peers)

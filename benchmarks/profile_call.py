@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch 2.14's profiler prints two USDT lines per profile below 6
+
 ROOT = Path(__file__).resolve().parents[1]
 PASSES = ("products", "statistics", "d logits", "normalisation", "positives", "copies/casts", "other")
 SETTINGS = ("image-text", "two-view")
