@@ -199,27 +199,13 @@ def test_top1_of_pairs_logits_and_frames():
 # ---------------------------------------------------------------------- gpu_check.sh and the plan
 
 @pytest.mark.slow
-def test_gpu_check_quick_plan_dry_run(tmp_path):
-    """gpu_check.sh's default plan on the CPU: each job (bf16 at the issue's sizes, float32 with TF32, image-text
-    at a million pairs, here all at N = 64) runs and writes its table; the CUDA-only methods are named and
-    skipped, so a misspelt one fails here, not in a lease; the CUDA tests' junit XML and log are saved beside."""
-    out = tmp_path / "results"
-    done = _script("gpu_check.sh", "--dry-run", env={"GPU_OUT": str(out)})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    tables = sorted(p.parent.name for p in out.rglob("losses.json"))
-    assert tables == ["bfloat16", "bfloat16-small", "float32-tf32", "image-text-1m"], tables
-    assert done.stdout.count("skipped CUDA only") >= 10
-    model = (out / "perf_model.md").read_text()  # the model from the rates measured (on the CPU)
-    assert "Rates, measured on cpu" in model and "### Predicted: image-text" in model
-    assert "<testsuite" in (out / "tests-cuda.xml").read_text()
-    assert "skipped" in (out / "tests-cuda.log").read_text()
-
-
-@pytest.mark.slow
 def test_plan_dry_run_packs_each_calls_results(tmp_path):
     """gpu_plan.sh's two calls on the CPU (a few runs of gpu_e2e.sh): call 1 packs the CUDA tests' results, the
     baselines' and the DCL stages' report and runs; call 2, on the same work folder, the stage call 1 left
-    (none: it runs nothing again), the report over both and the benchmark's tables."""
+    (none: it runs nothing again), the report over both, the profile and gpu_check.sh's benchmark: each job of
+    its quick plan (bf16 at the issue's sizes, float32 with TF32, image-text at a million pairs, here all at
+    N = 64) writes its table, and the CUDA-only methods are named and skipped, so a misspelt one fails here,
+    not in a lease."""
     env = {"OUT": str(tmp_path / "out"), "E2E_WORK": str(tmp_path / "e2e"), "STAGES": "clip clip-untrained clip-own"}
     (tmp_path / "out").mkdir()
     for call in ("1", "2"):
@@ -234,3 +220,12 @@ def test_plan_dry_run_packs_each_calls_results(tmp_path):
     assert "== clip:" not in log  # call 1's stage is not run again
     report = json.loads((tmp_path / "out" / "results" / "dry-run" / "e2e.json").read_text())
     assert report["rows"][0]["dcl"]["rc"] == 0 and report["rows"][0]["own"]["rc"] == 0
+    results = tmp_path / "out" / "results" / "dry-run"
+    tables = sorted(p.parent.name for p in results.rglob("losses.json"))
+    assert tables == ["bfloat16", "bfloat16-small", "float32-tf32", "image-text-1m"], tables
+    assert (results / "bench.log").read_text().count("skipped CUDA only") >= 10
+    model = (results / "perf_model.md").read_text()  # the model from the rates measured (on the CPU)
+    assert "Rates, measured on cpu" in model and "### Predicted: image-text" in model
+    assert "<testsuite" in (results / "tests-cuda.xml").read_text()
+    assert "skipped" in (results / "tests-cuda.log").read_text()
+    assert (results / "profile" / "profile.md").exists()
