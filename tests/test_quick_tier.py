@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def quick(request) -> list[pytest.Item]:
     """The items marked quick, where this run collected the whole suite (both README commands do)."""
     if any(not (ROOT / "tests").is_relative_to(Path(arg.split("::")[0]).resolve()) for arg in request.config.args):
-        pytest.skip("the tier is judged on the whole suite: python -m pytest -m quick")
+        pytest.skip("the tier is judged where the whole suite is collected: runs in both README commands and CI "
+                    "(python -m pytest [-m quick]), not when pytest is given a file")
     return request.config.stash[QUICK]
 
 
