@@ -576,7 +576,7 @@ class ContrastiveLoss(Objective):
         backend = self._resolve_backend(image, low, dtype, logits=n * n * self._processes())
         one_scale = not isinstance(scale, torch.Tensor) or scale.numel() == 1
         if backend == "dense" and labels is None and one_scale and self._fuses:
-            return self._dense_image_text(image, text, scale, output_dict, features)
+            return self._dense_image_text(image, text, scale, dtype, output_dict, features)
         with no_autocast(image.device.type):
             raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
             if raw:
@@ -652,7 +652,7 @@ class ContrastiveLoss(Objective):
                          num_neg=2 * (total - 1), with_mean=self.needs_mean, normalize=self.normalize)
         return self._dense_output(out, scale, 2 * (total - 1), output_dict, views)
 
-    def _dense_image_text(self, image, text, scale, output_dict, features):
+    def _dense_image_text(self, image, text, scale, dtype, output_dict, features):
         """Image-text in one autograd Function per call (dense.py): on one process the square matrix's rows
         and columns; gathered, each direction's local rows against every process's candidates."""
         n = image.shape[0]
@@ -663,7 +663,6 @@ class ContrastiveLoss(Objective):
                              terms=self.logit_terms, num_neg=n - 1, with_mean=self.needs_mean,
                              normalize=self.normalize)
             return self._dense_output(out, scale, n - 1, output_dict, features)
-        dtype = _compute_dtype(image, text)
         same = image.dtype == text.dtype
         both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
         total = both.shape[0]
