@@ -219,24 +219,25 @@ def test_hf_image_folder_with_captions(tmp_path):
         load_image_text(folder, caption_key="caption")
 
 
-@pytest.mark.slow
 def test_default_run_learns(tmp_path):
-    """The main job's default (300 steps of batch 64 on the embedded 4096 pairs, DCL) beats the same model
-    untrained on zero-shot top-1 by 0.15 (8 classes, 400 held-out images; chance 0.125). Measured at seed 0:
-    0.40 against 0.11 untrained; without optimizer steps it stays at 0.11 and fails."""
+    """The main job's default (batch 64 on the embedded 4096 pairs, DCL), cut to 120 steps, beats the same model
+    untrained on zero-shot top-1 (8 classes, 400 held-out images; chance 0.125) by 0.05. Measured at 120 steps,
+    seeds 0-2: 0.222, 0.240, 0.235 against 0.108, 0.138, 0.142 untrained (gains 0.114, 0.102, 0.093; the margin is
+    about half the smallest, and 2.8 standard errors of a 400-image accuracy); the full 300 steps reach 0.40 at
+    seed 0. Without optimizer steps it stays at the untrained value and fails."""
     from accelerate.utils import set_seed
 
     from contrastkit.evaluation.zeroshot import evaluate_zeroshot
 
-    cfg = ClipTrainConfig(loss="dcl", data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"), eval_every=0,
-                          save_every=0, progress=False)
+    cfg = ClipTrainConfig(loss="dcl", data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"), steps=120,
+                          eval_every=0, save_every=0, progress=False)
     root = make_shapes_clip(cfg.data_dir, num_train=cfg.num_train, num_zeroshot_per_class=cfg.zeroshot_per_class,
                             progress=False)
     set_seed(cfg.seed)  # the recipe's initialisation, untrained
     model, preprocess, tokenizer = create_clip(cfg.model)
     untrained = evaluate_zeroshot(model, tokenizer, preprocess, root / "zeroshot")["top1"]
     trained = train(cfg)["zeroshot_top1"]
-    assert trained >= untrained + 0.15, f"trained {trained:.3f}, untrained {untrained:.3f}"
+    assert trained >= untrained + 0.05, f"trained {trained:.3f}, untrained {untrained:.3f}"
 
 
 def test_siglip_is_open_clips_loss_on_open_clips_initialisation_and_its_loss_falls(data_dir, tmp_path):

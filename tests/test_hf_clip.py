@@ -374,23 +374,23 @@ def _clap_batches(rows, steps):
                       for step in range(steps)]
 
 
-@pytest.mark.slow
 def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
-    """The embedded spoken commands loaded as a Hugging Face audio dataset from their files (decoded by
-    torchcodec), a tiny ClapModel with its own feature extractor, AdamW, 400 steps with DCL: every step's
-    loss is DCL's, and audio-to-transcript retrieval on held-out speakers beats the untrained model.
-    (400 steps of 12 pairs: about 35 s on one CPU thread.)"""
+    """A user's own loop: the embedded spoken commands loaded as a Hugging Face audio dataset from their files
+    (decoded by torchcodec), a tiny ClapModel with its own feature extractor, AdamW, 40 steps with DCL: every
+    step's loss is DCL's, and the loss falls below that of embeddings that tell nothing apart. That such training learns (zero-shot intent on held-out speakers
+    against the untrained model) is the CLAP recipe's test, through the same patch:
+    tests/test_clap.py::test_recipe_learns_zero_shot_intent (400 steps of this loop took 41 s)."""
     import datasets
     from transformers import ClapFeatureExtractor, ClapModel
 
     from contrastkit.data.speech import default_speech_data, read_fsc
 
     root = default_speech_data(small=True) / "fsc"
-    train, test = read_fsc(root, "train"), read_fsc(root, "test")
-    commands, batches = _clap_batches(train, 400)
-    clips = datasets.Dataset.from_dict({"audio": [r["path"] for r in train + test]}).cast_column(
+    train = read_fsc(root, "train")
+    commands, batches = _clap_batches(train, 40)
+    clips = datasets.Dataset.from_dict({"audio": [r["path"] for r in train]}).cast_column(
         "audio", datasets.Audio(sampling_rate=16_000))
-    index = {p: i for i, p in enumerate(r["path"] for r in train + test)}
+    index = {p: i for i, p in enumerate(r["path"] for r in train)}
     features = ClapFeatureExtractor(feature_size=16, sampling_rate=16_000, hop_length=512, fft_window_size=1024,
                                     max_length_s=2, frequency_min=50, frequency_max=8000, padding="repeatpad",
                                     truncation="rand_trunc")
@@ -409,16 +409,6 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
     model = ClapModel(hf_tiny.config("ClapModel"))
     model.config.text_config.vocab_size = len(tokenizer)
 
-    def retrieval(rows):
-        """Top-1 accuracy of each held-out clip's transcript among the 12 commands."""
-        model.eval()
-        with torch.no_grad():
-            out = model(input_ids=texts.input_ids, attention_mask=texts.attention_mask, input_features=inputs(rows))
-        model.train()
-        truth = torch.tensor([commands.index(r["transcription"]) for r in rows])
-        return float((out.logits_per_audio.argmax(1) == truth).float().mean())
-
-    before = retrieval(test)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     with hf_clip.patch(ClapModel, loss="dcl") as handle:
@@ -433,13 +423,10 @@ def test_clap_short_training_loop_on_spoken_commands_with_dcl(tmp_path):
             optimizer.step()
             losses.append(float(out.loss.detach()))
         assert handle.targets == [ClapModel]
-    after = retrieval(test)
-    # measured on the speech set v4 (voices in reverberant rooms), 400 steps: held-out retrieval from 0.083
-    # (chance 1/12) to 0.14-0.35 over crop seeds 0-3 (gain 0.18, 0.26, 0.056, 0.15; 72 clips, ~0.05 of noise
-    # per run; at 200 steps the gains were 0.0-0.17, mean 0.06). The margin, 0.05, is under every measured
-    # gain and a third of the mean (seed 0, the test's: 0.18); without training the gain is 0.
-    assert sum(losses[-10:]) / 10 < losses[0] - 0.7, losses
-    assert after >= before + 0.05, (before, after)
+    # log 11 is DCL's loss where every logit is equal (12 pairs: 11 negatives per anchor), the loss of embeddings
+    # that tell nothing apart. Measured (seed 0): 4.23 at the first step, 2.14 over the last 10 (0.26 below log 11).
+    assert sum(losses[-10:]) / 10 < math.log(11) - 0.1, losses
+
 
 
 @pytest.mark.quick
