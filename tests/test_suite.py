@@ -3,10 +3,12 @@ run by hand, and a missing data path skipping its domain."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import runpy
+import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,33 @@ def tiny_suite(tmp_path_factory):
     return config, run_suite(config, progress=False)
 
 
+@pytest.fixture
+def cells_in_process(monkeypatch):
+    """The suite's commands run in this process (each script as __main__ with its argv, its output in the cell's
+    log) rather than as processes: the tests of the suite's bookkeeping pay no interpreter start-up per command.
+    The commands as real processes run in tiny_suite (vision) and the fairseq2 column (the second environment's
+    interpreter, which stays a process here too)."""
+    from contrastkit import suite
+
+    process = suite._run
+
+    def run(argv, log_path):
+        if argv[0] != sys.executable:
+            return process(argv, log_path)
+        with log_path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), \
+                monkeypatch.context() as m:
+            log.write("$ " + shlex.join(argv) + "\n")
+            m.chdir(ROOT)
+            m.setattr(sys, "argv", argv[1:])
+            try:
+                runpy.run_path(str(ROOT / argv[1]), run_name="__main__")
+            except SystemExit as stop:
+                if stop.code not in (0, None):
+                    raise RuntimeError(f"command failed ({stop.code}): {shlex.join(argv)}") from None
+
+    monkeypatch.setattr(suite, "_run", run)
+
+
 def test_report_has_every_number_and_its_settings(tiny_suite):
     config, report = tiny_suite
     row = report["table"]["dcl"]
@@ -54,15 +83,14 @@ def test_numbers_agree_with_the_eval_scripts_run_by_hand(tiny_suite, tmp_path):
     config, report = tiny_suite
     (cell,) = [c for c in report["cells"] if c["objective"] == "dcl"]
     run = cell["commands"][0].split("--out-dir ")[1].split()[0]
-    subprocess.run([sys.executable, "eval/knn.py", "--run", run, "--out", str(tmp_path / "knn.json"),
-                    "--no-progress"], cwd=ROOT, check=True, capture_output=True, text=True)
+    by_hand = {script: runpy.run_path(str(ROOT / "eval" / script))["main"] for script in ("knn.py", "linear_probe.py")}
+    by_hand["knn.py"](["--run", run, "--out", str(tmp_path / "knn.json"), "--no-progress"])
     assert json.loads((tmp_path / "knn.json").read_text())["knn_top1"] == report["table"]["dcl"]["image kNN"]["mean"]
     epochs = config["domains"]["vision"]["eval_options"]["linear_probe"]["epochs"]  # the suite's own setting
-    subprocess.run([sys.executable, "eval/linear_probe.py", "--run", run, "--classifier", "sgd", "--epochs",
-                    str(epochs), "--out", str(tmp_path / "lp.json"), "--no-progress"], cwd=ROOT, check=True,
-                   capture_output=True)
-    by_hand = json.loads((tmp_path / "lp.json").read_text())["sgd"]["test_top1"]
-    assert by_hand == report["table"]["dcl"]["image linear probe"]["mean"]
+    by_hand["linear_probe.py"](["--run", run, "--classifier", "sgd", "--epochs", str(epochs), "--out",
+                                str(tmp_path / "lp.json"), "--no-progress"])
+    probe = json.loads((tmp_path / "lp.json").read_text())["sgd"]["test_top1"]
+    assert probe == report["table"]["dcl"]["image linear probe"]["mean"]
 
 
 def test_finished_cells_are_not_redone(tiny_suite):
@@ -74,7 +102,7 @@ def test_finished_cells_are_not_redone(tiny_suite):
     assert again["table"] == report["table"]
 
 
-def test_a_moved_suite_keeps_its_cells_and_a_changed_setting_runs_the_cell_again(tiny_suite, tmp_path):
+def test_a_moved_suite_keeps_its_cells_and_a_changed_setting_runs_the_cell_again(cells_in_process, tiny_suite, tmp_path):
     config, report = tiny_suite
     moved = tmp_path / "moved"
     shutil.copytree(config["output_dir"], moved)
@@ -93,7 +121,7 @@ def test_a_moved_suite_keeps_its_cells_and_a_changed_setting_runs_the_cell_again
     assert (cells_dir / "untrained" / "seed0" / "log.txt").read_text() == logs["untrained"]  # --steps 0 either way
 
 
-def test_a_cell_killed_before_its_result_continues_its_run_under_the_same_recorded_commands(tiny_suite, tmp_path):
+def test_a_cell_killed_before_its_result_continues_its_run_under_the_same_recorded_commands(cells_in_process, tiny_suite, tmp_path):
     """Every training command carries ``--resume auto``: the commands a cell records are the same whether it
     ran at once or was picked up after a kill, and the picked-up run continues rather than training again."""
     config, report = tiny_suite
@@ -193,7 +221,7 @@ def test_a_report_written_over_an_older_one_keeps_nothing_it_does_not_make(tmp_p
     assert report["references"] == [] and "Papers' numbers" not in (tmp_path / "report.md").read_text()
 
 
-def test_audio_text_column_from_the_clap_recipe_and_its_eval(tmp_path):
+def test_audio_text_column_from_the_clap_recipe_and_its_eval(cells_in_process, tmp_path):
     """A tiny audio-text cell: the CLAP recipe, then eval/zeroshot_intent.py, its accuracy in the column (and
     equal to the recipe's own)."""
     config = _config(tmp_path)
@@ -241,7 +269,7 @@ def _speech_suite(tmp_path, domain):
 
 
 @pytest.mark.parametrize("domain", ["speech", pytest.param("speech_fairseq2", marks=pytest.mark.legacy)])
-def test_speech_columns_with_the_untrained_row(tmp_path, domain):
+def test_speech_columns_with_the_untrained_row(cells_in_process, tmp_path, domain):
     """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter), intent
     only (speaker ID runs the same way): the untrained row from --steps 0, the trained row, the paired verdict."""
     if domain == "speech_fairseq2" and not (ROOT / ".venv-legacy/bin/python").exists():
@@ -295,7 +323,7 @@ def test_siglip_is_an_image_text_baseline_compared_with_every_objective(tmp_path
     assert "- siglip: a baseline (another library's loss), trained in image_text only" in text
 
 
-def test_reuse_takes_an_earlier_reports_cells_where_the_commands_match(tiny_suite, tmp_path):
+def test_reuse_takes_an_earlier_reports_cells_where_the_commands_match(cells_in_process, tiny_suite, tmp_path):
     """--reuse report.json: a cell of the earlier report with this cell's commands is not run again (no log),
     its cell.json is written marked with its source, and the report says so; a cell whose settings differ runs."""
     from contrastkit.suite import load_reused
