@@ -205,17 +205,15 @@ def _dropped(logs):
     assert last < first - 0.25, [x["constrast_loss"] for x in logs]
 
 
-@pytest.mark.slow
 def test_wav2vec2_example_trains_with_dcl_after_one_import(speech_data, tmp_path):
     """The script alone (the model's own InfoNCE) and with the one import, 1 process, same seed: the same
     first batch, masks, distractors and codes (equal diversity loss), and DCL's contrastive loss is below
-    InfoNCE's (DCL leaves the positive out of the denominator); 60 steps with DCL lower it (measured:
-    InfoNCE 3.333 and DCL 3.278 on the first step; DCL 2.934 over the last 10)."""
+    InfoNCE's (DCL leaves the positive out of the denominator; measured: InfoNCE 3.333 and DCL 3.278 on the
+    first step). That 60 steps with the import lower the loss is the two-process test's (below)."""
     plain = _run_wav2vec2(tmp_path, speech_data, processes=1, steps=1, one_import=None)
-    dcl = _run_wav2vec2(tmp_path, speech_data, processes=1, steps=60)
+    dcl = _run_wav2vec2(tmp_path, speech_data, processes=1, steps=1)
     assert dcl[0]["div_loss"] == pytest.approx(plain[0]["div_loss"], rel=1e-3)
     assert dcl[0]["constrast_loss"] < plain[0]["constrast_loss"] - 0.02, (dcl[0], plain[0])
-    _dropped(dcl)
 
 
 def test_wav2vec2_example_two_processes(speech_data, tmp_path):
