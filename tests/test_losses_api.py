@@ -166,3 +166,19 @@ def test_the_migration_tables_equivalences():
     u1, u2 = (torch.nn.functional.normalize(z, dim=-1) for z in (z1, z2))
     torch.testing.assert_close(build_loss("infonce").cross_modal(z1, z2, logit_scale=scale),
                                open_clip.ClipLoss()(u1, u2, scale))
+
+
+def test_repr_shows_the_settings():
+    """As torch's modules show theirs: the objective's own, gathering and the labels' mode, the rest where set."""
+    assert repr(build_loss("dcl")) == "DCLLoss(temperature=0.1, gather_distributed=False, same_label='mask')"
+    assert repr(build_loss("dclw", temperature=0.2, sigma=1.0, gather_distributed=True, same_label="positive")) == (
+        "DCLWLoss(temperature=0.2, sigma=1.0, gather_distributed=True, same_label='positive')")
+    assert repr(build_loss("eqco", alpha=64.0, reduction="none", chunk_size=0)) == (
+        "EqCoLoss(temperature=0.1, alpha=64.0, gather_distributed=False, chunk_size=0, reduction='none', "
+        "same_label='mask')")
+    assert repr(build_loss("cacr", backend="torch")) == (
+        "CACRLoss(t_pos=1.0, t_neg=2.0, gather_distributed=False, backend='torch', same_label='mask')")
+    assert repr(build_loss("unigrad", normalize=False)) == "UniGradLoss(lam=100.0, rho=0.99, normalize=False)"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), build_loss("infonce", temperature=0.5, gather_distributed="uneven"))
+    assert "(1): InfoNCELoss(temperature=0.5, gather_distributed='uneven', same_label='mask')" in str(model)
+
