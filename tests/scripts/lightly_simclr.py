@@ -3,14 +3,14 @@ embedded shapes images: the LightningModule docs/ecosystems/lightly.md shows (te
 page's class is this one), trained on one process or on several (``strategy="ddp"``, gloo on the CPU; Lightning
 starts the other processes by running this script again, as it does for a user's script):
 
-    python tests/scripts/lightly_simclr.py --out runs/lightly --devices 2 --steps 4
+    python tests/scripts/lightly_simclr.py --out runs/lightly --devices 2 --steps 4 --num-images 320
 
 Every process draws the same views (one seed, in the order of the images), and one process shuffles them as
 Lightning's DistributedSampler does for several, which gives each its share of every global batch: P processes at
 a batch of B / P see the batches one process sees at B. Writes OUT/losses.json on rank 0: the number of processes, the loss of each step over every process's batch,
 and the loss of a fixed batch of views before and after training (one process). ``--compare-lightly`` (several
 processes): the gathered losses of lightly's own classes against contrastkit's on the same features, per process,
-after training, in OUT/lightly.json.
+after training, in OUT/lightly.json. tests/test_lightly.py imports main() for the one-process run.
 """
 
 import argparse
