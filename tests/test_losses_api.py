@@ -4,6 +4,7 @@ clear errors where an objective has no form, build_loss's types, and the peers' 
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 import warnings
 
@@ -166,3 +167,73 @@ def test_the_migration_tables_equivalences():
     u1, u2 = (torch.nn.functional.normalize(z, dim=-1) for z in (z1, z2))
     torch.testing.assert_close(build_loss("infonce").cross_modal(z1, z2, logit_scale=scale),
                                open_clip.ClipLoss()(u1, u2, scale))
+
+
+def test_repr_shows_the_settings():
+    """As torch's modules show theirs: the objective's own, gathering and the labels' mode, the rest where set."""
+    assert repr(build_loss("dcl")) == "DCLLoss(temperature=0.1, gather_distributed=False, same_label='mask')"
+    assert repr(build_loss("dclw", 0.2, sigma=1.0, gather_distributed=True, same_label="positive")) == (
+        "DCLWLoss(temperature=0.2, sigma=1.0, gather_distributed=True, same_label='positive')")
+    assert repr(build_loss("eqco", alpha=64.0, reduction="none", chunk_size=0)) == (
+        "EqCoLoss(temperature=0.1, alpha=64.0, gather_distributed=False, chunk_size=0, reduction='none', "
+        "same_label='mask')")
+    assert repr(build_loss("cacr", backend="torch")) == (
+        "CACRLoss(t_pos=1.0, t_neg=2.0, gather_distributed=False, backend='torch', same_label='mask')")
+    assert repr(build_loss("unigrad", normalize=False)) == "UniGradLoss(lam=100.0, rho=0.99, normalize=False)"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), build_loss("infonce", 0.5, gather_distributed="uneven"))
+    assert "(1): InfoNCELoss(temperature=0.5, gather_distributed='uneven', same_label='mask')" in str(model)
+
+
+def test_unknown_keywords_are_named_together_with_what_to_use():
+    with pytest.raises(TypeError) as err:
+        build_loss("dcl", memory_bank_size=(4096, 128), weight_fn=None, sigmaa=0.5)
+    message = str(err.value)
+    assert message.startswith("build_loss('dcl'): DCLLoss got unexpected keyword arguments 'memory_bank_size', "
+                              "'weight_fn', 'sigmaa' (")
+    assert "query_key(query, key, queue)" in message and "build_loss('dclw', sigma=0.5)" in message
+    assert message.endswith("; it takes temperature, normalize, gather_distributed, chunk_size, backend, reduction, "
+                            "same_label")
+    for keyword, hint in [("local_loss", "is gather_distributed=True"), ("gather_with_grad", "ContrastkitClipLoss"),
+                          ("cache_labels", "drop it"), ("scale", "temperature=0.05"), ("tau", "temperature=")]:
+        with pytest.raises(TypeError, match=re.escape(f"argument '{keyword}' ({keyword}: ") + f".*{re.escape(hint)}"):
+            build_loss("infonce", **{keyword: 1})
+    with pytest.raises(TypeError, match=re.escape("'sigma' (sigma: an option of dclw, not of dcl)")):
+        build_loss("dcl", sigma=0.5)
+    with pytest.raises(TypeError, match=re.escape("(temperature: an option of infonce, dcl, dclw, eqco, not of cacr)")):
+        build_loss("cacr", temperature=0.1)
+    with pytest.raises(TypeError, match=re.escape("UniGradLoss got unexpected keyword argument 'gather_distributed' "
+                                                  "(gather_distributed: an option of infonce, dcl, dclw, eqco, cacr")):
+        build_loss("unigrad", gather_distributed=True)
+    # each hint is for a keyword no objective takes: one that some took would never be shown
+    taken = {k for cls in registry.LOSSES.values() for k in inspect.signature(cls).parameters}
+    assert not taken & set(registry.FOREIGN_KEYWORDS)
+
+
+def test_other_libraries_names_say_which_call_to_use():
+    for name in ("ntxent", "NTXentLoss", "nt_xent", "NT-Xent"):
+        with pytest.raises(ValueError, match=re.escape(f"unknown loss {name!r} (lightly's NTXentLoss is InfoNCE at "
+                                                       "temperature 0.5 by default: build_loss('infonce', "
+                                                       "temperature=0.5) is the same value, build_loss('dcl')")):
+            build_loss(name)
+    with pytest.raises(ValueError, match=re.escape("sentence_transformers.MultipleNegativesLoss(model, "
+                                                   "loss='infonce')")):
+        build_loss("MultipleNegativesRankingLoss")
+    with pytest.raises(ValueError, match=re.escape("build_loss('infonce').cross_modal(image, text, logit_scale=")):
+        build_loss("ClipLoss")
+    with pytest.raises(ValueError, match="^unknown loss 'nope'; choose one of infonce, dcl, dclw, eqco, cacr, unigrad$"):
+        build_loss("nope")
+    with pytest.raises(ValueError, match="unknown loss 'NTXentLoss' \\(lightly's"):
+        registry.objective_options("NTXentLoss", temperature=0.5)
+
+
+def test_class_names_and_positional_arguments_as_the_classes_take_them():
+    for name, cls in registry.LOSSES.items():
+        assert type(build_loss(cls.__name__)) is cls and type(build_loss(cls.__name__.upper())) is cls
+    assert build_loss("dcl", 0.5).temperature == 0.5
+    dclw = build_loss("DCLWLoss", 0.2, 0.3)
+    assert (dclw.temperature, dclw.sigma) == (0.2, 0.3)
+    assert build_loss("cacr", 0.5).t_pos == 0.5 and build_loss("unigrad", 10.0).lam == 10.0
+    assert registry.objective_options("DCLWLoss", temperature=0.2, sigma=0.3, alpha=4.0) == {"temperature": 0.2,
+                                                                                             "sigma": 0.3}
+    with pytest.raises(TypeError, match="build_loss\\('dcl'\\): .*multiple values for argument 'temperature'"):
+        build_loss("dcl", 0.1, temperature=0.2)

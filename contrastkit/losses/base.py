@@ -8,6 +8,7 @@ call, with one matrix product, blockwise so that the [M, K] matrix need never be
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Literal, get_args
@@ -224,6 +225,14 @@ def _per_id(col_ids: torch.Tensor, values: torch.Tensor, size: int) -> torch.Ten
     return table.index_add_(0, slots, values)[:size]
 
 
+def _is_default(value, default) -> bool:
+    """Whether a setting holds its default (False for values that do not compare as one bool)."""
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 class Objective(nn.Module):
     """Base type of every loss that ``build_loss`` returns: the settings all objectives share and the
     calls a user can make (``loss_fn(z1, z2)``, ``query_key``, ``cross_modal``); an objective without a
@@ -243,6 +252,24 @@ class Objective(nn.Module):
             raise ValueError(f"{self.name}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
         self.normalize = normalize
         self.reduction = reduction
+
+    # Settings extra_repr shows even at their default (the others only where they are not).
+    _always_shown: tuple[str, ...] = ()
+
+    def extra_repr(self) -> str:
+        """The settings, as torch's modules show theirs (``print(model)``): the objective's own (the arguments
+        its class takes by position: temperature, sigma, alpha, t_pos and t_neg, lam and rho), then
+        ``_always_shown`` (the score objectives' gather_distributed and same_label), then the other keyword
+        settings (normalize, reduction, chunk_size, backend) where they are not the default."""
+        shown = []
+        for name, p in inspect.signature(type(self).__init__).parameters.items():
+            if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or not hasattr(self, name):
+                continue
+            value = getattr(self, name)
+            if p.kind is p.KEYWORD_ONLY and name not in self._always_shown and _is_default(value, p.default):
+                continue
+            shown.append(f"{name}={value!r}")
+        return ", ".join(shown)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
                   negatives: torch.Tensor | None = None, output_dict: bool = False):
@@ -341,6 +368,7 @@ class ContrastiveLoss(Objective):
     """
 
     name = "contrastive"
+    _always_shown = ("gather_distributed", "same_label")
 
     needs_mean = False  # True where the terms need the softmax-weighted mean cosine of the negatives (CACR)
     # same_label="positive": whether the denominator holds the positives (InfoNCE, EqCo) or not (DCL, DCLW)
