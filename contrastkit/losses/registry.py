@@ -26,13 +26,12 @@ LOSSES: dict[str, type[Objective]] = {
 
 # Other libraries' loss names (compared lower-case, without "_", "-" or spaces): what to write here instead.
 # None of them is an alias: each would give another value or another call (docs/ecosystems/lightly.md).
+_NTXENT = ("lightly's NTXentLoss is InfoNCE at temperature 0.5 by default: build_loss('infonce', temperature=0.5) is "
+           "the same value, build_loss('dcl') the swap (temperature 0.1, as lightly's DCLLoss)")
+_SIGLIP = "open_clip's SigLipLoss has no form in the loss core: the CLIP recipe's --loss siglip runs open_clip's own"
 FOREIGN_NAMES: dict[str, str] = {
-    "ntxent": "lightly's NTXentLoss is InfoNCE at temperature 0.5 by default: build_loss('infonce', "
-              "temperature=0.5) is the same value, build_loss('dcl') the swap (temperature 0.1, as lightly's "
-              "DCLLoss)",
-    "ntxentloss": "lightly's NTXentLoss is InfoNCE at temperature 0.5 by default: build_loss('infonce', "
-                  "temperature=0.5) is the same value, build_loss('dcl') the swap (temperature 0.1, as lightly's "
-                  "DCLLoss)",
+    "ntxent": _NTXENT,
+    "ntxentloss": _NTXENT,
     "multiplenegativesrankingloss": "sentence-transformers' MultipleNegativesRankingLoss is "
                                     "contrastkit.adapters.sentence_transformers.MultipleNegativesLoss(model, "
                                     "loss='infonce'), or loss='dcl'; on embeddings, build_loss('infonce', "
@@ -42,23 +41,21 @@ FOREIGN_NAMES: dict[str, str] = {
                                           "(model, loss='infonce'), or loss='dcl'",
     "cliploss": "open_clip's ClipLoss is build_loss('infonce').cross_modal(image, text, logit_scale=...), or "
                 "'dcl'; in open_clip_train, the open_clip adapter (python -m contrastkit.adapters.open_clip --loss dcl)",
-    "siglip": "open_clip's SigLipLoss has no form in the loss core: the CLIP recipe's --loss siglip runs open_clip's own",
-    "sigliploss": "open_clip's SigLipLoss has no form in the loss core: the CLIP recipe's --loss siglip runs "
-                  "open_clip's own",
+    "siglip": _SIGLIP,
+    "sigliploss": _SIGLIP,
 }
 
 # Other libraries' keyword arguments: what to write here instead.
+_OPEN_CLIP_MODES = ("open_clip's ClipLoss(local_loss=True, gather_with_grad=True) is gather_distributed=True; its other "
+                    "modes: the open_clip adapter's ContrastkitClipLoss(name, local_loss=..., gather_with_grad=...)")
 FOREIGN_KEYWORDS: dict[str, str] = {
     "memory_bank_size": "lightly's memory bank is a queue you keep, [Q, D], given to loss_fn.query_key(query, key, "
                         "queue) (NTXentLoss with a bank is build_loss('infonce', temperature=0.5).query_key); the "
                         "vision recipe's --method moco keeps one",
     "weight_fn": "lightly's DCLLoss(weight_fn=...): the DCL paper's weight (lightly's DCLWLoss) is "
                  "build_loss('dclw', sigma=0.5); no other weighting function is taken",
-    "local_loss": "open_clip's ClipLoss(local_loss=True, gather_with_grad=True) is gather_distributed=True; its "
-                  "other modes: the open_clip adapter's ContrastkitClipLoss(name, local_loss=..., gather_with_grad=...)",
-    "gather_with_grad": "open_clip's ClipLoss(local_loss=True, gather_with_grad=True) is gather_distributed=True; "
-                        "its other modes: the open_clip adapter's ContrastkitClipLoss(name, local_loss=..., "
-                        "gather_with_grad=...)",
+    "local_loss": _OPEN_CLIP_MODES,
+    "gather_with_grad": _OPEN_CLIP_MODES,
     "cache_labels": "open_clip's label cache: drop it (the layout is made once per shape and device)",
     "rank": "the rank is read from torch.distributed at each call: drop it (gather_distributed=True gathers)",
     "world_size": "the world size is read from torch.distributed at each call: drop it (gather_distributed=True "
