@@ -1,9 +1,9 @@
-"""The GPU scripts, proven on the CPU before a GPU machine is lent. benchmarks/gpu_e2e.sh's --dry-run runs
+"""The GPU scripts, proven on the CPU before a GPU machine is lent. tools/gpu/e2e.sh's --dry-run runs
 every entry point (recipes, open_clip_train, transformers' scripts, SentenceTransformerTrainer) under the
 harness at tiny sizes, with DCL and with the ecosystem's own loss, the recipes' untrained baselines and the main
-job on two processes; the report judges each by its criterion (benchmarks/e2e_report.py, checked here on made-up
-runs) and has the harness's timings; benchmarks/gpu_check.sh's --dry-run runs its quick plan's jobs at N = 64
-(every method it names is known) and saves the CUDA tests' results; benchmarks/gpu_plan.sh's two calls pack
+job on two processes; the report judges each by its criterion (tools/gpu/e2e_report.py, checked here on made-up
+runs) and has the harness's timings; tools/gpu/check.sh's --dry-run runs its quick plan's jobs at N = 64
+(every method it names is known) and saves the CUDA tests' results; tools/gpu/plan.sh's two calls pack
 their results."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 import e2e_probe  # noqa: E402
 import e2e_report  # noqa: E402
@@ -32,7 +32,7 @@ def _script(name: str, *args, env=None, timeout=600):
     bin_dir = str(Path(sys.executable).parent)  # this interpreter's environment, activated or not
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable,
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **(env or {})}
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / name), *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu" / name), *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -43,7 +43,7 @@ def test_dry_run_runs_every_entry_point(tmp_path):
     (calls, top-1 and chance each), the recipes' evaluations in their summaries (the untrained runs' too); the
     main job's resume from its half-way checkpoint bit-identical, and on two CPU processes (gloo, the harness's
     shared-device launch) its first steps' loss equal to one process's."""
-    done = _script("gpu_e2e.sh", "--dry-run", env={"E2E_WORK": str(tmp_path / "e2e")}, timeout=3600)
+    done = _script("e2e.sh", "--dry-run", env={"E2E_WORK": str(tmp_path / "e2e")}, timeout=3600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "e2e" / "report" / "e2e.json").read_text())
     rows = {r["stage"]: r for r in report["rows"]}
@@ -71,7 +71,7 @@ def test_dry_run_runs_every_entry_point(tmp_path):
 def test_budget_spent_runs_nothing_and_still_reports(tmp_path):
     """E2E_BUDGET: past it no run starts (each one says so) and the report is still written (empty, exit 1:
     nothing ran), so a device call that does more keeps its time."""
-    done = _script("gpu_e2e.sh", "--dry-run", env={"E2E_WORK": str(tmp_path / "e2e"), "E2E_BUDGET": "0"}, timeout=300)
+    done = _script("e2e.sh", "--dry-run", env={"E2E_WORK": str(tmp_path / "e2e"), "E2E_BUDGET": "0"}, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("not run (E2E_BUDGET=0 s spent)") == len(RUNS), done.stdout
     assert (tmp_path / "e2e" / "report" / "e2e.md").exists()
@@ -79,7 +79,7 @@ def test_budget_spent_runs_nothing_and_still_reports(tmp_path):
 
 @pytest.mark.quick
 def test_unknown_stage_is_one_error_line(tmp_path):
-    done = _script("gpu_e2e.sh", "--dry-run", env={"STAGES": "clip clip_own"}, timeout=60)
+    done = _script("e2e.sh", "--dry-run", env={"STAGES": "clip clip_own"}, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("error: unknown run 'clip_own'"), done.stderr
 
@@ -209,7 +209,7 @@ def test_plan_dry_run_packs_each_calls_results(tmp_path):
     env = {"OUT": str(tmp_path / "out"), "E2E_WORK": str(tmp_path / "e2e"), "STAGES": "clip clip-untrained clip-own"}
     (tmp_path / "out").mkdir()
     for call in ("1", "2"):
-        done = _script("gpu_plan.sh", call, "--dry-run", env=env, timeout=1800)
+        done = _script("plan.sh", call, "--dry-run", env=env, timeout=1800)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         with tarfile.open(tmp_path / "out" / f"gpu-call{call}.tgz") as tar:
             names = set(tar.getnames())

@@ -1,4 +1,4 @@
-"""benchmarks/profile_call.py (issue 53): one default call profiled by pass. On the CPU its dry run (N = 128,
+"""tools/perf/profile_call.py (issue 53): one default call profiled by pass. On the CPU its dry run (N = 128,
 D = 32, Triton's interpreter) runs every part for real (the passes marked, the profiler's events grouped, the
 operators counted, the model's prediction by pass) and writes both files; command-line mistakes are one error
 line, exit 2. The GPU run is the plan's (docs/gpu/README.md)."""
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = [sys.executable, str(ROOT / "benchmarks" / "profile_call.py")]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+SCRIPT = [sys.executable, str(ROOT / "tools" / "perf" / "profile_call.py")]
+sys.path.insert(0, str(ROOT / "tools" / "perf"))
 
 import profile_call  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""The inputs of benchmarks/gpu_e2e.sh, made locally (nothing downloaded): every entry point's embedded
+"""The inputs of tools/gpu/e2e.sh, made locally (nothing downloaded): every entry point's embedded
 data and the small models that the third-party scripts load from a folder.
 
-    python benchmarks/e2e_data.py .e2e --speech-only   # on this machine: the speech set needs espeak-ng,
+    python tools/gpu/e2e_data.py .e2e --speech-only   # on this machine: the speech set needs espeak-ng,
                                                        # which the GPU machine lacks; .e2e/ then travels
-    python benchmarks/e2e_data.py .e2e                 # on the GPU machine: the rest (absolute paths there)
-    python benchmarks/e2e_data.py DIR --small          # --dry-run's sizes
+    python tools/gpu/e2e_data.py .e2e                 # on the GPU machine: the rest (absolute paths there)
+    python tools/gpu/e2e_data.py DIR --small          # --dry-run's sizes
 
 Writes into DIR (each part skipped where it is already there):
   speech/      the embedded speech set (contrastkit.data.speech, its tests' subset of 360 clips: fsc/ and
