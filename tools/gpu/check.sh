@@ -26,6 +26,7 @@
 #    cuBLAS's rate (kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
 # Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), TESTS_TIMEOUT, BENCH=0 (skip
 # step 2), KERNELS=0 (skip step 3), GPU_OUT (where everything goes: default docs/gpu/<device>, --dry-run's a temp dir),
+# JOBS (quick: a space list of its jobs, of bfloat16-small bfloat16 float32-tf32 image-text-1m, these only),
 # and for full: SIZES, DIMS, REPEATS, MEM_LIMIT_GIB, DTYPES, METHODS, MEMORY=0 (times only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -70,6 +71,10 @@ echo "== check.sh: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
 
 PLAN=${PLAN:-quick}
 case "$PLAN" in quick|full) ;; *) echo "error: PLAN must be quick or full, got '$PLAN'" >&2; exit 2 ;; esac
+QUICK_JOBS="bfloat16-small bfloat16 float32-tf32 image-text-1m"
+for job in ${JOBS:-}; do
+  [[ " $QUICK_JOBS " == *" $job "* ]] || { echo "error: unknown job '$job' in JOBS (jobs: $QUICK_JOBS)" >&2; exit 2; }
+done
 stage_start=$SECONDS
 took() { echo "   ($((SECONDS - stage_start)) s)"; stage_start=$SECONDS; }
 
@@ -100,6 +105,7 @@ took
 
 bench() {  # bench NAME DTYPE SIZES REPEATS METHODS [extra losses.py arguments]
   local name=$1 dtype=$2 sizes=$3 repeats=$4 methods=$5; shift 5
+  if [ "$PLAN" = quick ] && [ -n "${JOBS:-}" ] && [[ " $JOBS " != *" $name "* ]]; then return 0; fi
   echo "-- $name: $dtype, N = $sizes, $repeats rounds"
   "$PY" benchmarks/losses.py --device "$DEVICE" --dtype "$dtype" --sizes "$sizes" --dims "$DIMS" \
     --repeats "$repeats" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "$methods" --out "$OUT/$name" "$@" || true

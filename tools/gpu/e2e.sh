@@ -12,6 +12,7 @@
 #     bash tools/gpu/e2e.sh --cpu        # the GPU's sizes on this machine's CPU, in float32 (hours):
 #                                             # docs/gpu/cpu/ (the CPU evidence that every stage learns)
 #     bash tools/gpu/e2e.sh --dry-run    # no GPU: every run on the CPU, tiny, float32, into a temp dir
+#     E2E_LIST=1 bash tools/gpu/e2e.sh --dry-run   # each run's environment and command written, nothing run
 #
 # Runs (DCL_RUNS and BASELINE_RUNS below, in order): the DCL stages clip (the main job; then its --resume check),
 # clip_2proc (the main job on 2 processes sharing the GPU: --ddp-backend gloo, the harness putting both on device
@@ -28,7 +29,9 @@
 # E2E_KEEP=1 (keep the runs already in the work folder: a second device call's report covers the first's),
 # E2E_SKIP_DONE=1 (with E2E_KEEP: leave out the runs that ended with status 0 there), E2E_RESUME=0 (no resume
 # check), E2E_WORK (the work folder: --dry-run's default a new temp folder, --cpu's .e2e-cpu), E2E_OUT_DIR
-# (where the report goes; default docs/gpu/<device>, docs/gpu/cpu, or --dry-run's work folder's report/).
+# (where the report goes; default docs/gpu/<device>, docs/gpu/cpu, or --dry-run's work folder's report/),
+# E2E_LIST=1 (run nothing: each selected run's environment and command go to WORK/run/NAME.cmd, NUL-separated,
+# VAR=VALUE ... -- COMMAND ..., the resume check's to clip_resume.cmd; tests/test_gpu_e2e.py parses each).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
@@ -126,6 +129,11 @@ run_stage() {  # run_stage NAME LIMIT ENV... -- COMMAND ...: one run, its status
   local name=$1 limit=$2; shift 2
   local vars=() start=$SECONDS rc=0
   while [ "$1" != -- ]; do vars+=("$1"); shift; done; shift
+  if [ "${E2E_LIST:-0}" = 1 ]; then  # E2E_LIST: the run's environment and command instead of the run
+    printf '%s\0' "${vars[@]}" -- "$@" > "$RUN/$name.cmd"
+    echo "== $name: listed"
+    return 0
+  fi
   env E2E_OUT="$RUN/$name.json" "${vars[@]}" timeout "$limit" "$@" > "$OUT_DIR/e2e-logs/$name.log" 2>&1 || rc=$?
   [ -f "$RUN/$name/summary.json" ] && cp "$RUN/$name/summary.json" "$RUN/$name.summary.json"
   echo "$rc" > "$RUN/$name.status"
@@ -155,15 +163,18 @@ CLIP=(recipes/clip/train.py --data-dir "$W/shapes" --num-train "$PAIRS" --zerosh
       --batch-size "$BATCH" --steps "$CLIP_STEPS" --eval-every 0 --save-every 0 --workers "$WORKERS" --no-progress)
 stage clip openclip -- "${LAUNCH[@]}" "${ONE[@]}" $PROBE "${CLIP[@]}" --loss dcl --save-every $((CLIP_STEPS / 2)) \
   --out-dir "$RUN/clip"
-if [[ "$SELECTED" == *" clip "* ]] && [ "${E2E_RESUME:-1}" = 1 ] && [ -d "$RUN/clip/checkpoints/checkpoint_$CLIP_STEPS" ] &&
-   [ ! -f "$RUN/resume.json" ] && limit=$(stage_limit)
+RESUME=("${LAUNCH[@]}" "${ONE[@]}" "${CLIP[@]}" --loss dcl --save-every $((CLIP_STEPS / 2)) --out-dir "$RUN/clip-resumed"
+        --resume)
+if [[ "$SELECTED" == *" clip "* ]] && [ "${E2E_RESUME:-1}" = 1 ] && [ "${E2E_LIST:-0}" = 1 ]; then
+  printf '%s\0' -- "${RESUME[@]}" > "$RUN/clip_resume.cmd"
+elif [[ "$SELECTED" == *" clip "* ]] && [ "${E2E_RESUME:-1}" = 1 ] &&
+   [ -d "$RUN/clip/checkpoints/checkpoint_$CLIP_STEPS" ] && [ ! -f "$RUN/resume.json" ] && limit=$(stage_limit)
 then  # the resume: the half-way checkpoint continued
   half=checkpoint_$((CLIP_STEPS / 2)); full=checkpoint_$CLIP_STEPS
   mkdir -p "$RUN/clip-resumed/checkpoints"
   echo "== clip --resume from $half"
   { cp -r "$RUN/clip/checkpoints/$half" "$RUN/clip-resumed/checkpoints/" && cp "$RUN/clip/metrics.jsonl" "$RUN/clip-resumed/" &&
-    timeout "$limit" "${LAUNCH[@]}" "${ONE[@]}" "${CLIP[@]}" --loss dcl --save-every $((CLIP_STEPS / 2)) \
-      --out-dir "$RUN/clip-resumed" --resume > "$OUT_DIR/e2e-logs/clip_resume.log" 2>&1 &&
+    timeout "$limit" "${RESUME[@]}" > "$OUT_DIR/e2e-logs/clip_resume.log" 2>&1 &&
     "$PY" tools/gpu/e2e_report.py compare "$RUN/clip/checkpoints/$full" "$RUN/clip-resumed/checkpoints/$full" \
       --out "$RUN/resume.json"; } || echo "   the resume check failed (e2e-logs/clip_resume.log)"
 fi
@@ -240,6 +251,7 @@ stage run_wav2vec2-own none E2E_WATCH=hf_wav2vec2 -- "${LAUNCH[@]}" "${ONE[@]}" 
 stage st-own none E2E_WATCH=st_mnrl -- "$PY" $PROBE "${ST[@]}" --loss mnrl --out "$RUN/st-own"
 stage st_cached-own none E2E_WATCH=st_mnrl -- "$PY" $PROBE "${ST[@]}" --loss mnrl --cached --out "$RUN/st_cached-own"
 wait
+[ "${E2E_LIST:-0}" != 1 ] || exit 0  # nothing ran: no report
 
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # COMMIT: where the copy has no .git
 report=(write "$RUN" --out "$OUT_DIR/e2e.md" --command "bash tools/gpu/e2e.sh${1:+ $1}" --commit "$commit")

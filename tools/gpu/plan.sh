@@ -21,8 +21,8 @@
 #   one PLAN_TAIL, default "st st_cached"), one loss call's kernel profile (tools/perf/profile_call.py, ~30 s),
 #   then check.sh's benchmark with what is left (each table is saved after every size).
 # Environment: OUT (the device tool's folder; --dry-run's default a temp dir), PLAN_SECONDS, COMMIT (the commit the
-# reports name), PLAN_TAIL, STAGES (passed to e2e.sh: a subset of its runs), E2E_WORK (--dry-run's work folder,
-# kept between the two calls; default under TMPDIR).
+# reports name), PLAN_TAIL, STAGES (passed to e2e.sh: a subset of its runs), JOBS (passed to check.sh: a subset
+# of its quick plan's jobs), E2E_WORK (--dry-run's work folder, kept between the two calls; default under TMPDIR).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CALL=${1:-}
