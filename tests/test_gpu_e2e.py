@@ -132,7 +132,8 @@ def _run_to_parser(argv: list[str], env: dict) -> str | None:
 
     import transformers
 
-    real_parse, real_hf = argparse.ArgumentParser.parse_args, transformers.HfArgumentParser.parse_args_into_dataclasses
+    hf = transformers.HfArgumentParser
+    real_parse, real_hf = argparse.ArgumentParser.parse_args, hf.parse_args_into_dataclasses
 
     def parse_args(self, args=None, namespace=None):
         raise _Parsed(real_parse(self, args, namespace))
@@ -143,7 +144,7 @@ def _run_to_parser(argv: list[str], env: dict) -> str | None:
     err = io.StringIO()
     try:
         with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args), \
-                mock.patch.object(transformers.HfArgumentParser, "parse_args_into_dataclasses", parse_into_dataclasses), \
+                mock.patch.object(hf, "parse_args_into_dataclasses", parse_into_dataclasses), \
                 mock.patch.object(sys, "argv", list(argv)), mock.patch.dict(os.environ, env), \
                 contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             runpy.run_path(argv[0], run_name="__main__")
@@ -384,8 +385,9 @@ def _steps(probe: e2e_probe.Probe, call, steps: int = 2) -> dict:
 
 def test_probe_sees_each_objective_and_replays_each_reference(monkeypatch, tmp_path):
     """What the harness's runs beyond HARNESS's depend on, at the call each entry point makes: contrastkit's
-    objective seen (two views, MoCo's query/key, image-text, wav2vec 2.0's frames) and replayed beside the
-    ecosystem's InfoNCE (REFERENCES: contrastkit, openclip, hf_wav2vec2); the ecosystems' own losses seen where
+    objective seen (two views, MoCo's query/key, image-text, wav2vec 2.0's frames, the Hugging Face dual encoders'
+    objective) and replayed beside the ecosystem's InfoNCE (REFERENCES but mnrl, which HARNESS's st replays);
+    the ecosystems' own losses seen where
     they are computed (open_clip's ClipLoss called with keywords as open_clip_train calls it, transformers'
     CLIP loss inside CLIPModel's forward, Wav2Vec2ForPreTraining's forward with its masked frames)."""
     from contrastkit.losses import build_loss
@@ -395,10 +397,18 @@ def test_probe_sees_each_objective_and_replays_each_reference(monkeypatch, tmp_p
     leaf = lambda *shape: torch.randn(*shape, requires_grad=True)  # noqa: E731
     z1, z2, queue, scale = leaf(8, 16), leaf(8, 16), torch.randn(12, 16), torch.tensor(10.0, requires_grad=True)
     pos, neg, valid = leaf(10), leaf(10, 4), torch.rand(10, 4) > 0.3
+    from types import SimpleNamespace
+
+    from contrastkit.adapters import hf_clip
+
     dcl = build_loss("dcl")
+    model = SimpleNamespace(logit_scale=scale, logit_scale_t=scale, logit_scale_a=scale)  # the scales' holders
+    clip_family, clap_family = hf_clip.Family("m", "CLIPModel"), hf_clip.Family("m", "ClapModel", other="audio_embeds")
     calls = {"contrastkit": [lambda: dcl(z1, z2), lambda: dcl.query_key(z1, z2, queue)],  # SimCLR, MoCo
              "openclip": [lambda: dcl.cross_modal(z1, z2, logit_scale=scale)],  # the main job, open_clip's adapter
-             "hf_wav2vec2": [lambda: FrameObjective("dcl").summed(pos, neg, valid, model_temperature=0.1)]}
+             "hf_wav2vec2": [lambda: FrameObjective("dcl").summed(pos, neg, valid, model_temperature=0.1)],
+             "hf_clip": [lambda: hf_clip.ClipObjective("dcl")(model, clip_family, z1, z2),  # run_clip.py + the import
+                         lambda: hf_clip.ClipObjective("dcl")(model, clap_family, z1, z2)]}  # the CLAP recipe
     for reference, made in calls.items():
         for call in made:
             with monkeypatch.context() as patch:
@@ -467,8 +477,8 @@ def test_top1_of_pairs_logits_and_frames():
 def test_check_dry_run_runs_each_quick_job(tmp_path):
     """check.sh's benchmark on the CPU: the model's rates measured and its predictions from them, then each job
     of its quick plan (bf16 at the issue's sizes, float32 with TF32, image-text at a million pairs, here all at
-    N = 64; bf16 at the small sizes in the plan's test) writes its table, and the CUDA-only methods are named and skipped, so a misspelt one fails here, not
-    in a lease; JOBS outside the quick plan's is one error line."""
+    N = 64; bf16 at the small sizes in the plan's test) writes its table, and the CUDA-only methods are named
+    and skipped, so a misspelt one fails here, not in a lease; JOBS outside the quick plan's is one error line."""
     out = tmp_path / "dry-run"
     jobs = "bfloat16 float32-tf32 image-text-1m"  # and bfloat16-small: the plan's test below
     done = _script("check.sh", "--dry-run", env={"GPU_OUT": str(out), "TESTS": "0", "JOBS": jobs}, timeout=300)
