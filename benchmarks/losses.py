@@ -6,7 +6,7 @@
     python benchmarks/losses.py --methods infonce,clip --sizes 65536 --dims 256 --repeats 0 --no-time
     # GPU (the issue-14 table): every objective, both settings, bf16 and float32, N 4096..262144, D 512 and 768
     python benchmarks/losses.py --device cuda --dtype bfloat16 --sizes 4096,16384,32768,65536,131072,262144 \
-        --dims 512,768 --repeats 5 --mem-limit-gib 60 --out benchmarks/results/gpu/bf16
+        --dims 512,768 --repeats 5 --mem-limit-gib 60 --out docs/gpu/<device>/bf16   # results: docs/gpu/<device>/
 
 Forward + backward of the loss on random features, for every method:
 
@@ -60,7 +60,7 @@ METHODS = ["floor-2v", "infonce", "dcl", "dclw", "eqco", "cacr", "infonce-torch"
            "lightly-dcl", "lightly-dclw", "floor-clip", "clip", "clip-dcl", "clip-torch", "openclip", "infcl"]
 # Methods that hold the whole matrix (and its gradient): skipped where that would not fit.
 QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "openclip"}
-# Not in the default list (benchmarks/gpu_check.sh names them): every objective in both settings, through
+# Not in the default list (tools/gpu/check.sh names them): every objective in both settings, through
 # the Triton kernels forced ("-triton"), and image-text through each objective ("clip-<objective>[-backend]").
 OBJECTIVES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 TRITON = [f"{o}-triton" for o in OBJECTIVES] + ["clip-triton"] + [f"clip-{o}-triton" for o in OBJECTIVES[1:]]

@@ -80,7 +80,7 @@ def test_cuda_only_peer_is_skipped_on_cpu(tmp_path):
 
 
 def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
-    """benchmarks/triton_kernels.py (the per-kernel timings a device run makes) under the interpreter at a
+    """tools/perf/triton_kernels.py (the per-kernel timings a device run makes) under the interpreter at a
     tiny size: a line per kernel and entry, its JSON; a misspelt kernel is one error line, exit 2."""
     import os
     import subprocess
@@ -88,7 +88,7 @@ def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
 
     root = Path(__file__).parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    script = [sys.executable, str(root / "benchmarks" / "triton_kernels.py")]
+    script = [sys.executable, str(root / "tools" / "perf" / "triton_kernels.py")]
     done = subprocess.run([*script, "--n", "48", "--d", "32", "--repeats", "1", "--first", "--extra", "16,16,16,4,1",
                            "--json", str(tmp_path / "k.json")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -177,6 +177,9 @@ def check_bash_script(args: list[str]) -> None:
     if not path.is_file():
         raise DocError(f"bash {args[0]}: no such script")
     usage = re.findall(r"usage:? *(bash .*)", path.read_text(), flags=re.I)
+    stale = [u for u in usage if not u.startswith(f"bash {args[0]} ") and u != f"bash {args[0]}"]
+    if stale:  # a script moved (benchmarks/ -> tools/gpu/, ...) names its new path in what it prints
+        raise DocError(f"bash {args[0]}: its usage names another path ({stale})")
     for arg in args[1:]:
         if arg.startswith("-") and not any(arg in u for u in usage):
             raise DocError(f"bash {args[0]}: {arg} is not in its usage ({usage})")
@@ -358,6 +361,7 @@ BROKEN = [  # each must fail: the checker itself is tested
     "python -m contrastkit.adapters.open_clip --loss dcl --no-such-open-clip-flag 1",
     "python recipes/clip/train.py --config missing.yaml",
     "bash setup.sh --no-such-option",
+    "bash tools/gpu/e2e.sh --no-such-option",
     "python -m pytest -q tests/test_no_such_file.py",
     "curl https://example.com",
 ]

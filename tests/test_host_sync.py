@@ -4,7 +4,7 @@ On CUDA the host waits for the device wherever it reads a value (``.item()``, ``
 ``bool(t)``, ``if t:``), wherever a shape depends on values (``torch.nonzero``, boolean-mask indexing,
 ``torch.unique``, ``masked_select``, ``repeat_interleave`` without ``output_size``) and wherever a tensor is
 made from Python data (``torch.tensor``, indexing with a list: a synchronous host-to-device copy). The GPU runs
-call every loss under ``torch.cuda.set_sync_debug_mode("error")`` (benchmarks/e2e_probe.py), where any of
+call every loss under ``torch.cuda.set_sync_debug_mode("error")`` (tools/gpu/e2e_probe.py), where any of
 these fails the run. Here CPU calls take the device's path (``host_checks_allowed`` False in every module that
 asks it: no fast path, no value checks) inside ``no_host_sync``, a dispatch mode that raises on those
 operators (``tolist``, ``numpy`` and ``cpu`` raise too), through forward and backward, in every setting for

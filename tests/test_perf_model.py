@@ -1,4 +1,4 @@
-"""benchmarks/perf_model.py (issue 40): the floors, the bytes per logit of each path, the dense memory, the
+"""tools/perf/perf_model.py (issue 40): the floors, the bytes per logit of each path, the dense memory, the
 peers against their measured points, and the issue's targets at N = 32768 as the model predicts them (the
 honest numbers: where a path misses a target, the test asserts the miss)."""
 
@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("perf_model", ROOT / "benchmarks" / "perf_model.py")
+_spec = importlib.util.spec_from_file_location("perf_model", ROOT / "tools" / "perf" / "perf_model.py")
 pm = importlib.util.module_from_spec(_spec)
 sys.modules["perf_model"] = pm  # dataclasses look their module up
 _spec.loader.exec_module(pm)
@@ -250,10 +250,10 @@ def test_two_views_forward_over_the_triangle(monkeypatch, device_path):
 
 def test_counted_operators_and_bytes_are_the_codes(monkeypatch):
     """What the model takes from the code at N = 32768, D = 512 (the default path, bf16, DCL) is what the code
-    issues there, counted as benchmarks/profile_call.py --count counts it (the meta device): the operators per
+    issues there, counted as tools/perf/profile_call.py --count counts it (the meta device): the operators per
     call (COUNTED_OPERATORS), the [N, D] passes' bytes (ROW_BYTES), and the model's bytes of the products and
     the d logits within 5 % of the counted (the model adds cuBLAS's float32 sums' reads, the count its tensors)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tools" / "perf"))
     import profile_call
 
     profile_call.cuda_path_here(monkeypatch.setattr)
@@ -308,7 +308,7 @@ def test_cli_writes_both_tables(tmp_path, capsys):
 
 
 def test_measured_rates_replace_the_h100s(tmp_path, monkeypatch):
-    """--measure-rates predicts from the device's rates (gpu_check.sh: an H200 is compared with its own model)."""
+    """--measure-rates predicts from the device's rates (tools/gpu/check.sh: an H200 is compared with its own model)."""
     for name in ("CUBLAS_BF16_FLOPS", "CUBLAS_TF32_FLOPS", "HBM_BYTES_PER_S", "RATES_FROM"):
         monkeypatch.setattr(pm, name, getattr(pm, name))  # main rebinds them: put back after the test
     rates = {"CUBLAS_BF16_FLOPS": 1e12, "CUBLAS_TF32_FLOPS": 4e11, "HBM_BYTES_PER_S": 1e11}
@@ -339,4 +339,4 @@ def test_measure_rates_on_the_cpu_leaves_the_precision_as_it_was(float32_precisi
 
 def test_performance_page_shows_the_current_model():
     page = (ROOT / "docs" / "performance.md").read_text()
-    assert pm.report().strip() in page, "regenerate: python benchmarks/perf_model.py (docs/performance.md)"
+    assert pm.report().strip() in page, "regenerate: python tools/perf/perf_model.py (docs/performance.md)"

@@ -1,5 +1,5 @@
 """The Triton kernels compiled for the GPUs users train on, on this machine (no GPU needed): the production
-default of every kernel (benchmarks/triton_compile.py --quick) for sm_90 (H100) and sm_80 (A100, whose
+default of every kernel (tools/perf/triton_compile.py --quick) for sm_90 (H100) and sm_80 (A100, whose
 entries serve sm_86/89 too), the default path's for Blackwell (sm_100, sm_120, on sm_90's entries), the band
 design's for sm_75 (a T4, where auto takes it), and what the hardware will then run: tensor-core products
 (wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120; never FMA loops), no
@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 @pytest.fixture(scope="module")
 def compiled():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_compile.py"), "--quick", "--json"],
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "perf" / "triton_compile.py"), "--quick", "--json"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)

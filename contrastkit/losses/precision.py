@@ -38,7 +38,7 @@ def ampere_or_later(device: torch.device) -> bool:
     """Whether a CUDA device is sm_80 (Ampere) or later, where TF32 exists, cuBLAS writes bfloat16 products in
     float32 (torch's mm with out_dtype refuses bfloat16 operands before it) and Triton's products take the
     tensor cores (before it triton lowers tl.dot to FMA: compiled for sm_75 the fused forward runs no
-    tensor-core instruction and spills 3-4 KB per thread, benchmarks/triton_compile.py). Before it (a T4, a
+    tensor-core instruction and spills 3-4 KB per thread, tools/perf/triton_compile.py). Before it (a T4, a
     V100) the losses take cuBLAS's products of float32 copies of bfloat16 features and keep float32 float32.
     Any other device (the CPU, the interpreter, meta): True, the production path."""
     return device.type != "cuda" or _major(device.index or 0) >= 8

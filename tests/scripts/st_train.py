@@ -7,7 +7,7 @@ writes the number of processes and the logged losses to DIR/losses.json, of Mult
 then of CachedMultipleNegativesLoss (mini-batches of half the process's batch). ``--loss mnrl``: the library's
 own MultipleNegativesRankingLoss (or its cached form), the baseline.
 tests/test_sentence_transformers.py imports train() for the one-process run it compares with, and
-train_and_score() for the learning check. benchmarks/gpu_e2e.sh runs one form on a model folder of its own, on
+train_and_score() for the learning check. tools/gpu/e2e.sh runs one form on a model folder of its own, on
 whatever device there is (``--model DIR [--cached] [--bf16]``).
 """
 

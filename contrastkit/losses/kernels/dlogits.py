@@ -28,7 +28,7 @@ BAND_MIN_ROWS = 2048
 
 # (BLOCK_M, BLOCK_N, warps, stages, architectures) by the d logits' itemsize (launch.py): the entries the first
 # design's kernel (its products inside) kept, without their chunk of D. float32 on sm_90: 128 x 32 first, as it
-# was there; sm_80: 128 x 32, as it was. Compiled (benchmarks/triton_compile.py, triton 3.8): every entry
+# was there; sm_80: 128 x 32, as it was. Compiled (tools/perf/triton_compile.py, triton 3.8): every entry
 # spill-free but float32's 128 x 64 on sm_90 with labels in the two-view form (8 bytes; docs/gpu/compile.md).
 NAMES = ("BLOCK_M", "BLOCK_N")
 SPACE = {2: [(128, 64, 8, 3, (90,)), (128, 32, 8, 3, (90, 80))],

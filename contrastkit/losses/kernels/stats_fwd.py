@@ -46,7 +46,7 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 
 def triangle_space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
     """space's entries for two views over the triangle (TRIANGLE): those of 64 columns, since its mirrored
-    tile values make the 128 x 128 entries spill 28-280 bytes on sm_90 (benchmarks/triton_compile.py)."""
+    tile values make the 128 x 128 entries spill 28-280 bytes on sm_90 (tools/perf/triton_compile.py)."""
     return [config for config in space(d, itemsize, arch) if config.kwargs["BLOCK_N"] <= 64]
 
 

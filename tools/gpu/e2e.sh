@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Every entry point a user runs first, on one GPU (issues 43, 53): each recipe and each real client for a short
-# bf16 run with the objective DCL under the harness (benchmarks/e2e_probe.py: the step, the objective alone and
+# bf16 run with the objective DCL under the harness (tools/gpu/e2e_probe.py: the step, the objective alone and
 # the ecosystem's own InfoNCE timed on the same features, a host sync fails the run), and each again with the
 # ecosystem's own loss; whether each learned, by the criterion that reads learning there against the untrained
-# model (benchmarks/e2e_report.py), is the report's first table.
+# model (tools/gpu/e2e_report.py), is the report's first table.
 #
-#     bash benchmarks/gpu_e2e.sh --prepare    # here, once before a lease: .e2e/ (the speech set: espeak-ng is
-#                                             # not on the GPU machine), then .whl/ (benchmarks/gpu_wheels.sh)
-#     bash benchmarks/gpu_e2e.sh              # on the GPU machine: docs/gpu/<device>/e2e.{md,json}, e2e-logs/,
-#                                             # e2e-runs/ (benchmarks/gpu_plan.sh runs it in two device calls)
-#     bash benchmarks/gpu_e2e.sh --cpu        # the GPU's sizes on this machine's CPU, in float32 (hours):
+#     bash tools/gpu/e2e.sh --prepare    # here, once before a lease: .e2e/ (the speech set: espeak-ng is
+#                                             # not on the GPU machine), then .whl/ (tools/gpu/wheels.sh)
+#     bash tools/gpu/e2e.sh              # on the GPU machine: docs/gpu/<device>/e2e.{md,json}, e2e-logs/,
+#                                             # e2e-runs/ (tools/gpu/plan.sh runs it in two device calls)
+#     bash tools/gpu/e2e.sh --cpu        # the GPU's sizes on this machine's CPU, in float32 (hours):
 #                                             # docs/gpu/cpu/ (the CPU evidence that every stage learns)
-#     bash benchmarks/gpu_e2e.sh --dry-run    # no GPU: every run on the CPU, tiny, float32, into a temp dir
+#     bash tools/gpu/e2e.sh --dry-run    # no GPU: every run on the CPU, tiny, float32, into a temp dir
+#     E2E_LIST=1 bash tools/gpu/e2e.sh --dry-run   # each run's environment and command written, nothing run
 #
 # Runs (DCL_RUNS and BASELINE_RUNS below, in order): the DCL stages clip (the main job; then its --resume check),
 # clip_2proc (the main job on 2 processes sharing the GPU: --ddp-backend gloo, the harness putting both on device
@@ -28,9 +29,11 @@
 # E2E_KEEP=1 (keep the runs already in the work folder: a second device call's report covers the first's),
 # E2E_SKIP_DONE=1 (with E2E_KEEP: leave out the runs that ended with status 0 there), E2E_RESUME=0 (no resume
 # check), E2E_WORK (the work folder: --dry-run's default a new temp folder, --cpu's .e2e-cpu), E2E_OUT_DIR
-# (where the report goes; default docs/gpu/<device>, docs/gpu/cpu, or --dry-run's work folder's report/).
+# (where the report goes; default docs/gpu/<device>, docs/gpu/cpu, or --dry-run's work folder's report/),
+# E2E_LIST=1 (run nothing: each selected run's environment and command go to WORK/run/NAME.cmd, NUL-separated,
+# VAR=VALUE ... -- COMMAND ..., the resume check's to clip_resume.cmd; tests/test_gpu_e2e.py parses each).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 MODE=gpu
 case "${1:-}" in
@@ -38,7 +41,7 @@ case "${1:-}" in
   --dry-run) MODE=dry ;;
   --cpu) MODE=cpu ;;
   --prepare) MODE=prepare ;;
-  *) echo "error: unknown argument '$1' (usage: bash benchmarks/gpu_e2e.sh [--dry-run | --cpu | --prepare])" >&2
+  *) echo "error: unknown argument '$1' (usage: bash tools/gpu/e2e.sh [--dry-run | --cpu | --prepare])" >&2
      exit 2 ;;
 esac
 DCL_RUNS="clip clip_2proc vision_simclr vision_moco wav2vec2 clap open_clip run_clip run_wav2vec2 st st_cached"
@@ -60,8 +63,8 @@ for name in $SET; do
 done
 
 if [ "$MODE" = prepare ]; then
-  "$PY" benchmarks/e2e_data.py .e2e --speech-only
-  bash benchmarks/gpu_wheels.sh  # prints what travels (the wheels, the speech set's fsc/) and its size
+  "$PY" tools/gpu/e2e_data.py .e2e --speech-only
+  bash tools/gpu/wheels.sh  # prints what travels (the wheels, the speech set's fsc/) and its size
   exit 0
 fi
 
@@ -76,8 +79,8 @@ TEST_IMAGES=1000  # kNN's standard error ~1.4 points: the margin is 2
 WORKERS=8; MOCO_BACKEND=triton
 if [ "$MODE" = gpu ]; then
   if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "error: gpu_e2e.sh needs a CUDA device and torch.cuda.is_available() is False here" \
-         "(bash benchmarks/gpu_e2e.sh --dry-run runs every stage on the CPU)" >&2
+    echo "error: tools/gpu/e2e.sh needs a CUDA device and torch.cuda.is_available() is False here" \
+         "(bash tools/gpu/e2e.sh --dry-run runs every stage on the CPU)" >&2
     exit 2
   fi
   W=$PWD/.e2e  # absolute: the lists e2e_data.py writes hold its paths, read from other folders too
@@ -108,13 +111,13 @@ else  # the CPU, float32
 fi
 WORKERS=${E2E_WORKERS:-$WORKERS}
 mkdir -p "$W"
-"$PY" benchmarks/e2e_data.py "$W" $([ "$MODE" = dry ] && echo --small) > "$W/data.log" 2>&1 || { cat "$W/data.log"; exit 1; }
+"$PY" tools/gpu/e2e_data.py "$W" $([ "$MODE" = dry ] && echo --small) > "$W/data.log" 2>&1 || { cat "$W/data.log"; exit 1; }
 SPEECH=$(ls -d "$W"/speech/speech_commands_*-small)
 SHAPES=$(ls -d "$W"/shapes/shapes-clip-*-n"$PAIRS"-z"$ZEROSHOT"-*)
 RUN=$W/run
 [ "${E2E_KEEP:-0}" = 1 ] || rm -rf "$RUN"
 mkdir -p "$RUN" "$OUT_DIR/e2e-logs"
-echo "== gpu_e2e ($MODE): work folder $W, writing $OUT_DIR"
+echo "== e2e.sh ($MODE): work folder $W, writing $OUT_DIR"
 
 stage_limit() {  # seconds the next run may take: STAGE_TIMEOUT, cut to E2E_BUDGET's rest (fails under 20 s)
   local left=$(( ${E2E_BUDGET:-999999} - SECONDS ))
@@ -126,6 +129,11 @@ run_stage() {  # run_stage NAME LIMIT ENV... -- COMMAND ...: one run, its status
   local name=$1 limit=$2; shift 2
   local vars=() start=$SECONDS rc=0
   while [ "$1" != -- ]; do vars+=("$1"); shift; done; shift
+  if [ "${E2E_LIST:-0}" = 1 ]; then  # E2E_LIST: the run's environment and command instead of the run
+    printf '%s\0' "${vars[@]}" -- "$@" > "$RUN/$name.cmd"
+    echo "== $name: listed"
+    return 0
+  fi
   env E2E_OUT="$RUN/$name.json" "${vars[@]}" timeout "$limit" "$@" > "$OUT_DIR/e2e-logs/$name.log" 2>&1 || rc=$?
   [ -f "$RUN/$name/summary.json" ] && cp "$RUN/$name/summary.json" "$RUN/$name.summary.json"
   echo "$rc" > "$RUN/$name.status"
@@ -148,23 +156,26 @@ stage() {  # stage NAME REFERENCE [VAR=VALUE ...] -- COMMAND ...: one run under 
     run_stage "$name" "$limit" E2E_REFERENCE="$reference" "$@"
   fi
 }
-PROBE=benchmarks/e2e_probe.py
+PROBE=tools/gpu/e2e_probe.py
 
 # ---------------------------------------------------------------- the DCL stages, one at a time (timed)
 CLIP=(recipes/clip/train.py --data-dir "$W/shapes" --num-train "$PAIRS" --zeroshot-per-class "$ZEROSHOT"
       --batch-size "$BATCH" --steps "$CLIP_STEPS" --eval-every 0 --save-every 0 --workers "$WORKERS" --no-progress)
 stage clip openclip -- "${LAUNCH[@]}" "${ONE[@]}" $PROBE "${CLIP[@]}" --loss dcl --save-every $((CLIP_STEPS / 2)) \
   --out-dir "$RUN/clip"
-if [[ "$SELECTED" == *" clip "* ]] && [ "${E2E_RESUME:-1}" = 1 ] && [ -d "$RUN/clip/checkpoints/checkpoint_$CLIP_STEPS" ] &&
-   [ ! -f "$RUN/resume.json" ] && limit=$(stage_limit)
+RESUME=("${LAUNCH[@]}" "${ONE[@]}" "${CLIP[@]}" --loss dcl --save-every $((CLIP_STEPS / 2)) --out-dir "$RUN/clip-resumed"
+        --resume)
+if [[ "$SELECTED" == *" clip "* ]] && [ "${E2E_RESUME:-1}" = 1 ] && [ "${E2E_LIST:-0}" = 1 ]; then
+  printf '%s\0' -- "${RESUME[@]}" > "$RUN/clip_resume.cmd"
+elif [[ "$SELECTED" == *" clip "* ]] && [ "${E2E_RESUME:-1}" = 1 ] &&
+   [ -d "$RUN/clip/checkpoints/checkpoint_$CLIP_STEPS" ] && [ ! -f "$RUN/resume.json" ] && limit=$(stage_limit)
 then  # the resume: the half-way checkpoint continued
   half=checkpoint_$((CLIP_STEPS / 2)); full=checkpoint_$CLIP_STEPS
   mkdir -p "$RUN/clip-resumed/checkpoints"
   echo "== clip --resume from $half"
   { cp -r "$RUN/clip/checkpoints/$half" "$RUN/clip-resumed/checkpoints/" && cp "$RUN/clip/metrics.jsonl" "$RUN/clip-resumed/" &&
-    timeout "$limit" "${LAUNCH[@]}" "${ONE[@]}" "${CLIP[@]}" --loss dcl --save-every $((CLIP_STEPS / 2)) \
-      --out-dir "$RUN/clip-resumed" --resume > "$OUT_DIR/e2e-logs/clip_resume.log" 2>&1 &&
-    "$PY" benchmarks/e2e_report.py compare "$RUN/clip/checkpoints/$full" "$RUN/clip-resumed/checkpoints/$full" \
+    timeout "$limit" "${RESUME[@]}" > "$OUT_DIR/e2e-logs/clip_resume.log" 2>&1 &&
+    "$PY" tools/gpu/e2e_report.py compare "$RUN/clip/checkpoints/$full" "$RUN/clip-resumed/checkpoints/$full" \
       --out "$RUN/resume.json"; } || echo "   the resume check failed (e2e-logs/clip_resume.log)"
 fi
 # two processes on the one GPU: NCCL refuses two ranks on a device, so gloo; accelerate maps local rank r to
@@ -240,10 +251,11 @@ stage run_wav2vec2-own none E2E_WATCH=hf_wav2vec2 -- "${LAUNCH[@]}" "${ONE[@]}" 
 stage st-own none E2E_WATCH=st_mnrl -- "$PY" $PROBE "${ST[@]}" --loss mnrl --out "$RUN/st-own"
 stage st_cached-own none E2E_WATCH=st_mnrl -- "$PY" $PROBE "${ST[@]}" --loss mnrl --cached --out "$RUN/st_cached-own"
 wait
+[ "${E2E_LIST:-0}" != 1 ] || exit 0  # nothing ran: no report
 
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # COMMIT: where the copy has no .git
-report=(write "$RUN" --out "$OUT_DIR/e2e.md" --command "bash benchmarks/gpu_e2e.sh${1:+ $1}" --commit "$commit")
+report=(write "$RUN" --out "$OUT_DIR/e2e.md" --command "bash tools/gpu/e2e.sh${1:+ $1}" --commit "$commit")
 [ "$MODE" = dry ] || report+=(--require-learned)
 mkdir -p "$OUT_DIR/e2e-runs"  # the harness's JSON and the recipes' summaries, beside the report
 find "$RUN" -maxdepth 1 -type f \( -name '*.json' -o -name '*.status' \) -exec cp {} "$OUT_DIR/e2e-runs/" \;
-"$PY" benchmarks/e2e_report.py "${report[@]}"
+"$PY" tools/gpu/e2e_report.py "${report[@]}"

@@ -10,7 +10,7 @@ descheduled) and on its thread's CPU clock (what the training thread itself spen
 
 None of them touches a GPU: the flag is a CPU tensor on a gloo group, so a CUDA run's queue is never drained by it.
 
-    python benchmarks/step_boundary.py --processes 2 --steps 2000 --work-ms 2
+    python tools/perf/step_boundary.py --processes 2 --steps 2000 --work-ms 2
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The inputs of benchmarks/gpu_e2e.sh, made locally (nothing downloaded): every entry point's embedded
+"""The inputs of tools/gpu/e2e.sh, made locally (nothing downloaded): every entry point's embedded
 data and the small models that the third-party scripts load from a folder.
 
-    python benchmarks/e2e_data.py .e2e --speech-only   # on this machine: the speech set needs espeak-ng,
+    python tools/gpu/e2e_data.py .e2e --speech-only   # on this machine: the speech set needs espeak-ng,
                                                        # which the GPU machine lacks; .e2e/ then travels
-    python benchmarks/e2e_data.py .e2e                 # on the GPU machine: the rest (absolute paths there)
-    python benchmarks/e2e_data.py DIR --small          # --dry-run's sizes
+    python tools/gpu/e2e_data.py .e2e                 # on the GPU machine: the rest (absolute paths there)
+    python tools/gpu/e2e_data.py DIR --small          # --dry-run's sizes
 
 Writes into DIR (each part skipped where it is already there):
   speech/      the embedded speech set (contrastkit.data.speech, its tests' subset of 360 clips: fsc/ and
@@ -84,19 +84,22 @@ def clip_model(root: Path, captions: list[str], small: bool, image_size: int = 3
 
 
 def wav2vec2(out: Path) -> None:
+    root = out / "wav2vec2"
+    if (root / "preprocessor_config.json").exists():  # made: no import (a run of e2e.sh calls this each time)
+        return
     from transformers import Wav2Vec2FeatureExtractor
 
     from contrastkit.speech.models import hf_config
 
-    root = out / "wav2vec2"
-    if (root / "preprocessor_config.json").exists():
-        return
     hf_config(feat_extract_norm="layer", do_stable_layer_norm=True).save_pretrained(root)
     Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16_000, padding_value=0.0, do_normalize=True,
                              return_attention_mask=True).save_pretrained(root)
 
 
 def sentence_model(out: Path, small: bool) -> None:
+    root = out / "st"
+    if (root / "modules.json").exists():  # made: no import (sentence-transformers' alone takes seconds)
+        return
     import torch
     import transformers as T
     from sentence_transformers import SentenceTransformer
@@ -105,9 +108,6 @@ def sentence_model(out: Path, small: bool) -> None:
     from contrastkit.data.paraphrase import paraphrase_split
     from contrastkit.speech.clap import word_tokenizer
 
-    root = out / "st"
-    if (root / "modules.json").exists():
-        return
     train, test = paraphrase_split(num_train=1024, num_test=256)
     bert = out / "st-bert"
     tokenizer = word_tokenizer(bert, [t for pair in train + test for t in pair])

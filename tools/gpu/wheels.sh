@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Fills .whl/ with exactly the wheels the GPU machine lacks for benchmarks/gpu_e2e.sh and benchmarks/gpu_check.sh
+# Fills .whl/ with exactly the wheels the GPU machine lacks for tools/gpu/e2e.sh and tools/gpu/check.sh
 # (issue 43), FFmpeg's shared libraries for torchcodec among them (av, below), and weighs what a device call carries.
 #
-#     bash benchmarks/gpu_wheels.sh              # fetch what is missing, drop what is not listed, check, print sizes
-#     bash benchmarks/gpu_wheels.sh --dry-run    # only print what it would fetch and drop
+#     bash tools/gpu/wheels.sh              # fetch what is missing, drop what is not listed, check, print sizes
+#     bash tools/gpu/wheels.sh --dry-run    # only print what it would fetch and drop
 #
 # The device call (carry .whl and the speech set's fsc/ and done.json, the list this script prints last) is
 #
-#     source benchmarks/gpu_env.sh && ...        # e.g. && PYTHON=python3 bash benchmarks/gpu_e2e.sh
+#     source tools/gpu/env.sh && ...        # e.g. && PYTHON=python3 bash tools/gpu/e2e.sh
 #
-# benchmarks/gpu_env.sh installs .whl/*.whl into /tmp/site, sets PYTHONPATH, links FFmpeg's libraries from the
-# av wheel where the image has no FFmpeg, and runs benchmarks/gpu_env_check.py (about 30 s: versions, imports,
+# tools/gpu/env.sh installs .whl/*.whl into /tmp/site, sets PYTHONPATH, links FFmpeg's libraries from the
+# av wheel where the image has no FFmpeg, and runs tools/gpu/env_check.py (about 30 s: versions, imports,
 # where FFmpeg's libraries come from, torchcodec's decode, a bf16 matmul).
 #
 # The machine's image ('cuda': Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0,
@@ -36,22 +36,22 @@
 # Nothing imports av: the wheel travels repacked as av-13.0.0+ffmpeglibs-py3-none-*.whl, av.libs/ and av's
 # licence alone, LZMA-compressed (16.1 MiB; pip reads it, Info-ZIP's unzip does not). The full wheel would fit
 # only without transformers 5.24 (59.6 of 60 MiB).
-# benchmarks/gpu_env.sh links the SONAMEs torchcodec asks for (libavcodec.so.61 -> av.libs/libavcodec-*.so.61.3.100)
+# tools/gpu/env.sh links the SONAMEs torchcodec asks for (libavcodec.so.61 -> av.libs/libavcodec-*.so.61.3.100)
 # and every other av.libs file under its own name into one folder on LD_LIBRARY_PATH: the bundled libraries
 # carry no RPATH of their own (only av's extension modules do), so their dependencies must be on the search path.
 #
 # Size: the device tool carries at most 64 MiB; the repo's tracked and untracked-not-ignored files, .whl/ and the
-# speech set (.e2e/speech/*/fsc and done.json: gpu_e2e.sh reads fsc/ alone; voxceleb1/ holds hard links to
+# speech set (.e2e/speech/*/fsc and done.json: e2e.sh reads fsc/ alone; voxceleb1/ holds hard links to
 # fsc's files, which a copy may carry twice, so it stays behind) must stay under LIMIT_MIB (60).
 # Environment: PYTHON (default python3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 DRY=0
 case "${1:-}" in
   "") ;;
   --dry-run) DRY=1 ;;
-  *) echo "error: unknown argument '$1' (usage: bash benchmarks/gpu_wheels.sh [--dry-run])" >&2; exit 2 ;;
+  *) echo "error: unknown argument '$1' (usage: bash tools/gpu/wheels.sh [--dry-run])" >&2; exit 2 ;;
 esac
 LIMIT_MIB=60
 E2E_RESERVE_MIB=15  # the speech set's fsc/ (14.0 MiB) where .e2e/ is not made yet
@@ -100,13 +100,13 @@ with zipfile.ZipFile(src) as z:
     meta = z.read(f"{old}/METADATA").decode()
     meta = re.sub(r"(?m)^Version: .*$", f"Version: {new_version}", meta, count=1)
     meta = re.sub(r"(?m)^Summary: .*$", f"Summary: {name}.libs/ of {src.name} alone (no Python package): "
-                  "benchmarks/gpu_wheels.sh", meta, count=1)
+                  "tools/gpu/wheels.sh", meta, count=1)
     licences = re.findall(r"(?m)^License-File: (.+)$", meta)
     entries = [(i, z.read(i), zipfile.ZIP_LZMA) for i in infos if i.filename.startswith(f"{name}.libs/")]
     entries += [(zipfile.ZipInfo(f"{new}/METADATA"), meta.encode(), zipfile.ZIP_DEFLATED)]
     entries += [(zipfile.ZipInfo(f"{new}/{f}"), z.read(f"{old}/{f}"), zipfile.ZIP_DEFLATED)
                 for f in licences if f"{old}/{f}" in z.namelist()]
-    wheel = "".join(["Wheel-Version: 1.0\n", f"Generator: benchmarks/gpu_wheels.sh from {src.name}\n",
+    wheel = "".join(["Wheel-Version: 1.0\n", f"Generator: tools/gpu/wheels.sh from {src.name}\n",
                      "Root-Is-Purelib: false\n"] + [f"Tag: py3-none-{p}\n" for p in platforms])
     entries += [(zipfile.ZipInfo(f"{new}/WHEEL"), wheel.encode(), zipfile.ZIP_DEFLATED)]
 if not any(e[0].filename.startswith(f"{name}.libs/") for e in entries):
@@ -181,7 +181,7 @@ n=$(ls .whl/*.whl | wc -l)
 [ "$n" -eq "${#SPECS[@]}" ] || { echo "error: .whl/ holds $n wheels, ${#SPECS[@]} listed" >&2; exit 1; }
 echo "== requirements of the carried wheels, against each other and the image's package list"
 checked=0
-"$PY" benchmarks/gpu_env_check.py --wheels .whl || checked=$?
+"$PY" tools/gpu/env_check.py --wheels .whl || checked=$?
 
 echo "== what a device call carries (limit $LIMIT_MIB MiB of the device tool's 64)"
 bytes() { xargs -0 -r stat -c %s -- 2>/dev/null | awk '{s+=$1} END{print s+0}'; }  # sum over NUL-separated paths
@@ -197,7 +197,7 @@ if [ -n "$speech" ] && [ -f "$speech/done.json" ]; then
   e2e_line="$(mib "$e2e") MiB ($speech/fsc and done.json)"
 else
   e2e=$((E2E_RESERVE_MIB * 1048576))
-  e2e_line="$E2E_RESERVE_MIB MiB reserved (no speech set in .e2e/ yet: bash benchmarks/gpu_e2e.sh --prepare makes it)"
+  e2e_line="$E2E_RESERVE_MIB MiB reserved (no speech set in .e2e/ yet: bash tools/gpu/e2e.sh --prepare makes it)"
 fi
 git check-ignore -q .e2e || echo "note: .e2e/ is not ignored, so all of it travels (voxceleb1/ too), carried or not"
 total=$((tracked + untracked + wheels + e2e))

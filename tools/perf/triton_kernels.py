@@ -9,8 +9,8 @@ two cuBLAS products (band_products). Each line gives the milliseconds, the rate 
 done (1 for the forward, 1 + (R + 1) / 2R for the two-view backward over R bands, 2 for a band's products)
 and that rate over torch.mm's on the same shapes, timed in the same process:
 
-    python benchmarks/triton_kernels.py --n 32768 --d 512                 # every entry of each kernel's space
-    python benchmarks/triton_kernels.py --kernels stats_fwd --extra "64,64,64,4,2;128,32,64,8,2"
+    python tools/perf/triton_kernels.py --n 32768 --d 512                 # every entry of each kernel's space
+    python tools/perf/triton_kernels.py --kernels stats_fwd --extra "64,64,64,4,2;128,32,64,8,2"
 
 An entry is BLOCK_M, BLOCK_N, BLOCK_D, warps, stages (dlogits takes no BLOCK_D: no product inside;
 band_products has none). CUDA only; under TRITON_INTERPRET=1 it runs on the CPU at tiny sizes

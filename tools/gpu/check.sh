@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The loss core's command on a machine with a GPU (issues 23, 40; DESIGN.md "GPU"), run after gpu_e2e.sh:
+# The loss core's command on a machine with a GPU (issues 23, 40; DESIGN.md "GPU"), run after e2e.sh:
 #
-#     bash benchmarks/gpu_check.sh              # PLAN=quick: fits one device call of ~6 minutes (below)
-#     PLAN=full bash benchmarks/gpu_check.sh    # every size, dtype and method (several calls: split with the variables)
-#     bash benchmarks/gpu_check.sh --dry-run    # no GPU: its Python parts on the CPU, tiny sizes, into a temp dir
+#     bash tools/gpu/check.sh              # PLAN=quick: fits one device call of ~6 minutes (below)
+#     PLAN=full bash tools/gpu/check.sh    # every size, dtype and method (several calls: split with the variables)
+#     bash tools/gpu/check.sh --dry-run    # no GPU: its Python parts on the CPU, tiny sizes, into a temp dir
 #
 # 1. The CUDA tests: tests/test_cuda.py (host syncs, autocast, TF32, compile, memory at a large batch), then the
 #    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot
@@ -11,7 +11,7 @@
 #    dense) and the dense/band checks; full: every kernel test. Saved beside the tables: tests-cuda.xml and
 #    tests-cuda-triton.xml (junit) and tests-cuda.log (each test's result as it ends), so a failure's name comes
 #    back even from a cut run (TESTS_TIMEOUT: seconds for this step, then pytest is interrupted and writes both).
-# 2. benchmarks/perf_model.py --measure-rates: cuBLAS's bf16 and TF32 rates and the copy bandwidth on this GPU
+# 2. tools/perf/perf_model.py --measure-rates: cuBLAS's bf16 and TF32 rates and the copy bandwidth on this GPU
 #    (seconds), and the model's predictions from them (perf_model.md: what the tables below are compared with).
 #    Then benchmarks/losses.py, one process per job, D 512: each of the design's paths (-triton: the defaults;
 #    -triton-band, -triton-dense: each source forced), the cuBLAS floor of the same matrix (timed
@@ -22,19 +22,20 @@
 #    bf16, fp16 and float32 at N = 256 .. 262144, every method. Each writes losses.md, losses.json and
 #    losses.png to docs/gpu/<device name>/<job>/, saving its table after every size, so a run cut off keeps
 #    what it measured; every stage prints its seconds, so the next plan can be sized from them.
-# 3. benchmarks/triton_kernels.py (full only): each Triton kernel alone over its autotune space, against
+# 3. tools/perf/triton_kernels.py (full only): each Triton kernel alone over its autotune space, against
 #    cuBLAS's rate (kernels.json and kernels.log), what docs/gpu/<device>/kernels.md reads.
 # Environment: PYTHON (default python), PLAN (quick or full), TESTS=0 (skip step 1), TESTS_TIMEOUT, BENCH=0 (skip
 # step 2), KERNELS=0 (skip step 3), GPU_OUT (where everything goes: default docs/gpu/<device>, --dry-run's a temp dir),
+# JOBS (quick: a space list of its jobs, of bfloat16-small bfloat16 float32-tf32 image-text-1m, these only),
 # and for full: SIZES, DIMS, REPEATS, MEM_LIMIT_GIB, DTYPES, METHODS, MEMORY=0 (times only).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 DRY=0
 case "${1:-}" in
   "") ;;
   --dry-run) DRY=1 ;;
-  *) echo "error: unknown argument '$1' (usage: bash benchmarks/gpu_check.sh [--dry-run])" >&2; exit 2 ;;
+  *) echo "error: unknown argument '$1' (usage: bash tools/gpu/check.sh [--dry-run])" >&2; exit 2 ;;
 esac
 
 # "-triton-band": every Triton kernel reading cuBLAS's logits (the band design); "-triton-dense": the whole
@@ -54,8 +55,8 @@ if [ "$DRY" = 1 ]; then
   MEMORY=--no-memory  # a subprocess per method: minutes on a CPU (tests/test_benchmark_losses.py covers it)
 else
   if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "error: gpu_check.sh needs a CUDA device and torch.cuda.is_available() is False here" \
-         "(bash benchmarks/gpu_check.sh --dry-run checks its Python parts on the CPU)" >&2
+    echo "error: tools/gpu/check.sh needs a CUDA device and torch.cuda.is_available() is False here" \
+         "(bash tools/gpu/check.sh --dry-run checks its Python parts on the CPU)" >&2
     exit 2
   fi
   DEVICE=cuda
@@ -66,10 +67,14 @@ else
   MEM_LIMIT_GIB=${MEM_LIMIT_GIB:-$("$PY" -c "import torch; print(int(0.8 * torch.cuda.get_device_properties(0).total_memory / 2**30))")}
 fi
 mkdir -p "$OUT"
-echo "== gpu_check: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
+echo "== check.sh: device $DEVICE${NAME:+ ($NAME)}, writing $OUT"
 
 PLAN=${PLAN:-quick}
 case "$PLAN" in quick|full) ;; *) echo "error: PLAN must be quick or full, got '$PLAN'" >&2; exit 2 ;; esac
+QUICK_JOBS="bfloat16-small bfloat16 float32-tf32 image-text-1m"
+for job in ${JOBS:-}; do
+  [[ " $QUICK_JOBS " == *" $job "* ]] || { echo "error: unknown job '$job' in JOBS (jobs: $QUICK_JOBS)" >&2; exit 2; }
+done
 stage_start=$SECONDS
 took() { echo "   ($((SECONDS - stage_start)) s)"; stage_start=$SECONDS; }
 
@@ -100,6 +105,7 @@ took
 
 bench() {  # bench NAME DTYPE SIZES REPEATS METHODS [extra losses.py arguments]
   local name=$1 dtype=$2 sizes=$3 repeats=$4 methods=$5; shift 5
+  if [ "$PLAN" = quick ] && [ -n "${JOBS:-}" ] && [[ " $JOBS " != *" $name "* ]]; then return 0; fi
   echo "-- $name: $dtype, N = $sizes, $repeats rounds"
   "$PY" benchmarks/losses.py --device "$DEVICE" --dtype "$dtype" --sizes "$sizes" --dims "$DIMS" \
     --repeats "$repeats" --mem-limit-gib "$MEM_LIMIT_GIB" ${MEMORY:-} --methods "$methods" --out "$OUT/$name" "$@" || true
@@ -108,7 +114,7 @@ bench() {  # bench NAME DTYPE SIZES REPEATS METHODS [extra losses.py arguments]
 echo "== 2/3 benchmark against the cuBLAS floor, open_clip, lightly and Inf-CL ($PLAN)"
 if [ "${BENCH:-1}" != 0 ]; then  # first the model's rates on this device, and its predictions from them
   echo "-- rates: cuBLAS bf16 and TF32, the copy bandwidth -> $OUT/perf_model.md"
-  "$PY" benchmarks/perf_model.py --measure-rates "$DEVICE" --out "$OUT/perf_model.md" > /dev/null \
+  "$PY" tools/perf/perf_model.py --measure-rates "$DEVICE" --out "$OUT/perf_model.md" > /dev/null \
     && head -c 400 "$OUT/perf_model.md" && echo || true
   took
 fi
@@ -135,9 +141,9 @@ echo "== 3/3 each kernel alone against cuBLAS's rate"
 if [ "${KERNELS:-1}" = 0 ] || [ "$PLAN" = quick ]; then
   echo "(skipped: KERNELS=0 or PLAN=quick)"
 elif [ "$DRY" = 1 ]; then
-  TRITON_INTERPRET=1 "$PY" benchmarks/triton_kernels.py --n 48 --d 32 --repeats 1 --first --json "$OUT/kernels.json"
+  TRITON_INTERPRET=1 "$PY" tools/perf/triton_kernels.py --n 48 --d 32 --repeats 1 --first --json "$OUT/kernels.json"
 else
-  "$PY" benchmarks/triton_kernels.py --n 32768 --d 512 --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
+  "$PY" tools/perf/triton_kernels.py --n 32768 --d 512 --json "$OUT/kernels.json" | tee "$OUT/kernels.log"
 fi
 took
-echo "== gpu_check done: $OUT/perf_model.md, $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the tables' conclusions"
+echo "== check.sh done: $OUT/perf_model.md, $OUT/*/losses.{md,json,png}; commit them (docs/gpu/) with the tables' conclusions"

@@ -1,14 +1,14 @@
-"""The cheap first check on the GPU machine (issue 43), before benchmarks/gpu_e2e.sh: one line per check,
+"""The cheap first check on the GPU machine (issue 43), before tools/gpu/e2e.sh: one line per check,
 exit status 1 if any fails.
 
-    python3 benchmarks/gpu_env_check.py               # on the machine: source benchmarks/gpu_env.sh runs it
-    python benchmarks/gpu_env_check.py --no-cuda      # anywhere: the same checks, CUDA's skipped
-    python benchmarks/gpu_env_check.py --wheels .whl  # no imports: each carried wheel's Requires-Dist (extras
+    python3 tools/gpu/env_check.py               # on the machine: source tools/gpu/env.sh runs it
+    python tools/gpu/env_check.py --no-cuda      # anywhere: the same checks, CUDA's skipped
+    python tools/gpu/env_check.py --wheels .whl  # no imports: each carried wheel's Requires-Dist (extras
                                                       # left out) against the other wheels and the image's packages
 
 The runtime checks: Python, torch, triton, CUDA and the device; the carried wheels are the versions imported and
 their requirements are met by what is installed; FFmpeg's libraries load (each major found, its version and
-folder: the image's, or the av wheel's av.libs through benchmarks/gpu_env.sh's links); open_clip,
+folder: the image's, or the av wheel's av.libs through tools/gpu/env.sh's links); open_clip,
 open_clip_train.main, transformers, accelerate, datasets, sentence_transformers, soundfile, torchcodec,
 lightly.loss, inf_cl import; the FFmpeg torchcodec loaded; contrastkit.data.speech decodes a WAV written with
 soundfile and resamples 16 kHz -> 8 kHz through torchcodec; a bf16 matmul on CUDA.
@@ -33,7 +33,7 @@ try:
 except ImportError:  # pip always carries it
     from pip._vendor.packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The device image 'cuda': the device tool's KINDS.md (package list read 2026-11-17; versions where its pip list
 # gave them)
@@ -218,7 +218,7 @@ def mapped_files(name: str, so: int) -> list[str]:
 
 
 def found_through(soname: str) -> str | None:
-    """The LD_LIBRARY_PATH folder holding ``soname`` as a link (benchmarks/gpu_env.sh's /tmp/ffmpeg-sonames)."""
+    """The LD_LIBRARY_PATH folder holding ``soname`` as a link (tools/gpu/env.sh's /tmp/ffmpeg-sonames)."""
     for folder in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
         if (Path(folder) / soname).is_symlink():
             return folder
@@ -242,7 +242,7 @@ def ffmpeg_origin(major: int) -> str:
 
 def ffmpeg() -> str:
     """The FFmpeg majors whose seven libraries load (torchcodec needs one of FFmpeg 4..8's), each with its
-    version and the folder its files lie in (the image's, or the av wheel's av.libs through benchmarks/gpu_env.sh's
+    version and the folder its files lie in (the image's, or the av wheel's av.libs through tools/gpu/env.sh's
     links)."""
     import ctypes
 
@@ -263,7 +263,7 @@ def ffmpeg() -> str:
     if not found:
         raise RuntimeError("no FFmpeg 4..8 with all of " + ", ".join(f"lib{n}" for n in FFMPEG_LIBS)
                            + (f" ({'; '.join(partial)})" if partial else "")
-                           + ": torchcodec cannot load (source benchmarks/gpu_env.sh with the av wheel in .whl/)")
+                           + ": torchcodec cannot load (source tools/gpu/env.sh with the av wheel in .whl/)")
     return "; ".join(found)
 
 

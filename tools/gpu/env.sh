@@ -1,25 +1,25 @@
 # The start of every device call that needs the carried wheels (issue 43). SOURCE it, from the repo's root:
 #
-#     source benchmarks/gpu_env.sh && PYTHON=python3 bash benchmarks/gpu_e2e.sh; cp docs/gpu/*/e2e.* $OUT/
+#     source tools/gpu/env.sh && PYTHON=python3 bash tools/gpu/e2e.sh; cp docs/gpu/*/e2e.* $OUT/
 #
-# (carry .whl and the speech set: the list benchmarks/gpu_wheels.sh prints last). It
-#   1. installs .whl/*.whl into /tmp/site (pip, no index, no dependencies: benchmarks/gpu_wheels.sh chose them),
+# (carry .whl and the speech set: the list tools/gpu/wheels.sh prints last). It
+#   1. installs .whl/*.whl into /tmp/site (pip, no index, no dependencies: tools/gpu/wheels.sh chose them),
 #   2. exports PYTHONPATH=/tmp/site:$PWD (the carried wheels before the image's packages; contrastkit from here),
 #   3. where the image has no complete FFmpeg (ldconfig -p), links FFmpeg's libraries from the carried av wheel's
 #      av.libs/ into /tmp/ffmpeg-sonames under the SONAMEs torchcodec's core library asks for
 #      (libavcodec.so.61 -> /tmp/site/av.libs/libavcodec-08752d0c.so.61.3.100, ...) and every other av.libs file
 #      under its own name (the bundled libraries have no RPATH: libavformat finds libxml2-*.so there), and puts
 #      that folder first on LD_LIBRARY_PATH,
-#   4. runs benchmarks/gpu_env_check.py (about 30 s) and returns its status.
-# It returns (never exits) 1 on a failure, so `source benchmarks/gpu_env.sh && ...` stops there, and a caller
+#   4. runs tools/gpu/env_check.py (about 30 s) and returns its status.
+# It returns (never exits) 1 on a failure, so `source tools/gpu/env.sh && ...` stops there, and a caller
 # under `set -e` stops at a failed `source`. It sets no shell options.
 # Environment: PYTHON (default python3), GPU_SITE (default /tmp/site), FFMPEG_FROM (auto, the default: av.libs
 # only where the image has no FFmpeg; av: av.libs even so; system: never), GPU_ENV_CHECK_ARGS (for
-# gpu_env_check.py, e.g. --no-cuda), GPU_ENV_PIP_ARGS (added to pip install: a rehearsal on a machine with another
+# env_check.py, e.g. --no-cuda), GPU_ENV_PIP_ARGS (added to pip install: a rehearsal on a machine with another
 # Python names the device's, e.g. --python-version 3.12 --implementation cp --only-binary=:all: --platform ...).
 
 if ! (return 0 2>/dev/null); then
-  echo "gpu_env.sh: source it (source benchmarks/gpu_env.sh && ...): run as a program, its exports are lost" >&2
+  echo "tools/gpu/env.sh: source it (source tools/gpu/env.sh && ...): run as a program, its exports are lost" >&2
   exit 2
 fi
 
@@ -64,8 +64,8 @@ _gpu_env_link_av() {  # _gpu_env_link_av AVLIBS LINKS: the links of step 3; prin
 _gpu_env() {
   local py=${PYTHON:-python3} site=${GPU_SITE:-/tmp/site} links=/tmp/ffmpeg-sonames from=${FFMPEG_FROM:-auto}
   local system linked
-  if [ ! -f benchmarks/gpu_env.sh ]; then
-    echo "gpu_env: error: source it from the repo's root (benchmarks/gpu_env.sh not found in $PWD)" >&2
+  if [ ! -f tools/gpu/env.sh ]; then
+    echo "gpu_env: error: source it from the repo's root (tools/gpu/env.sh not found in $PWD)" >&2
     return 1
   fi
   case $from in
@@ -95,7 +95,7 @@ _gpu_env() {
          "system's FFmpeg (${system:-none})" >&2
   fi
   # shellcheck disable=SC2086
-  "$py" benchmarks/gpu_env_check.py ${GPU_ENV_CHECK_ARGS:-}
+  "$py" tools/gpu/env_check.py ${GPU_ENV_CHECK_ARGS:-}
 }
 
 _gpu_env

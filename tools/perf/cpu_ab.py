@@ -1,7 +1,7 @@
 """CPU time of the automatic loss path, one source tree against another, on a shared machine.
 
     git archive <base commit> | tar -x -C /tmp/base
-    python benchmarks/cpu_ab.py /tmp/base .            # base tree, then this one, 4 rounds
+    python tools/perf/cpu_ab.py /tmp/base .            # base tree, then this one, 4 rounds
 
 Forward + backward of a few objectives and settings (float32, the eager CPU path) in a subprocess per tree
 (PYTHONPATH set to it), the trees alternated for --rounds rounds. Each step's time is process time (CPU

@@ -3,8 +3,8 @@ and sm_120) and sm_80 (A100; its entries also serve sm_86/89 and, with the band 
 T4) on this machine, no GPU needed (triton.compile with a GPUTarget, then the ptxas that triton ships with -v
 for registers and spills).
 
-    TRITON_INTERPRET=0 python benchmarks/triton_compile.py              # the whole autotune space, D = 512
-    TRITON_INTERPRET=0 python benchmarks/triton_compile.py --quick --json   # tests/test_triton_compile.py
+    TRITON_INTERPRET=0 python tools/perf/triton_compile.py              # the whole autotune space, D = 512
+    TRITON_INTERPRET=0 python tools/perf/triton_compile.py --quick --json   # tests/test_triton_compile.py
 
 Tiles: BLOCK_M x BLOCK_N x BLOCK_D (d logits: BLOCK_M x BLOCK_N, no product inside). Per compiled kernel: the
 tensor-core instruction in the PTX (wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120), registers
@@ -209,5 +209,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.exit(main())

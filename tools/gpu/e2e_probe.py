@@ -1,9 +1,9 @@
-"""The harness of benchmarks/gpu_e2e.sh: runs one entry point (a script, or ``-m module``) in this process
+"""The harness of tools/gpu/e2e.sh: runs one entry point (a script, or ``-m module``) in this process
 and watches the objective inside it (contrastkit's, or the ecosystem's own loss), without changing the product.
 
     E2E_OUT=run.json E2E_REFERENCE=openclip accelerate launch --mixed_precision bf16 \\
-        benchmarks/e2e_probe.py recipes/clip/train.py --loss dcl --steps 200
-    E2E_OUT=st.json E2E_WATCH=mnrl E2E_REFERENCE=mnrl python benchmarks/e2e_probe.py tests/scripts/st_train.py ...
+        tools/gpu/e2e_probe.py recipes/clip/train.py --loss dcl --steps 200
+    E2E_OUT=st.json E2E_WATCH=mnrl E2E_REFERENCE=mnrl python tools/gpu/e2e_probe.py tests/scripts/st_train.py ...
 
 What it records, written to ``E2E_OUT`` (JSON) when the entry point returns (a process of rank R > 0 writes
 ``<E2E_OUT without .json>.rankR.json``):
@@ -13,7 +13,7 @@ What it records, written to ``E2E_OUT`` (JSON) when the entry point returns (a p
   positive scores above every candidate the loss gave it, beside chance (what random scores get: 1 / candidates;
   for wav2vec 2.0 the mean of 1 / (1 + valid distractors), which a collapsed codebook raises): the untrained
   value (the first UNTRAINED_CALLS calls) against the trained one (the last quarter) is a learning criterion
-  that reads the same for every objective (benchmarks/e2e_report.py);
+  that reads the same for every objective (tools/gpu/e2e_report.py);
 - a CUDA event after every optimizer step (torch's global step hook), so the steady-state step time is the
   GPU's own timeline, the median interval after the first fifth of the steps (evaluations and checkpoints
   fall out as outliers); on the CPU (``--dry-run``) the wall clock;

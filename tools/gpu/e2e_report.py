@@ -1,9 +1,9 @@
-"""The tables of benchmarks/gpu_e2e.sh: whether each entry point learned, read by the criterion that says what
+"""The tables of tools/gpu/e2e.sh: whether each entry point learned, read by the criterion that says what
 learning means there, with contrastkit's objective (DCL) and with the ecosystem's own loss, beside the untrained
-baseline; each DCL run's timings (benchmarks/e2e_probe.py); the main job's resume check and its two-process run.
+baseline; each DCL run's timings (tools/gpu/e2e_probe.py); the main job's resume check and its two-process run.
 
-    python benchmarks/e2e_report.py compare RUN/checkpoint_200 RESUMED/checkpoint_200 --out resume.json
-    python benchmarks/e2e_report.py write RUN_DIR --out docs/gpu/<device>/e2e.md --command "..." --commit abc123
+    python tools/gpu/e2e_report.py compare RUN/checkpoint_200 RESUMED/checkpoint_200 --out resume.json
+    python tools/gpu/e2e_report.py write RUN_DIR --out docs/gpu/<device>/e2e.md --command "..." --commit abc123
 
 RUN_DIR holds, per run NAME (a stage; NAME-own: the same entry point with its ecosystem's own loss;
 clip-untrained, vision-untrained: a recipe's --steps 0 run, the untrained model through its evaluation):
@@ -193,7 +193,7 @@ def write(run: Path, out: Path, command: str, commit: str) -> tuple[bool, bool]:
     lines = [f"# End-to-end on {device}", "", f"Command: `{command}`", "", f"Commit: {commit}", "",
              "Each entry point trains for a short run as its own ecosystem does it (on the GPU in bf16: accelerate's "
              "`--mixed_precision bf16`, open_clip_train's `--precision amp_bf16`, the Trainer's `--bf16 --tf32 True`; "
-             "benchmarks/gpu_e2e.sh has the settings), once with DCL and once with the ecosystem's own loss. "
+             "tools/gpu/e2e.sh has the settings), once with DCL and once with the ecosystem's own loss. "
              "Learned: the criterion of the entry point, trained against untrained, by at least its margin:", ""]
     lines += [f"- {key} (margin {c.margin:g}): {c.text}" for key, c in CRITERIA.items()]
     lines += ["", "| entry point | criterion | untrained | DCL | own loss | own | learned: DCL / own |",
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     w = sub.add_parser("write", help="e2e.md from a run folder")
     w.add_argument("run", type=Path)
     w.add_argument("--out", type=Path, required=True)
-    w.add_argument("--command", default="bash benchmarks/gpu_e2e.sh")
+    w.add_argument("--command", default="bash tools/gpu/e2e.sh")
     w.add_argument("--commit", default="unknown")
     w.add_argument("--require-learned", action="store_true",
                    help="exit 1 unless every run learned, the resume matched and two processes equalled one too")

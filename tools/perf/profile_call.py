@@ -1,10 +1,10 @@
 """Where one default loss call's time goes (issue 53): DCL at N = 32768, D = 512, forward + backward on the
 default path ("auto": the Triton path there), image-text (a learnable logit scale) and two views, grouped by
-pass beside benchmarks/perf_model.py's prediction of each pass.
+pass beside tools/perf/perf_model.py's prediction of each pass.
 
-    python benchmarks/profile_call.py --out DIR               # CUDA: torch.profiler's kernels, ~30 s
-    python benchmarks/profile_call.py --dry-run --out DIR     # CPU: N = 128, D = 32 (Triton's interpreter)
-    python benchmarks/profile_call.py --count --out DIR       # CPU: counted only, N = 32768 on the meta device
+    python tools/perf/profile_call.py --out DIR               # CUDA: torch.profiler's kernels, ~30 s
+    python tools/perf/profile_call.py --dry-run --out DIR     # CPU: N = 128, D = 32 (Triton's interpreter)
+    python tools/perf/profile_call.py --count --out DIR       # CPU: counted only, N = 32768 on the meta device
 
 Writes DIR/profile.md and DIR/profile.json. Per setting, three views of the same call:
 
@@ -16,7 +16,7 @@ Writes DIR/profile.md and DIR/profile.json. Per setting, three views of the same
   of its traffic) and the products' FLOPs (under the dry run's interpreter its copies too); and the host's
   time to issue the call (not waiting for the GPU) and per operator, beside the call's own (CUDA events);
 - predicted: perf_model.by_pass for the path the call takes, from the rates in docs/gpu/<device>/perf_model.md
-  (gpu_check.sh measures them) or, without that file, measured here (perf_model.measure_rates); its
+  (check.sh measures them) or, without that file, measured here (perf_model.measure_rates); its
   normalisation row is every [N, D] pass (normalisation, positives, copies/casts and other together), its
   launches row the host's launches at the model's 5 us each.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch 2.14's profiler prints two USDT lines per profile below 6
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PASSES = ("products", "statistics", "d logits", "normalisation", "positives", "copies/casts", "other")
 SETTINGS = ("image-text", "two-view")
 _stack: list[str] = []  # the passes the call is inside now, innermost last
@@ -261,7 +261,7 @@ def profile(call, device: str) -> dict:
 
 
 def rates(device_name: str, measure: bool) -> tuple[dict, str]:
-    """The model's three rates: docs/gpu/<device>/perf_model.md's line (gpu_check.sh wrote it), else measured
+    """The model's three rates: docs/gpu/<device>/perf_model.md's line (check.sh wrote it), else measured
     here (perf_model.measure_rates), else the model's own (the H100's)."""
     import perf_model as pm
 
@@ -298,7 +298,7 @@ def predicted(setting: str, n: int, d: int, rate: dict) -> tuple[str, dict]:
 
 def report(results: dict, meta: dict) -> str:
     lines = [f"# One default call, by pass: {meta['device']}", "",
-             f"`python benchmarks/profile_call.py{meta['flag']}`, commit "
+             f"`python tools/perf/profile_call.py{meta['flag']}`, commit "
              f"{meta['commit']}: DCL, N = {meta['n']}, D = {meta['d']}, {meta['inputs']}, forward + backward after "
              f"a warm-up; rates: {meta['rates_from']}. The call: issue to finish (CUDA events), the host: its time "
              f"to issue it, each the shortest of 3. Measured: the {meta['what']} summed by pass; counted: "
@@ -404,5 +404,5 @@ def _commit() -> str:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf_model
     sys.exit(main())

@@ -1,8 +1,8 @@
 """Predicted time of each GPU loss path from measured rates (issue 40: the second design of the GPU loss core).
 
-    python benchmarks/perf_model.py                          # both settings, N 256 .. 1048576, D 512, bf16
-    python benchmarks/perf_model.py --budget-gib 8 --out /tmp/perf_model.md
-    python benchmarks/perf_model.py --measure-rates cuda --out docs/gpu/<device>/perf_model.md  # this GPU's rates
+    python tools/perf/perf_model.py                          # both settings, N 256 .. 1048576, D 512, bf16
+    python tools/perf/perf_model.py --budget-gib 8 --out /tmp/perf_model.md
+    python tools/perf/perf_model.py --measure-rates cuda --out docs/gpu/<device>/perf_model.md  # this GPU's rates
 
 A path's time is the sum of three terms, each from a measured or stated rate (nothing is fitted):
 
@@ -105,7 +105,7 @@ PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
 # path (its float32 product is band's), "dense" the dense path; tests/test_perf_model.py recounts them.
 BUILT_OPERATORS = {"band": {TWO_VIEW: 77, IMAGE_TEXT: 79}, "dense": {TWO_VIEW: 29, IMAGE_TEXT: 48}}
 # The same at N = 32768, D = 512 (bf16 features, DCL, the default path: band+fwd), counted by
-# `python benchmarks/profile_call.py --count` (the meta device, the Triton operators' bodies counted inside;
+# `python tools/perf/profile_call.py --count` (the meta device, the Triton operators' bodies counted inside;
 # tests/test_perf_model.py recounts them). Estimated as BUILT_OPERATORS' one block plus each further block's
 # launches, the model had 174 and 106: per band the code also normalises its rows' gradient in chunks
 # (image-text), sums its d scale terms, and the [N, D] passes (inverse norms, positives, the gradients'
@@ -313,7 +313,7 @@ class Prediction:
         return self.gemm_s + self.bytes_s + self.measured_s + self.launch_s
 
     def by_pass(self) -> dict[str, float]:
-        """Seconds by pass, as benchmarks/profile_call.py groups a call's kernels: products (the GEMMs' FLOPs and
+        """Seconds by pass, as tools/perf/profile_call.py groups a call's kernels: products (the GEMMs' FLOPs and
         bytes: the logits they write, the d logits they read, operands and float32 accumulators), statistics
         (the forward's pass, or band+fwd's measured kernel), d logits (the backward's pass), normalisation (every
         [N, D] pass: ROW_BYTES, and the float16 units' copies under TF32; the profile splits these into
@@ -627,7 +627,7 @@ def measure_rates(device_name: str) -> dict[str, float]:
     """The model's three rates on a device: cuBLAS's bf16 rate (torch.mm of [M, D] and [D, M], M = 65536,
     D = 512: how CUBLAS_BF16_FLOPS was measured), its float32 rate under TF32 (M = 32768: the float32
     output is 4 GiB) and the copy bandwidth (bytes read + written copying 1 GiB), each the fastest of 5
-    rounds. On the CPU (gpu_check.sh --dry-run) tiny sizes: the code runs, the numbers describe nothing."""
+    rounds. On the CPU (check.sh --dry-run) tiny sizes: the code runs, the numbers describe nothing."""
     import torch
 
     device = torch.device(device_name)
