@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,15 +60,18 @@ BUGS: tuple[Bug, ...] = (
     Bug("dcl-positive-in-denominator", "contrastkit/losses/dcl.py",
         "return softmax_logit_terms(pos, neg_lse, keep_positive=False)\n",
         "return softmax_logit_terms(pos, neg_lse, keep_positive=True)\n",
-        "DCL's dense path keeps the positive in its denominator (InfoNCE's form)"),
+        "DCL's dense path keeps the positive in its denominator (InfoNCE's form)",
+        ("tests/test_losses.py",)),
     Bug("eqco-margin-sign", "contrastkit/losses/infonce.py",
         "shift=math.log(self.alpha / num_neg))",
         "shift=math.log(num_neg / self.alpha))",
-        "EqCo's margin log(alpha / K) with the wrong sign (dense path)"),
+        "EqCo's margin log(alpha / K) with the wrong sign (dense path)",
+        ("tests/test_losses.py",)),
     Bug("temperature-multiplied", "contrastkit/losses/infonce.py",
         "return 1.0 / self.temperature",
         "return self.temperature",
-        "InfoNCE's (and EqCo's) cosines multiplied by the temperature instead of divided"),
+        "InfoNCE's (and EqCo's) cosines multiplied by the temperature instead of divided",
+        ("tests/test_losses.py",)),
     Bug("gather-without-grad", "contrastkit/distributed.py",
         "return _gather_equal(x, grad=True), rank * x.shape[0]",
         "return _gather_equal(x, grad=False), rank * x.shape[0]",
@@ -76,7 +80,8 @@ BUGS: tuple[Bug, ...] = (
     Bug("layout-positive-index", "contrastkit/losses/dense.py",
         "positives = (rows + own.flip(0)).reshape(-1)",
         "positives = (rows + own).reshape(-1)",
-        "two views, dense layout: each anchor's positive is its own column, not its other view's"),
+        "two views, dense layout: each anchor's positive is its own column, not its other view's",
+        ("tests/test_dense.py",)),
     Bug("layout-gathered-positive", "contrastkit/losses/dense.py",
         "positives = i * (total * per_sample) + (start + i) * per_sample",
         "positives = i * (total * per_sample) + i * per_sample",
@@ -85,43 +90,53 @@ BUGS: tuple[Bug, ...] = (
     Bug("label-mask-inverted", "contrastkit/losses/base.py",
         "hit = row_ids[:, None] == col_ids[None] if same_label else",
         "hit = row_ids[:, None] != col_ids[None] if same_label else",
-        "labels, dense path: the candidates of the other labels are masked, not those of the anchor's own"),
+        "labels, dense path: the candidates of the other labels are masked, not those of the anchor's own",
+        ("tests/test_losses_labels.py",)),
     Bug("logit-scale-not-learned", "contrastkit/losses/dense.py",
         "return grad_a, grad_b, d_scale if need_scale else None, None",
         "return grad_a, grad_b, None, None",
-        "the dense path's backward drops the logit scale's gradient (CLIP's learnable scale never moves)"),
+        "the dense path's backward drops the logit scale's gradient (CLIP's learnable scale never moves)",
+        ("tests/test_clip_adapter.py",)),
     Bug("l2-normalisation-skipped", "contrastkit/losses/dense.py",
         "return x * inv, inv, inv * (norm >= NORM_EPS)",
         "return x, inv, inv * (norm >= NORM_EPS)",
-        "the dense path takes the raw features as unit vectors (no L2 normalisation)"),
+        "the dense path takes the raw features as unit vectors (no L2 normalisation)",
+        ("tests/test_dense.py",)),
     Bug("dclw-weight-not-detached", "contrastkit/losses/functional.py",
         "scaled = pos.detach() / sigma",
         "scaled = pos / sigma",
-        "DCLW's weight keeps its gradient (it must be detached) on the stat paths"),
+        "DCLW's weight keeps its gradient (it must be detached) on the stat paths",
+        ("tests/test_chunked.py",)),
     Bug("cacr-attraction-weights-with-grad", "contrastkit/losses/functional.py",
         "    with torch.no_grad():\n        pos_w = torch.softmax(t_pos * pos_cost, dim=1)",
         "    with torch.enable_grad():\n        pos_w = torch.softmax(t_pos * pos_cost, dim=1)",
-        "CACR's attraction weights keep their gradient (only the repulsion's should)"),
+        "CACR's attraction weights keep their gradient (only the repulsion's should)",
+        ("tests/test_losses.py",)),
     Bug("unigrad-momentum-inverted", "contrastkit/losses/unigrad.py",
         "self.correlation.mul_(self.rho).add_(batch.to(self.correlation.dtype) * (1.0 - self.rho))",
         "self.correlation.mul_(1.0 - self.rho).add_(batch.to(self.correlation.dtype) * self.rho)",
-        "UniGrad's running correlation keeps 1 - rho of the old F and takes rho of the batch's"),
+        "UniGrad's running correlation keeps 1 - rho of the old F and takes rho of the batch's",
+        ("tests/test_losses.py",)),
     Bug("open-clip-patch-not-reaching-loss", "contrastkit/adapters/open_clip.py",
         "modules = [open_clip, open_clip.factory]",
         "modules = [open_clip.factory]",
-        "the open_clip patch leaves open_clip.create_loss alone: training keeps open_clip's ClipLoss"),
+        "the open_clip patch leaves open_clip.create_loss alone: training keeps open_clip's ClipLoss",
+        ("tests/test_clip_adapter.py",)),
     Bug("hf-clip-model-scale-dropped", "contrastkit/adapters/hf_clip.py",
         "scale = scales[0] if self.model_scale else None",
         "scale = None",
-        "the Hugging Face CLIP adapter never passes the model's logit scale to the loss (1/tau instead)"),
+        "the Hugging Face CLIP adapter never passes the model's logit scale to the loss (1/tau instead)",
+        ("tests/test_hf_clip.py",)),
     Bug("wav2vec2-frames-mean", "contrastkit/losses/frames.py",
         "return torch.where(keep, per_frame, 0.0).sum(), dropped",
         "return torch.where(keep, per_frame, 0.0).mean(), dropped",
-        "the wav2vec 2.0 contrastive term is a mean over frames, not the models' sum over masked frames"),
+        "the wav2vec 2.0 contrastive term is a mean over frames, not the models' sum over masked frames",
+        ("tests/test_wav2vec2_hf.py",)),
     Bug("zeroshot-top1-off-by-one", "contrastkit/evaluation/zeroshot.py",
         "top1 = (topk[:, 0] == targets)",
         "top1 = (topk[:, 1] == targets)",
-        "zero-shot top-1 compares the second-ranked class index with the target"),
+        "zero-shot top-1 compares the second-ranked class index with the target",
+        ("tests/test_clip_zeroshot.py",)),
     Bug("resume-sampler-from-zero", "contrastkit/clip/train.py",
         "cfg.seed, state.step, cfg.steps)",
         "cfg.seed, 0, cfg.steps)",
@@ -230,6 +245,7 @@ class Outcome:
     seconds: float
     returncode: int
     tail: str = ""  # the end of pytest's output, for an unexpected result
+    timed_out: bool = False  # stopped at --timeout: neither caught nor missed
 
 
 def environment(copy: Path, plugin_dir: Path, first: Path, bug: Bug | None) -> dict:
@@ -254,14 +270,20 @@ def run_tier(copy: Path, plugin_dir: Path, tier: str, bug: Bug | None, extra: li
     first.unlink(missing_ok=True)
     command = tier_command(tier, bug.first if bug is not None and tier == "whole" else (), extra)
     started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=copy, env=environment(copy, plugin_dir, first, bug), capture_output=True,
-                              text=True, timeout=timeout)
-        code, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as err:
-        code, output = -1, f"timed out after {timeout} s\n{err.stdout or ''}"
+    # its own process group: at a timeout pytest, its xdist workers and the processes the tests started end together
+    with subprocess.Popen(command, cwd=copy, env=environment(copy, plugin_dir, first, bug), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            code, output = -1, f"{output}\ntimed out after {timeout} s"
     seconds = time.monotonic() - started
     test = json.loads(first.read_text())["nodeid"] if first.is_file() else None
+    if code == -1:  # a failure noted before the timeout still counts
+        return Outcome(test is not None, test, seconds, code, output[-3000:], timed_out=test is None)
     # exit status 1: tests failed; 2: interrupted (a collection error, or -x's stop under xdist); 0: all passed
     caught = code != 0 and code != 5
     return Outcome(caught, test, seconds, code, output[-3000:])
@@ -296,6 +318,8 @@ class Row:
 def cell(outcome: Outcome | None, note: str = "") -> str:
     if outcome is None:
         return note or "not run"
+    if outcome.timed_out:
+        return f"not finished in {outcome.seconds:.0f} s (--timeout): no failure by then"
     if not outcome.caught:
         return "**missed**"
     where = f"`{outcome.test}`" if outcome.test else f"pytest exit status {outcome.returncode}"
@@ -338,7 +362,8 @@ def say(text: str) -> None:
         print(text, file=sys.stderr)
 
 
-def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: list[str]) -> int:
+def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: list[str],
+        timeout: float | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -356,7 +381,7 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
         results: dict[str, Outcome] = {}
         if baseline:
             say(f"baseline: the unmodified tree, {first_tier} tier ...")
-            results[first_tier] = outcome = run_tier(clean, plugin_dir, first_tier, None, extra)
+            results[first_tier] = outcome = run_tier(clean, plugin_dir, first_tier, None, extra)  # no timeout
             say(f"baseline: {'passed' if not outcome.caught else 'FAILED'} in {outcome.seconds:.0f} s")
             if outcome.caught:
                 say(outcome.tail)
@@ -373,9 +398,9 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
             copy_tree(copy, files, clean)
             apply(bug, copy)
             row = Row(bug)
-            row.quick = run_tier(copy, plugin_dir, first_tier, bug, extra) if tiers != "whole" else None
+            row.quick = run_tier(copy, plugin_dir, first_tier, bug, extra, timeout) if tiers != "whole" else None
             if tiers == "whole":
-                row.whole = run_tier(copy, plugin_dir, "whole", bug, extra)
+                row.whole = run_tier(copy, plugin_dir, "whole", bug, extra, timeout)
             elif tiers == "both" and row.quick.caught:
                 if whole_ids is None:
                     whole_ids = collected_whole(clean, plugin_dir)
@@ -384,7 +409,7 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
                                   "suite)" if inside else f"not established: `{row.quick.test}` is not among the "
                                   "whole suite's collected tests")
             elif tiers == "both":
-                row.whole = run_tier(copy, plugin_dir, "whole", bug, extra)
+                row.whole = run_tier(copy, plugin_dir, "whole", bug, extra, timeout)
             # A failure the whole suite found with no whole-suite baseline: that test must pass without the bug.
             if row.whole is not None and row.whole.caught and "whole" not in results and row.whole.test:
                 ok = control(clean, plugin_dir, row.whole.test)
@@ -393,6 +418,7 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
             for tier, outcome in (("quick", row.quick), ("whole", row.whole)):
                 if outcome is not None:
                     found = f"caught by {outcome.test}" if outcome.caught else "missed"
+                    found = f"not finished in {timeout} s" if outcome.timed_out else found
                     if outcome.caught and outcome.test is None:
                         found = f"failed (exit status {outcome.returncode}) with no test named: {outcome.tail[-300:]}"
                     say(f"{bug.name}: {tier} tier {found} ({outcome.seconds:.0f} s)")
@@ -425,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run of the tier on the unmodified tree")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE.md", help="write the markdown table there")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="stop a bug's run after this long (the table says so: neither caught nor missed)")
     args = parser.parse_args(argv)
     try:
         bugs = list(BUGS) if args.only is None else by_name(args.only)
@@ -447,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"all {len(bugs)} bugs apply (each one's text exactly once in its file)")
         return 1 if problems else 0
     try:
-        return run(bugs, args.tier, not args.no_baseline, args.out, extra)
+        return run(bugs, args.tier, not args.no_baseline, args.out, extra, args.timeout)
     except BugError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
