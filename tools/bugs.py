@@ -244,7 +244,7 @@ class Outcome:
     test: str | None  # the first failing test's id (a collection error: the file's)
     seconds: float
     returncode: int
-    tail: str = ""  # the end of pytest's output, for an unexpected result
+    tail: str = ""  # the end of pytest's output, for an unexpected result (all of it with --logs)
     timed_out: bool = False  # stopped at --timeout: neither caught nor missed
 
 
@@ -285,10 +285,10 @@ def run_tier(copy: Path, plugin_dir: Path, tier: str, bug: Bug | None, extra: li
     seconds = time.monotonic() - started
     test = json.loads(first.read_text())["nodeid"] if first.is_file() else None
     if code == -1:  # a failure noted before the timeout still counts
-        return Outcome(test is not None, test, seconds, code, output[-3000:], timed_out=test is None)
+        return Outcome(test is not None, test, seconds, code, output, timed_out=test is None)
     # exit status 1: tests failed; 2: interrupted (a collection error, or -x's stop under xdist); 0: all passed
     caught = code != 0 and code != 5
-    return Outcome(caught, test, seconds, code, output[-3000:])
+    return Outcome(caught, test, seconds, code, output)
 
 
 def collected_whole(copy: Path, plugin_dir: Path) -> set[str]:
@@ -367,7 +367,7 @@ def say(text: str) -> None:
 
 
 def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: list[str],
-        timeout: float | None = None) -> int:
+        timeout: float | None = None, logs: Path | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -387,8 +387,11 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
             say(f"baseline: the unmodified tree, {first_tier} tier ...")
             results[first_tier] = outcome = run_tier(clean, plugin_dir, first_tier, None, extra)  # no timeout
             say(f"baseline: {'passed' if not outcome.caught else 'FAILED'} in {outcome.seconds:.0f} s")
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                (logs / f"baseline-{first_tier}.log").write_text(outcome.tail)
             if outcome.caught:
-                say(outcome.tail)
+                say(outcome.tail[-3000:])
                 say(f"the unmodified tree fails the {first_tier} tier (first: {outcome.test}): the table would mean "
                     "nothing; fix that first, or see --no-baseline")
                 return 1
@@ -420,11 +423,15 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
                 row.whole_note = (" (it passes without the bug)" if ok else
                                   " (BUT it fails without the bug too: not this bug's catch)")
             for tier, outcome in (("quick", row.quick), ("whole", row.whole)):
+                if outcome is not None and logs is not None:  # pytest's whole output of each run
+                    logs.mkdir(parents=True, exist_ok=True)
+                    (logs / f"{bug.name}-{tier}.log").write_text(outcome.tail)
                 if outcome is not None:
                     found = f"caught by {outcome.test}" if outcome.caught else "missed"
                     found = f"not finished in {timeout} s" if outcome.timed_out else found
                     if outcome.caught and outcome.test is None:
                         found = f"failed (exit status {outcome.returncode}) with no test named: {outcome.tail[-300:]}"
+                    found += f", pytest exit status {outcome.returncode}"
                     say(f"{bug.name}: {tier} tier {found} ({outcome.seconds:.0f} s)")
             rows.append(row)
             shutil.rmtree(copy, ignore_errors=True)
@@ -458,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run of the tier on the unmodified tree")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE.md", help="write the markdown table there")
+    parser.add_argument("--logs", type=Path, default=None, metavar="DIR",
+                        help="write each run's pytest output there (<bug>-<tier>.log)")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="stop a bug's run after this long (the table says so: neither caught nor missed)")
     args = parser.parse_args(argv)
@@ -482,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"all {len(bugs)} bugs apply (each one's text exactly once in its file)")
         return 1 if problems else 0
     try:
-        return run(bugs, args.tier, not args.no_baseline, args.out, extra, args.timeout)
+        return run(bugs, args.tier, not args.no_baseline, args.out, extra, args.timeout, args.logs)
     except BugError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
