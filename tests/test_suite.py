@@ -269,12 +269,15 @@ def _speech_suite(tmp_path, domain):
 
 
 @pytest.mark.parametrize("domain", ["speech", pytest.param("speech_fairseq2", marks=pytest.mark.legacy)])
-def test_speech_columns_with_the_untrained_row(cells_in_process, tmp_path, domain):
-    """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter), intent
-    only (speaker ID runs the same way): the untrained row from --steps 0, the trained row, the paired verdict."""
+def test_speech_columns_with_the_untrained_row(request, tmp_path, domain):
+    """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter, as processes
+    whichever environment runs the test; the current stack's in this process), intent only (speaker ID runs the
+    same way): the untrained row from --steps 0, the trained row, the paired verdict."""
     if domain == "speech_fairseq2" and not (ROOT / ".venv-legacy/bin/python").exists():
         pytest.skip("needs the second environment (.venv-legacy, bash setup.sh --legacy-only): runs in CI's "
                     "legacy step, .venv-legacy/bin/python -m pytest -m legacy")
+    if domain == "speech":
+        request.getfixturevalue("cells_in_process")
     report = _speech_suite(tmp_path, domain)
     suffix = " (fairseq2)" if domain == "speech_fairseq2" else ""
     for row in ("untrained", "dcl"):
