@@ -8,7 +8,6 @@ import math
 import runpy
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
