@@ -72,12 +72,12 @@ def operators(call) -> tuple[int, int]:
 def device_path():
     """contrastkit's calls take the path of CUDA on the CPU: "auto" decides as on CUDA, and no value is read on
     the host (as tests/conftest.py's device_path fixture)."""
-    import contrastkit.losses.base as base
+    import contrastkit.losses.plan as plan
     import contrastkit.losses.chunked as chunked
 
-    saved = base.choose_backend, {}
-    original, checks = base.choose_backend, chunked.host_checks_allowed
-    base.choose_backend = lambda requested, chunk, device="cpu", *args: original(requested, chunk, "cuda", *args)
+    saved = plan.choose_backend, {}
+    original, checks = plan.choose_backend, chunked.host_checks_allowed
+    plan.choose_backend = lambda requested, chunk, device="cpu", *args: original(requested, chunk, "cuda", *args)
     for name, module in list(sys.modules.items()):
         if name.startswith("contrastkit") and getattr(module, "host_checks_allowed", None) is checks:
             saved[1][module] = module.host_checks_allowed
@@ -85,7 +85,7 @@ def device_path():
     try:
         yield
     finally:
-        base.choose_backend = saved[0]
+        plan.choose_backend = saved[0]
         for module, fn in saved[1].items():
             module.host_checks_allowed = fn
 

@@ -176,7 +176,7 @@ def _floor(a, b) -> dict:
     MKL), and whole while S takes under 1 GiB."""
     import torch
 
-    from contrastkit.losses.base import BLOCK_ELEMENTS
+    from contrastkit.losses.plan import BLOCK_ELEMENTS
 
     # Blocks of 2^28 entries on CUDA (no cache to fit; the launches must stay few), of the CPU loss's size there.
     rows = max(1, (2**28 if a.is_cuda else BLOCK_ELEMENTS) // b.shape[0])

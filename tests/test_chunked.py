@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from launch import end_process_group
 
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking
+from contrastkit.losses.plan import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking
 from contrastkit.losses.chunked import negative_stats
 
 pytestmark = pytest.mark.quick
@@ -194,12 +194,17 @@ def test_automatic_choice():
     fn = build_loss("infonce")
     assert blocking("cpu", 1024, None) == (BLOCK_ELEMENTS // 1024, KEEP_MAX_ELEMENTS)  # blocks kept up to a budget
     assert blocking("cpu", 8, 7) == (7, 0)  # none kept
+    big = torch.empty(1024, 8, device="meta")  # two views: 2048 x 2048 logits, beyond the dense bound off CUDA
+    for dtype in (torch.float32, torch.bfloat16):  # low precision concerns the Triton path's products only
+        plan = fn.plan(big.to(dtype), big.to(dtype))
+        assert (plan.path, plan.route, plan.compute, plan.operands) == ("torch", "exact", torch.float32, None)
+        assert (plan.block, plan.keep) == blocking("meta", 2048, None)
     cpu = torch.zeros(2, 2)
-    assert fn._resolve_backend(cpu) == fn._resolve_backend(cpu, torch.bfloat16) == "torch"
-    assert build_loss("infonce", chunk_size=0)._resolve_backend(cpu) == "dense"
-    assert build_loss("infonce", backend="dense")._resolve_backend(cpu) == "dense"
+    assert (fn.plan(cpu, cpu).path, fn.plan(cpu, cpu).route) == ("dense", "fused")
+    assert build_loss("infonce", chunk_size=0).plan(big, big).path == "dense"
+    assert build_loss("infonce", backend="dense").plan(big, big).path == "dense"
     with pytest.raises(TypeError, match="float64"):
-        build_loss("infonce", backend="triton")._resolve_backend(cpu.double())
+        build_loss("infonce", backend="triton").plan(cpu.double(), cpu.double())
 
 
 @pytest.mark.parametrize("bad", ["cuda", "Triton", None])

@@ -17,7 +17,7 @@ from test_device_path import no_host_data_on_the_device  # noqa: F401  (a fixtur
 from test_memory import MiB, count
 
 import reference
-from contrastkit.losses import base, build_loss, dense
+from contrastkit.losses import build_loss, dense, plan
 
 pytestmark = pytest.mark.quick
 
@@ -191,10 +191,10 @@ def test_layouts_are_made_once_per_shape():
 def test_memory_at_cudas_bound(setting):
     """At DENSE_AUTO_LOGITS (two views N = 4096, image-text N = 8192; D = 512, bf16 features), counted on the
     meta device: the float32 matrix (4 M K bytes) and the float32 unit vectors kept from forward to backward,
-    at most four matrices' worth at any time (base.DENSE_AUTO_LOGITS: 1 GiB)."""
+    at most four matrices' worth at any time (plan.DENSE_AUTO_LOGITS: 1 GiB)."""
     n = 4096 if setting == "two_views" else 8192
     logits = (2 * n) ** 2 if setting == "two_views" else n**2
-    assert logits == base.DENSE_AUTO_LOGITS
+    assert logits == plan.DENSE_AUTO_LOGITS
     x = [torch.empty(n, 512, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
     fn = build_loss("dcl", backend="dense")
     kept, _, peak = count(lambda *t: _call(fn, setting, t), x)

@@ -9,10 +9,9 @@ import pytest
 import torch
 from test_chunked import SCORE_LOSSES, SETTINGS, _inputs, _loss, _value_and_grads
 
-import contrastkit.losses.base as base
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import (BLOCK_ELEMENTS, CPU_DENSE_AUTO_LOGITS, CPU_MEAN_DENSE_AUTO_LOGITS,
+from contrastkit.losses.plan import (BLOCK_ELEMENTS, CPU_DENSE_AUTO_LOGITS, CPU_MEAN_DENSE_AUTO_LOGITS,
                                      DENSE_AUTO_LOGITS, DEVICE_BLOCK_ELEMENTS,
                                      KEEP_MAX_ELEMENTS, blocking, choose_backend)
 from contrastkit.losses.chunked import negative_stats
@@ -26,9 +25,9 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
     band design, predicted faster: docs/performance.md), its memory counted in tests/test_memory.py; the
     blockwise torch kernel everywhere else (float64 beyond the dense size), and wherever triton is missing or a
     chunk_size asks for blocks."""
-    import contrastkit.losses.base as base
+    import contrastkit.losses.plan as plan
 
-    monkeypatch.setattr(base, "triton_available", lambda: True)
+    monkeypatch.setattr(plan, "triton_available", lambda: True)
     large, small = DENSE_AUTO_LOGITS + 1, DENSE_AUTO_LOGITS
     for low in (torch.bfloat16, torch.float16, None):
         assert choose_backend("auto", None, "cuda", low, logits=large) == "triton"
@@ -49,7 +48,7 @@ def test_auto_takes_the_backend_measured_faster(monkeypatch):
     assert choose_backend("auto", None, "cuda", logits=DENSE_AUTO_LOGITS + 1, needs_mean=True) == "triton"
     assert choose_backend("torch", 0) == choose_backend("dense", None) == "dense"
     assert choose_backend("torch", 8) == "torch"
-    monkeypatch.setattr(base, "triton_available", lambda: False)
+    monkeypatch.setattr(plan, "triton_available", lambda: False)
     assert choose_backend("auto", None, "cuda", torch.bfloat16, logits=large) == "torch"
 
 
@@ -61,17 +60,17 @@ def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     """Each setting gives choose_backend its whole matrix (two views: 2N x 2N; image-text: N x N; a queue: N x
     its 65536 rows; a hard negative per query: N x 2N, 5792^2 * 2 <= 2^26), and every part of one call takes
     the same backend."""
-    import contrastkit.losses.base as base
+    import contrastkit.losses.plan as plan
 
     seen = []
-    original = base.choose_backend
+    original = plan.choose_backend
 
     def on_cuda(requested, chunk_size, device_type="cpu", low=None, float64=False, logits=None, needs_mean=False):
         seen.append(original(requested, chunk_size, "cuda", low, float64, logits, needs_mean))
         return "dense" if seen[-1] == "dense" else "torch"  # the meta tensors' stand-in for Triton
 
-    monkeypatch.setattr(base, "triton_available", lambda: True)
-    monkeypatch.setattr(base, "choose_backend", on_cuda)
+    monkeypatch.setattr(plan, "triton_available", lambda: True)
+    monkeypatch.setattr(plan, "choose_backend", on_cuda)
     z = torch.empty(n, 8, device="meta", requires_grad=True)
     fn = build_loss("dcl")
     {"two_views": lambda: fn(z, z), "image_text": lambda: fn.cross_modal(z, z),
@@ -86,12 +85,12 @@ def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     ("cacr", "two_views", 1024, "dense"), ("cacr", "two_views", 1025, "torch")])
 def test_cpu_bound_per_objective(monkeypatch, name, setting, n, expected):
     """Off CUDA, "auto" keeps the dense path to 2^19 logits, and to 2^22 for CACR, whose blockwise kernel takes
-    a second pass for the negatives' mean (base.CPU_MEAN_DENSE_AUTO_LOGITS)."""
-    import contrastkit.losses.base as base
+    a second pass for the negatives' mean (plan.CPU_MEAN_DENSE_AUTO_LOGITS)."""
+    import contrastkit.losses.plan as plan
 
     seen = []
-    original = base.choose_backend
-    monkeypatch.setattr(base, "choose_backend", lambda *args: seen.append(original(*args)) or "dense")
+    original = plan.choose_backend
+    monkeypatch.setattr(plan, "choose_backend", lambda *args: seen.append(original(*args)) or "dense")
     z = torch.empty(n, 8, device="meta", requires_grad=True)
     fn = build_loss(name)
     fn.cross_modal(z, z) if setting == "image_text" else fn(z, z)

@@ -9,7 +9,7 @@ import torch
 
 import reference
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import choose_backend
+from contrastkit.losses.plan import choose_backend
 
 pytestmark = pytest.mark.quick
 

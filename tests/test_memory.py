@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
-from contrastkit.losses.base import DEVICE_BLOCK_ELEMENTS
+from contrastkit.losses.plan import DEVICE_BLOCK_ELEMENTS
 
 MiB = 2**20
 ROW_BYTES = 64  # per anchor: its statistics, excluded columns, norms (a few numbers each)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from typing import Literal, get_args
 
 import torch
@@ -21,37 +20,8 @@ from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_s
 from contrastkit.losses.dense import dense_loss, layout
 from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Terms, _compute_dtype, normalize_rows,
                                            row_cosines, softmax_mean)
+from contrastkit.losses.plan import Plan, make_plan
 
-# Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
-# the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
-# backward, the others recomputed. On a 2-core CPU block sizes 2^18..2^22 timed alike, and keeping
-# vs recomputing differed by under 10% at 2^26 entries (page faults of fresh memory cost about what the
-# extra product does at D = 128).
-BLOCK_ELEMENTS = 2**22
-KEEP_MAX_ELEMENTS = 2**26
-# On a GPU (any device but the CPU): blocks of about DEVICE_BLOCK_ELEMENTS logits, none kept. A block's
-# product is then 2^24 * 2 D flops (17 GFLOP at D = 512: tens of microseconds on an H100, far above a
-# launch), and the exact path holds at most two or three float32 blocks (128-192 MiB) at a time; 2^27 would
-# hold 1 GiB and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
-DEVICE_BLOCK_ELEMENTS = 2**24
-# "auto" takes the dense path (dense.py: the whole matrix, one autograd Function with its backward written out;
-# for labels, several views and a queue the matrix through autograd) for a call whose matrix has at most this
-# many logits: there a call's time is the host's, a fixed cost per operator, and the dense path launches the
-# fewest (DCL at N = 64: 61 top-level operators image-text against open_clip's ClipLoss's 77, 39 two views
-# against lightly's NTXentLoss's 144; benchmarks/fixed_cost.py, tests/test_dense.py). On CUDA measured on an
-# H200 (docs/gpu/NVIDIA-H200/bfloat16-small, the autograd dense path of then): faster than the Triton path at
-# every N measured, up to 2^26 logits (two views N = 4096: 4.9 against 5.9 ms; image-text N = 4096: 3.3 against
-# 5.8). It keeps the float32 matrix from forward to backward and holds up to three more in backward (CACR's
-# four): 1 GiB at 2^26 (tests/test_dense.py counts it).
-DENSE_AUTO_LOGITS = 2**26
-# On the CPU (and any device but CUDA) up to 2^19 logits (image-text N <= 724, two views N <= 362): beyond it
-# the blockwise kernel's fused passes win (one thread, D = 512, DCL, dense / blockwise time: image-text
-# N = 512 0.77, N = 1024 1.17; two views N = 256 0.53, N = 512 0.74, N = 1024 1.08; on a loaded machine).
-CPU_DENSE_AUTO_LOGITS = 2**19
-# CACR (an objective that needs the negatives' mean) up to 2^22 on the CPU (image-text N <= 2048, two views
-# N <= 1024): the blockwise kernel takes a second pass for the mean, the dense path none (one thread, D = 512,
-# dense / blockwise time: image-text N = 1024 0.50, N = 4096 0.89; two views N = 1024 0.87, N = 4096 1.55).
-CPU_MEAN_DENSE_AUTO_LOGITS = 2**22
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]
 BACKENDS = get_args(Backend)
@@ -60,71 +30,6 @@ Reduction = Literal["mean", "sum", "none"]
 REDUCTIONS = get_args(Reduction)
 SameLabel = Literal["mask", "positive"]  # what a candidate sharing the anchor's label is (see ContrastiveLoss)
 SAME_LABELS = get_args(SameLabel)
-
-
-def triton_available() -> bool:
-    """Whether Triton kernels can run here: triton installed, and a CUDA device or its CPU interpreter."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def choose_backend(requested: str, chunk_size: int | None, device_type: str = "cpu",
-                   low: torch.dtype | None = None, float64: bool = False, logits: int | None = None,
-                   needs_mean: bool = False) -> str:
-    """The backend a call takes: "dense" where asked (or chunk_size=0), "triton" or "torch" where asked, and
-    for "auto": the dense path where the call's matrix holds at most DENSE_AUTO_LOGITS ``logits`` on CUDA,
-    CPU_DENSE_AUTO_LOGITS elsewhere (there the work is host-bound and the dense path issues the fewest
-    operators: see there; CPU_MEAN_DENSE_AUTO_LOGITS for an objective that ``needs_mean``); beyond it on CUDA the
-    Triton kernels (triton installed; products in bf16/fp16, ``low``, or float32, not ``float64``: the kernels
-    compute in float32), which take the features as given and their inverse norms, so that their memory stays
-    within 1 GiB at N = 262144, D = 512 bf16 (tests/test_memory.py counts it, the operators' own buffers
-    included); the blockwise torch kernel everywhere else (the CPU, float64 beyond the dense size). Measured
-    on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
-    for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 takes the band design's elementwise
-    kernels on cuBLAS's products, and where TF32 is allowed (sm_80 and later) runs as float16 on its unit vectors
-    (triton_stats.HALF_UNITS_FOR_TF32: TF32's 10 mantissa bits at the 16-bit rate), which
-    docs/performance.md's model predicts faster than the torch kernel's float32 passes; not measured yet. A
-    chunk_size asks for the torch kernel's blocks. Labels run on every backend (the Triton kernels mask by
-    label in their elementwise passes)."""
-    if requested == "dense" or chunk_size == 0:
-        return "dense"
-    if requested == "auto" and chunk_size is None:
-        if device_type == "cuda":
-            bound = DENSE_AUTO_LOGITS
-        else:
-            bound = CPU_MEAN_DENSE_AUTO_LOGITS if needs_mean else CPU_DENSE_AUTO_LOGITS
-        if logits is not None and logits <= bound:
-            return "dense"
-        if device_type == "cuda" and not float64:
-            return "triton" if triton_available() else "torch"
-    return "triton" if requested == "triton" else "torch"
-
-
-def blocking(device_type: str, k: int, chunk_size: int | None) -> tuple[int, int]:
-    """(anchors per block, entries that may be kept for backward) of the blockwise torch kernel for a matrix
-    of k columns on a device of this type: the CPU's cache-sized blocks, some kept (BLOCK_ELEMENTS), or a
-    GPU's large blocks, none kept (DEVICE_BLOCK_ELEMENTS); chunk_size: that many anchors, none kept."""
-    if chunk_size is not None:
-        return chunk_size, 0
-    if device_type == "cpu":
-        return max(1, BLOCK_ELEMENTS // k), KEEP_MAX_ELEMENTS
-    return max(1, DEVICE_BLOCK_ELEMENTS // k), 0
-
-
-def _low_precision(*features: torch.Tensor) -> torch.dtype | None:
-    """bfloat16 or float16 where the features come in it or autocast asks for it, else None. The Triton
-    backend then takes the unit vectors in that dtype for its products (accumulated in float32): the
-    features carry no more precision, and the product runs at the low-precision GEMM speed."""
-    for f in features:
-        if f.dtype in (torch.bfloat16, torch.float16):
-            return f.dtype
-    device = features[0].device.type
-    if device != "meta" and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return None
 
 
 def check_logit_scale(name: str, scale) -> None:
@@ -437,6 +342,57 @@ class ContrastiveLoss(Objective):
         """Whether this objective has the dense path's form (logit_terms)."""
         return type(self).logit_terms is not ContrastiveLoss.logit_terms
 
+    # ------------------------------------------------------------------ the plan (plan.py)
+
+    def plan(self, *features: torch.Tensor, call: str = "forward", labels: torch.Tensor | None = None,
+             queue: torch.Tensor | None = None, negatives: torch.Tensor | None = None,
+             logit_scale: torch.Tensor | float | None = None) -> Plan:
+        """The route the call ``call`` ("forward", "query_key" or "cross_modal") would take on these inputs
+        (given as to that call), without running it: ``print(loss_fn.plan(z1, z2))``. See plan.Plan."""
+        if call == "forward":
+            return self._views_plan(list(features), labels)
+        if call == "query_key":
+            query, key, *given = features  # (query, key) or (query, key, queue), as query_key takes them
+            queue = given[0] if given else queue
+            keys = key if key.dim() == 3 else key[:, None]
+            if negatives is not None and negatives.dim() == 2:
+                negatives = negatives[:, None]
+            named = {"query": query, "key": keys, **({} if queue is None else {"queue": queue}),
+                     **({} if negatives is None else {"negatives": negatives})}
+            return self._query_key_plan(named, keys, queue, negatives, labels)
+        if call == "cross_modal":
+            image, text = features
+            return self._image_text_plan(image, text, logit_scale, labels)
+        raise ValueError(f"{self.name}: call must be 'forward', 'query_key' or 'cross_modal', got {call!r}")
+
+    def _plan(self, setting: str, anchors: int, candidates: int, features, fused: bool = False) -> Plan:
+        options = (self.backend, self.chunk_size, self.needs_mean, self._fuses, self.normalize)
+        return make_plan(self.name, options, setting, anchors, candidates, features, fused)
+
+    def _views_plan(self, views: list[torch.Tensor], labels) -> Plan:
+        """Several views: the V n local views against every process's V n."""
+        v, n = len(views), views[0].shape[0]
+        return self._plan("two_views" if v == 2 else "views", v * n, v * n * self._processes(), views,
+                          fused=v == 2 and labels is None)
+
+    def _query_key_plan(self, features: dict[str, torch.Tensor], keys, queue, negatives, labels) -> Plan:
+        """Queries against a queue (its rows), or against every process's keys and hard negatives (keys
+        [n, P, D], negatives [n, H, D])."""
+        n = keys.shape[0]
+        if queue is not None:
+            setting, candidates = "queue", queue.shape[0]
+        else:
+            per_sample = keys.shape[1] + (0 if negatives is None else negatives.shape[1])
+            setting, candidates = "batch_keys", n * per_sample * self._processes()
+        return self._plan(setting, n, candidates, list(features.values()),
+                          fused=labels is None and keys.shape[1] == 1)
+
+    def _image_text_plan(self, image, text, scale, labels) -> Plan:
+        """Each direction's n local anchors against every process's n candidates."""
+        one_scale = not isinstance(scale, torch.Tensor) or scale.numel() == 1
+        n = image.shape[0]
+        return self._plan("image_text", n, n * self._processes(), [image, text], fused=labels is None and one_scale)
+
     # ------------------------------------------------------------------ settings
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor,
@@ -445,11 +401,10 @@ class ContrastiveLoss(Objective):
         check_features(self.name, views, values=False)  # values: see _reduce
         if labels is not None:
             check_labels(self.name, labels, z1.shape[0], z1.device)
-        low = _low_precision(*views.values())
+        plan = self._views_plan(list(views.values()), labels)
         v, n, d = len(views), z1.shape[0], z1.shape[1]
-        dtype = _compute_dtype(*views.values())
-        backend = self._resolve_backend(z1, low, dtype, logits=(v * n) * (v * n * self._processes()))
-        if backend == "dense" and v == 2 and labels is None and self._fuses:
+        dtype, backend = plan.compute, plan.path
+        if plan.route == "fused":
             return self._dense_two_views(z1, z2, dtype, output_dict, views)
         with no_autocast(z1.device.type):
             zs = list(views.values())
@@ -457,13 +412,13 @@ class ContrastiveLoss(Objective):
             # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
             # their size kept for backward); the others take unit vectors, one copy normalised once.
             raw = backend == "torch"
-            u = x if raw else self._units(x, dtype, low, backend)
+            u = x if raw else self._units(x, plan)
             anchors = u.reshape(v * n, d)
             if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
                 all_x, start = self._gather(x.transpose(0, 1).reshape(n, v * d))
                 total = all_x.shape[0]
                 all_u = all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
-                all_u = all_u if raw else self._units(all_u, dtype, low, backend)
+                all_u = all_u if raw else self._units(all_u, plan)
             else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
                 all_u, start, total = anchors, 0, n
             if total < 2:
@@ -481,12 +436,12 @@ class ContrastiveLoss(Objective):
             itself = own.T.reshape(v * n, 1)  # each anchor's own column among the candidates
             if raw:  # the kernel computes the positives too, as the candidates at partners
                 partners = own[:, others].transpose(0, 1).reshape(v * n, v - 1)
-                terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low,
-                                            partners=partners, labels=ids, itself=itself, backend=backend)
+                terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), plan=plan,
+                                            partners=partners, labels=ids, itself=itself)
                 return self._reduce(terms, output_dict, views)
             if backend == "triton":  # the positives' cosines in float32 of the rows the kernels take
                 # Each view's own rows (a slice of the stack would make backward fill a stack-sized gradient).
-                cos, rows = {}, [self._units(z, dtype, low, backend) for z in zs]
+                cos, rows = {}, [self._units(z, plan) for z in zs]
                 for a in range(v):
                     for b in range(a + 1, v):
                         cos[a, b] = cos[b, a] = self._positive_cosines(rows[a], rows[b])
@@ -498,8 +453,8 @@ class ContrastiveLoss(Objective):
                 half = torch.einsum("and,bnd->nab", u, u.detach())
                 gram = half + half.transpose(1, 2) - half.detach()
                 pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
-            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), low=low, labels=ids,
-                                        itself=itself, backend=backend)
+            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), plan=plan, labels=ids,
+                                        itself=itself)
             return self._reduce(terms, output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
@@ -538,24 +493,21 @@ class ContrastiveLoss(Objective):
                 check_labels(self.name, queue_labels, queue.shape[0], query.device, "queue_labels")
         elif queue_labels is not None:
             raise ValueError(f"{self.name}: queue_labels without labels: give the batch's labels too")
-        low = _low_precision(*features.values())
-        dtype = _compute_dtype(*features.values())
-        per_sample = keys.shape[1] + (0 if negatives is None else negatives.shape[1])
-        candidates = queue.shape[0] if queue is not None else query.shape[0] * per_sample * self._processes()
-        backend = self._resolve_backend(query, low, dtype, logits=query.shape[0] * candidates)
-        if backend == "dense" and labels is None and keys.shape[1] == 1 and self._fuses:
+        plan = self._query_key_plan(features, keys, queue, negatives, labels)
+        dtype = plan.compute
+        if plan.route == "fused":
             return self._dense_query_key(query, keys[:, 0], queue, negatives, dtype, output_dict, features)
         with no_autocast(query.device.type):
-            q, k = self._units(query, dtype, low, backend), self._units(keys, dtype, low, backend)
-            if backend == "triton":  # float32 cosines of the rows the kernels take
+            q, k = self._units(query, plan), self._units(keys, plan)
+            if plan.path == "triton":  # float32 cosines of the rows the kernels take
                 pos = torch.stack([self._positive_cosines(q, k[:, j]) for j in range(k.shape[1])], 1)
             else:
                 pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
                 # labels and queue_labels come together (checked above)
                 ids = None if labels is None or queue_labels is None else label_ids(labels, queue_labels)
-                terms = self.negative_terms(pos, q, self._units(queue, dtype, low, backend), None, queue.shape[0],
-                                            low=low, labels=ids, backend=backend)
+                terms = self.negative_terms(pos, q, self._units(queue, plan), None, queue.shape[0], plan=plan,
+                                            labels=ids)
                 return self._reduce(terms, output_dict, features)
             n, p = k.shape[:2]
             c = p if negatives is None else p + negatives.shape[1]  # each sample's candidates: keys, then extras
@@ -566,9 +518,9 @@ class ContrastiveLoss(Objective):
                     raw = torch.cat([keys, negatives] if same else [keys.to(dtype), negatives.to(dtype)], dim=1)
                 all_raw, start = self._gather(raw.reshape(n, -1))
                 total = all_raw.shape[0]
-                all_k = self._units(all_raw.reshape(total * c, -1), dtype, low, backend)
+                all_k = self._units(all_raw.reshape(total * c, -1), plan)
             else:
-                units = k if negatives is None else torch.cat([k, self._units(negatives, dtype, low, backend)], dim=1)
+                units = k if negatives is None else torch.cat([k, self._units(negatives, plan)], dim=1)
                 all_k, start, total = units.reshape(n * c, -1), 0, n
             if total * c - p < 1:
                 raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
@@ -578,8 +530,7 @@ class ContrastiveLoss(Objective):
             if labels is not None:  # each sample's keys carry its label, its hard negatives none
                 known = (torch.arange(c, device=q.device) < p).repeat(total)
                 ids = label_ids(labels, self._gather_labels(labels).repeat_interleave(c), known)
-            terms = self.negative_terms(pos, q, all_k, own, total * c - p, low=low, labels=ids, itself=None,
-                                        backend=backend)
+            terms = self.negative_terms(pos, q, all_k, own, total * c - p, plan=plan, labels=ids, itself=None)
             return self._reduce(terms, output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
@@ -596,14 +547,12 @@ class ContrastiveLoss(Objective):
         if logit_scale is not None:
             check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
-        low = _low_precision(image, text)
-        dtype = _compute_dtype(image, text)
+        plan = self._image_text_plan(image, text, scale, labels)
+        dtype, backend = plan.compute, plan.path
         if isinstance(scale, torch.Tensor) and scale.dtype != dtype:
             scale = scale.to(dtype)
         n = image.shape[0]
-        backend = self._resolve_backend(image, low, dtype, logits=n * n * self._processes())
-        one_scale = not isinstance(scale, torch.Tensor) or scale.numel() == 1
-        if backend == "dense" and labels is None and one_scale and self._fuses:
+        if plan.route == "fused":
             return self._dense_image_text(image, text, scale, dtype, output_dict, features)
         with no_autocast(image.device.type):
             raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
@@ -611,7 +560,7 @@ class ContrastiveLoss(Objective):
                 a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
                 pos = None
             else:
-                a, b = self._units(image, dtype, low, backend), self._units(text, dtype, low, backend)
+                a, b = self._units(image, plan), self._units(text, plan)
                 if backend == "triton":  # float32 cosines of the rows the kernels take
                     pos = self._positive_cosines(a, b)[:, None]
                 else:
@@ -621,14 +570,14 @@ class ContrastiveLoss(Objective):
                 both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
                 all_a, all_b = both.split(a.shape[1], dim=1)
                 if not raw:
-                    all_a, all_b = self._units(all_a, dtype, low, backend), self._units(all_b, dtype, low, backend)
+                    all_a, all_b = self._units(all_a, plan), self._units(all_b, plan)
             else:
                 all_a, all_b, start = a, b, 0
             total = all_a.shape[0]
             if total < 2:
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
             # CACR's mean of the columns: the exact path only (the CPU's fast path takes each direction on its own).
-            columns_mean = raw and not host_checks_allowed(a)
+            columns_mean = raw and not plan.host_checks
             ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
             alone = total != n or ids is not None or (backend != "dense" and self.needs_mean and not columns_mean)
             if not alone:
@@ -640,7 +589,7 @@ class ContrastiveLoss(Objective):
                     logits = self._dense_logits(a, b, scale, own)
                     stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
                 else:  # [2 S, N] (the images' statistics, then the texts') to [S, 2 N]
-                    stats = self._negative_stats(backend, a, b, scale, own, low, columns=True,
+                    stats = self._negative_stats(plan, a, b, scale, own, columns=True,
                                                  partners=own if raw else None)
                     if raw:
                         stats, pos = stats
@@ -650,10 +599,10 @@ class ContrastiveLoss(Objective):
             # each direction alone (gathered columns, labels, CACR's column mean off the torch kernel's exact path)
             own = (start + torch.arange(n, device=a.device))[:, None]
             partners = own if raw else None
-            image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, low=low,
-                                              partners=partners, labels=ids, itself=None, backend=backend)
-            text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, low=low,
-                                             partners=partners, labels=ids, itself=None, backend=backend)
+            image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, plan=plan,
+                                              partners=partners, labels=ids, itself=None)
+            text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, plan=plan,
+                                             partners=partners, labels=ids, itself=None)
             terms = Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms)))
             return self._reduce(terms, output_dict, features)
 
@@ -677,7 +626,7 @@ class ContrastiveLoss(Objective):
         where = layout("two_views", n, total, start, z1.device)
         scale = self.default_logit_scale()
         out = dense_loss(anchors, candidates, scale, where, columns=False, terms=self.logit_terms,
-                         num_neg=2 * (total - 1), with_mean=self.needs_mean, normalize=self.normalize)
+                         num_neg=2 * (total - 1), with_mean=self.needs_mean, normalize=self.normalize, dtype=dtype)
         return self._dense_output(out, scale, 2 * (total - 1), output_dict, views)
 
     def _dense_image_text(self, image, text, scale, dtype, output_dict, features):
@@ -689,7 +638,7 @@ class ContrastiveLoss(Objective):
                 raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
             out = dense_loss(image, text, scale, layout("image_text", n, n, 0, image.device), columns=True,
                              terms=self.logit_terms, num_neg=n - 1, with_mean=self.needs_mean,
-                             normalize=self.normalize)
+                             normalize=self.normalize, dtype=dtype)
             return self._dense_output(out, scale, n - 1, output_dict, features)
         same = image.dtype == text.dtype
         both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
@@ -699,7 +648,7 @@ class ContrastiveLoss(Objective):
         all_images, all_texts = both.split(image.shape[1], dim=1)
         where = layout("rows", n, total, start, image.device)
         directions = [dense_loss(a, b, scale, where, columns=False, terms=self.logit_terms, num_neg=total - 1,
-                                 with_mean=self.needs_mean, normalize=self.normalize)
+                                 with_mean=self.needs_mean, normalize=self.normalize, dtype=dtype)
                       for a, b in ((image, all_texts), (text, all_images))]
         out = tuple(torch.cat(pair) for pair in zip(*directions))
         return self._dense_output(out, scale, total - 1, output_dict, features)
@@ -729,7 +678,7 @@ class ContrastiveLoss(Objective):
             num_neg = total * per_sample - 1
         scale = self.default_logit_scale()
         out = dense_loss(query, candidates, scale, where, columns=False, terms=self.logit_terms, num_neg=num_neg,
-                         with_mean=self.needs_mean, normalize=self.normalize)
+                         with_mean=self.needs_mean, normalize=self.normalize, dtype=dtype)
         return self._dense_output(out, scale, num_neg, output_dict, features)
 
     def _dense_output(self, out, scale, num_neg, output_dict, inputs):
@@ -746,15 +695,15 @@ class ContrastiveLoss(Objective):
 
     # ------------------------------------------------------------------ helpers
 
-    def _units(self, x: torch.Tensor, dtype: torch.dtype, low: torch.dtype | None, backend: str) -> torch.Tensor:
-        """The rows the backend takes: on the Triton backend the features as given, in ``low`` (bf16/fp16) or
-        the compute dtype, which its kernels normalise through their inverse norms (nothing of the features'
+    def _units(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """The rows the plan's path takes: on the Triton path the features as given, in its operands' dtype
+        (bf16/fp16) or the compute dtype, which its kernels normalise through their inverse norms (nothing of the features'
         size made or kept for backward beyond them: issue 40's memory); elsewhere the unit vectors (with
         normalize=False, the features) in the compute dtype. The Triton backend's positives are then
         functional.row_cosines of these rows (float32 sums: _positive_cosines)."""
-        if backend == "triton":
-            return x.to(low or dtype)
-        return self._unit(x, dtype)
+        if plan.path == "triton":
+            return x.to(plan.operands or plan.compute)
+        return self._unit(x, plan.compute)
 
     def _positive_cosines(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The Triton backend's positives, cos(a_i, b_i) in float32 (functional.row_cosines), of the rows its
@@ -785,48 +734,31 @@ class ContrastiveLoss(Objective):
         matrix (uneven batches: counted as this process's)."""
         return world()[1] if self.gather_distributed else 1
 
-    def _resolve_backend(self, features: torch.Tensor, low: torch.dtype | None = None,
-                         dtype: torch.dtype | None = None, logits: int | None = None) -> str:
-        """The backend of this call (choose_backend), "triton" checked against the features and the install.
-        features: this process's anchors; dtype: the call's compute dtype where it is not the features' own
-        (another input in float64); logits: the size of the call's matrix (anchors x candidates)."""
-        float64 = (dtype or features.dtype) == torch.float64
-        backend = choose_backend(self.backend, self.chunk_size, features.device.type, low, float64, logits,
-                                 self.needs_mean)
-        if backend == "triton":
-            if float64:
-                raise TypeError(f"{self.name}: the Triton backend computes in float32 and cannot take float64 "
-                                "features; use backend='torch' for float64")
-            if not triton_available():
-                raise RuntimeError(f"{self.name}: backend='triton' needs the triton package (pip install triton), "
-                                   "and on CPU tensors TRITON_INTERPRET=1 set before triton is imported")
-        return backend
-
-    def _negative_stats(self, backend, anchors, candidates, scale, exclude, low, *, columns=False, row_grad=None,
+    def _negative_stats(self, plan, anchors, candidates, scale, exclude, *, columns=False, row_grad=None,
                         partners=None, raw=None, labels=None, same_label=True):
-        """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) through the
-        Triton kernels (products in ``low`` precision where given, see _low_precision) or the blockwise torch
-        kernel (float32 or float64 products; ``raw`` features, by default where ``partners`` are given, and
-        then (stats, pos), see negative_terms; ``labels`` and ``same_label``: pairs left out by label, see
-        chunked.negative_stats)."""
-        if backend == "triton":
+        """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) on the plan's
+        path: the Triton kernels (products in the plan's operands' dtype where it has one) or the blockwise torch
+        kernel (float32 or float64 products, its blocks and route the plan's; ``raw`` features, by default where
+        ``partners`` are given, and then (stats, pos), see negative_terms; ``labels`` and ``same_label``: pairs
+        left out by label, see chunked.negative_stats)."""
+        if plan.path == "triton":
             from contrastkit.losses.triton_stats import negative_stats_triton
 
-            if low is not None:
+            low = plan.operands
+            if low is not None and anchors.dtype != low:  # features given by a caller outside the settings
                 same = candidates is anchors
                 anchors = anchors.to(low)
                 candidates = anchors if same else candidates.to(low)
             return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
                                          columns=columns, normalize=self.normalize, labels=labels,
-                                         same_label=same_label)
-        block, keep = blocking(anchors.device.type, candidates.shape[0], self.chunk_size)
+                                         same_label=same_label, forward_logits=plan.route)
         raw = partners is not None if raw is None else raw
         # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
         # sample's views, and pairs by label) are symmetric.
-        return negative_stats(anchors, candidates, scale, exclude=exclude, block=block, with_mean=self.needs_mean,
-                              columns=columns, keep=keep, row_grad=row_grad, symmetric=candidates is anchors,
+        return negative_stats(anchors, candidates, scale, exclude=exclude, block=plan.block, with_mean=self.needs_mean,
+                              columns=columns, keep=plan.keep, row_grad=row_grad, symmetric=candidates is anchors,
                               normalize=raw and self.normalize, partners=partners, labels=labels,
-                              same_label=same_label)
+                              same_label=same_label, fast=plan.route == "fast")
 
     @staticmethod
     def _dense_logits(anchors, candidates, scale, exclude, labels=None, same_label=True):
@@ -843,35 +775,35 @@ class ContrastiveLoss(Objective):
         return logits
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
-                       low=None, partners=None, labels=None, itself=None, backend=None) -> Terms:
+                       plan=None, partners=None, labels=None, itself=None) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
         (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
         the matrix never held whole). mean_over: how many anchors the loss averages these terms over
-        (default M), for the kernel's guess of the gradient (see stat_grad); low: the Triton backend's
-        product dtype (see _low_precision). pos None (the torch backend only): anchors and candidates are
+        (default M), for the kernel's guess of the gradient (see stat_grad). pos None (the torch path only):
+        anchors and candidates are
         the raw features, normalised in the kernel where ``normalize``, and each anchor's positives are the
         candidates at ``partners`` [M, P]. ``labels``: (row_ids, col_ids) of label_ids; the candidates that
         share an anchor's label leave its negatives, num_neg then counted per anchor, and with
         same_label="positive" join its positives (see _label_positive_terms; ``itself`` [M, 1]: each anchor's
-        own column among the candidates, where it is one). backend: the one the caller chose for the whole call
-        (its units are made for it), else chosen here from these sizes."""
+        own column among the candidates, where it is one). plan: the one the setting made for the whole call
+        (its units are made for it); a caller outside the settings (the adapters) gets one for these rows."""
         scale = self.default_logit_scale() if scale is None else scale
-        if backend is None:
-            backend = self._resolve_backend(anchors, low, logits=anchors.shape[0] * candidates.shape[0])
+        if plan is None:
+            plan = self._plan("rows", anchors.shape[0], candidates.shape[0], [anchors, candidates])
         if labels is not None:
             num_neg, same = self._negatives_left(labels, exclude, num_neg)
             if self.same_label == "positive":
                 raw = pos is None
-                stats = self._stats(backend, anchors, candidates, scale, exclude, low,
+                stats = self._stats(plan, anchors, candidates, scale, exclude,
                                     partners=partners if raw else None, labels=labels)
                 stats, pos = stats if raw else (stats, pos)
-                return self._label_positive_terms(backend, stats, pos, anchors, candidates, exclude, num_neg, same,
-                                                  scale, low, labels, itself, raw)
-        if backend == "dense":
-            return self._stat_terms(pos, self._stats(backend, anchors, candidates, scale, exclude, low, labels=labels),
+                return self._label_positive_terms(plan, stats, pos, anchors, candidates, exclude, num_neg, same,
+                                                  scale, labels, itself, raw)
+        if plan.path == "dense":
+            return self._stat_terms(pos, self._stats(plan, anchors, candidates, scale, exclude, labels=labels),
                                     num_neg, scale)
         row_grad = None
-        if backend == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
+        if plan.path == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
             count = anchors.shape[0] if mean_over is None else mean_over
 
             def row_grad(stats, r0, r1, pos_rows=None):
@@ -880,7 +812,7 @@ class ContrastiveLoss(Objective):
                 k = num_neg[r0:r1] if isinstance(num_neg, torch.Tensor) else num_neg
                 return self.stat_grad(rows, stats[0], mean, k, scale) / count
 
-        stats = self._negative_stats(backend, anchors, candidates, scale, exclude, low, row_grad=row_grad,
+        stats = self._negative_stats(plan, anchors, candidates, scale, exclude, row_grad=row_grad,
                                      partners=partners if pos is None else None, labels=labels)
         if pos is None:
             stats, pos = stats
@@ -898,7 +830,7 @@ class ContrastiveLoss(Objective):
         require_negatives(self.name, left)
         return left, same
 
-    def _label_positive_terms(self, backend, stats, pos, anchors, candidates, exclude, num_neg, same, scale, low,
+    def _label_positive_terms(self, plan, stats, pos, anchors, candidates, exclude, num_neg, same, scale,
                               labels, itself, raw) -> Terms:
         """same_label="positive": from the negatives' statistics over the other labels (``stats``) and the own
         sample's positive cosines, the mean logit over the anchor's positives P(i) (its own sample's, weighted
@@ -906,9 +838,9 @@ class ContrastiveLoss(Objective):
         them (else the own sample's alone, for the diagnostics). ``raw``: the torch kernel's raw features."""
         # sum of the same-label candidates' cosines: u_i . (the sum of their unit vectors), the own sample's
         # columns (same label, counted in pos) taken out
-        dtype = _compute_dtype(anchors, candidates)
-        as_given = raw or backend == "triton"  # the Triton backend takes the features as given too (_units)
-        ua, uc = (self._unit(anchors, dtype), self._unit(candidates, dtype)) if as_given else (anchors, candidates)
+        as_given = raw or plan.path == "triton"  # the Triton path takes the features as given too (_units)
+        ua, uc = ((self._unit(anchors, plan.compute), self._unit(candidates, plan.compute)) if as_given
+                  else (anchors, candidates))
         row_ids, col_ids = labels
         sums = _per_id(col_ids, uc, row_ids.shape[0] + col_ids.shape[0])[row_ids]
         if exclude is not None:
@@ -918,16 +850,14 @@ class ContrastiveLoss(Objective):
         pos_mean = (own + (ua * sums).sum(dim=1)) * scale / (pos.shape[1] + same)
         pos_lse = torch.logsumexp(pos * scale, dim=1)
         if self.positives_in_denominator:
-            pos_lse = self._positive_stats(backend, pos, anchors, candidates, exclude, scale, low, labels, itself,
-                                           raw)[0]
+            pos_lse = self._positive_stats(plan, pos, anchors, candidates, exclude, scale, labels, itself, raw)[0]
         return self.label_terms(pos_mean, pos_lse, stats[0], num_neg)
 
-    def _positive_stats(self, backend, pos, anchors, candidates, exclude, scale, low, labels, itself, raw):
+    def _positive_stats(self, plan, pos, anchors, candidates, exclude, scale, labels, itself, raw):
         """same_label="positive": the statistics [S, M] (lse, and where ``needs_mean`` the mean) of the logits
         scale * s over each anchor's positives P(i): over every candidate of its label but itself (one pass of
         the kernel), the own sample's positives (cosines ``pos`` [M, P]) joined where they are no candidates."""
-        stats = self._stats(backend, anchors, candidates, scale, itself, low, raw=raw, labels=labels,
-                            same_label=False)
+        stats = self._stats(plan, anchors, candidates, scale, itself, raw=raw, labels=labels, same_label=False)
         if exclude is not None:  # the own sample's positives are candidates (and counted there)
             return stats
         own = pos * scale  # a queue's keys
@@ -937,11 +867,11 @@ class ContrastiveLoss(Objective):
         mean = (torch.exp(own - lse[:, None]) * pos).sum(dim=1) + torch.exp(stats[0] - lse) * stats[1]
         return torch.stack([lse, mean])
 
-    def _stats(self, backend, anchors, candidates, scale, exclude, low, *, partners=None, raw=None, labels=None,
+    def _stats(self, plan, anchors, candidates, scale, exclude, *, partners=None, raw=None, labels=None,
                same_label=True):
-        """_negative_stats (arguments as there) on every backend, the dense one from the whole logits."""
-        if backend != "dense":
-            return self._negative_stats(backend, anchors, candidates, scale, exclude, low, partners=partners,
+        """_negative_stats (arguments as there) on every path, the dense one from the whole logits."""
+        if plan.path != "dense":
+            return self._negative_stats(plan, anchors, candidates, scale, exclude, partners=partners,
                                         raw=raw, labels=labels, same_label=same_label)
         return self._dense_stats(self._dense_logits(anchors, candidates, scale, exclude, labels, same_label), scale)
 

@@ -57,12 +57,12 @@ class CACRLoss(ContrastiveLoss):
     def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
         return cacr_logit_terms(pos, neg_mean, scale)
 
-    def _label_positive_terms(self, backend, stats, pos, anchors, candidates, exclude, num_neg, same, scale, low,
+    def _label_positive_terms(self, plan, stats, pos, anchors, candidates, exclude, num_neg, same, scale,
                               labels, itself, raw) -> Terms:
         """same_label="positive": the repulsion from the negatives' mean over the other labels (``stats``), the
         attraction from the positives' lse and mean at the scale -2 t_pos, whose softmax is softmax(t_pos c)."""
         pos_scale = -2.0 * self.t_pos
-        pos_lse, pos_mean = self._positive_stats(backend, pos, anchors, candidates, exclude, pos_scale, low, labels,
+        pos_lse, pos_mean = self._positive_stats(plan, pos, anchors, candidates, exclude, pos_scale, labels,
                                                  itself, raw)
         return cacr_positive_stat_terms(pos_lse, pos_mean, stats[1], pos_scale=pos_scale)
 

@@ -276,7 +276,7 @@ class _BlockStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric, normalize, partners,
-                row_ids, col_ids, same_ids):
+                row_ids, col_ids, same_ids, fast):
         # b None: two views on one process, the anchors are the candidates. Passed once, as torch.compile
         # cannot trace a Function given one tensor twice; backward returns the summed gradient as a's.
         ctx.same_input = b is None
@@ -292,7 +292,7 @@ class _BlockStats(torch.autograd.Function):
         # values on the host; elsewhere (CUDA, torch.compile) the safe path runs, exact with no check. The fast
         # path takes unit vectors, made whole (on the CPU memory is not what binds).
         state = pos = None
-        if host_checks_allowed(a) and not (columns and with_mean):
+        if fast and not (columns and with_mean):
             u_a = _unit_rows(a, *inv_a)
             u_b = u_a if ctx.same_input else _unit_rows(b, *inv_b)
             pos = _unit_dots(u_a, u_b, partners)
@@ -336,7 +336,7 @@ class _BlockStats(torch.autograd.Function):
         inv_a, inv_b, rest = tuple(rest[:2]), tuple(rest[2:4]), rest[4:]
         spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
-        none = (None,) * 12
+        none = (None,) * 13
         if not any(ctx.needs_input_grad[:3]):
             return None, None, None, *none
         if not ctx.fast:
@@ -775,7 +775,7 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
                    block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
                    row_grad=None, symmetric: bool = False, normalize: bool = False,
                    partners: torch.Tensor | None = None, labels: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   same_label: bool = True):
+                   same_label: bool = True, fast: bool | None = None):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
@@ -803,6 +803,9 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     statistics over each anchor's same-label candidates). A row with every pair left out gets the
     statistics of the excluded logit (lse about -2^100: exp of it is 0); the fast path then hands the call
     to the safe one.
+
+    fast: the fast implementation (sampled shifts, values checked on the host) where it serves, or the safe
+    one alone (False); None: where host reads are free (host_checks_allowed). The losses pass their plan's.
     """
     if columns and labels is not None:
         raise ValueError("columns=True takes no labels: give each direction as rows")
@@ -819,7 +822,8 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     row_ids, col_ids = (None, None) if labels is None else labels
     if row_ids is not None and row_ids is col_ids:  # as partners: one tensor given twice cannot be traced
         col_ids = col_ids.clone()
+    fast = host_checks_allowed(anchors) if fast is None else fast
     stats, pos = _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude,
                                    int(block), with_mean, columns, int(keep), row_grad, symmetric, normalize, partners,
-                                   row_ids, col_ids, bool(same_label))
+                                   row_ids, col_ids, bool(same_label), fast)
     return stats if partners is None else (stats, pos)

@@ -14,7 +14,7 @@ one backward written out by hand, each a short straight run of operators:
 The objective supplies only its formula and its partial derivatives (``logit_terms`` of each loss class, from
 functional.py: functional.LogitTerms); the setting supplies which entries are each anchor's positive and which are left out, as flat
 indices made once per shape and device (``layout``). The blockwise paths (chunked.py, triton_stats.py) serve
-the matrices that do not fit (base.choose_backend).
+the matrices that do not fit (plan.choose_backend).
 """
 
 from __future__ import annotations
@@ -102,8 +102,7 @@ class _DenseLoss(torch.autograd.Function):
     one process); also the positives' logits, the negatives' lse and (CACR) mean, for the diagnostics."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, positives, excluded, columns, terms, num_neg, with_mean, normalize):
-        dtype = torch.float64 if torch.float64 in (a.dtype, a.dtype if b is None else b.dtype) else torch.float32
+    def forward(ctx, a, b, scale, positives, excluded, columns, terms, num_neg, with_mean, normalize, dtype):
         with no_autocast(a.device.type):
             u, inv_a, proj_a = _units(a, dtype, normalize)
             v, inv_b, proj_b = (u, inv_a, proj_a) if b is None else _units(b, dtype, normalize)
@@ -130,7 +129,7 @@ class _DenseLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, *_):
         if grad is None:  # only the statistics were differentiated (they take no gradient)
-            return (None,) * 10
+            return (None,) * 11
         u, v, inv_a, proj_a, inv_b, proj_b, logits, mean, positives, *tensors = ctx.saved_tensors
         scale, d_lse, d_mean, pull = (c if t is None else t for t, c in zip(tensors, ctx.constants))
         d_scale_direct = tensors[4]
@@ -159,7 +158,7 @@ class _DenseLoss(torch.autograd.Function):
             if need_b and not ctx.same:
                 dv = torch.mm(dl.T, u).mul_(scale)
                 grad_b = _as(_normalisation_backward(dv, v, inv_b, proj_b), ctx.dtypes[1])
-        return grad_a, grad_b, d_scale if need_scale else None, None, None, None, None, None, None, None
+        return grad_a, grad_b, d_scale if need_scale else None, *(None,) * 8
 
 
 class _ScoreLoss(torch.autograd.Function):
@@ -253,11 +252,11 @@ def _d_logits(logits, c_lse, c_mean, mean, dim):
 
 
 def dense_loss(a: torch.Tensor, b: torch.Tensor | None, scale, where: Layout, *, columns: bool, terms, num_neg,
-               with_mean: bool, normalize: bool):
+               with_mean: bool, normalize: bool, dtype: torch.dtype):
     """(per-anchor losses with their gradient, positives' logits, negatives' lse[, mean]): see the module
     docstring. ``terms(pos, lse, mean, scale, num_neg)`` -> functional.LogitTerms (loss, d_lse, d_mean, pull,
     d_scale): the objective's per-anchor loss and its partial derivatives (a tensor, a number, or None for zero;
     the pull minus the derivative in the positive's logit; d_scale the direct dependence on the scale, beside
-    the logits')."""
+    the logits'); dtype: the compute dtype, the plan's)."""
     return _DenseLoss.apply(a, b, scale, where.positives, where.excluded, columns, terms, num_neg, with_mean,
-                            normalize)
+                            normalize, dtype)

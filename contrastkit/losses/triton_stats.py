@@ -160,7 +160,7 @@ def takes_half_units(x, normalize):
     """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
     vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32). The losses' positives
     then come from the same units (functional.row_cosines' units16)."""
-    return _takes_units(x, normalize, _tf32(x))
+    return _takes_units(x.dtype, normalize, _tf32(x))
 
 
 def _tf32(x):
@@ -170,13 +170,13 @@ def _tf32(x):
     return x.dtype == torch.float32 and precision.tf32_matmul_allowed() and precision.ampere_or_later(x.device)
 
 
-def _takes_units(x, normalized, tf32):
-    """Whether the features x take float16 copies of their unit vectors as the products' operands: where the
+def _takes_units(dtype, normalized, tf32):
+    """Whether features in ``dtype`` take float16 copies of their unit vectors as the products' operands: where the
     kernels normalise, float16 features (FLOAT16_UNITS) and float32 ones with TF32 allowed
     (HALF_UNITS_FOR_TF32)."""
     if not normalized:
         return False
-    return (FLOAT16_UNITS and x.dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and x.dtype == torch.float32)
+    return (FLOAT16_UNITS and dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and dtype == torch.float32)
 
 
 def _operands(a, b, inv_a, inv_b, tf32):
@@ -184,7 +184,7 @@ def _operands(a, b, inv_a, inv_b, tf32):
     call runs on units (_takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
     norms, no TF32, and given = (the features, their inverse norms), whose gradients backward returns; else
     the arguments as they are and given None."""
-    if not _takes_units(a, inv_a is not None, tf32):
+    if not _takes_units(a.dtype, inv_a is not None, tf32):
         return a, b, inv_a, inv_b, tf32, None
     given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
     return half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False, given
@@ -389,6 +389,24 @@ def _backward(ctx, grad, _):
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
+def forward_route(m: int, k: int, dtype: torch.dtype, normalize: bool, device: torch.device) -> str:
+    """Where the forward's logits of an [m, k] matrix of features in ``dtype`` come from (LOGITS; the plan's
+    route, plan.make_plan): FORWARD_LOGITS where it names one, else "auto": "dense" where the float32 matrix
+    fits DENSE_BYTES, else the fused kernel ("kernel") where its operands are 16-bit (bf16/fp16, or float16
+    units for float32 under TF32: HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's
+    products ("cublas")."""
+    if FORWARD_LOGITS != "auto":
+        return FORWARD_LOGITS
+    if m * k * 4 <= DENSE_BYTES:
+        return "dense"
+    ampere = precision.ampere_or_later(device)
+    if dtype == torch.bfloat16 and not ampere:
+        dtype = torch.float32  # taken as its float32 copies there (negative_stats_triton)
+    tf32 = dtype == torch.float32 and precision.tf32_matmul_allowed() and ampere
+    fused = ampere and (dtype in (torch.bfloat16, torch.float16) or _takes_units(dtype, normalize, tf32))
+    return "kernel" if fused else "cublas"
+
+
 def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits):
     if forward_logits not in LOGITS:
         raise ValueError(f"negative_stats_triton: forward_logits must be one of {', '.join(LOGITS)} or auto, "
@@ -474,21 +492,15 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     if given and len(given) != 3:
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
-    forward_logits = FORWARD_LOGITS if forward_logits is None else forward_logits
     same = candidates is anchors
-    ampere = precision.ampere_or_later(anchors.device)
-    if anchors.dtype == torch.bfloat16 and not ampere:
+    if anchors.dtype == torch.bfloat16 and not precision.ampere_or_later(anchors.device):
         # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
         anchors = anchors.float()
         candidates = anchors if same else candidates.float()
     tf32 = _tf32(anchors)
-    if forward_logits == "auto":
-        if anchors.shape[0] * candidates.shape[0] * 4 <= DENSE_BYTES:
-            forward_logits = "dense"
-        else:  # the fused kernel where its operands are 16-bit (float16 units for TF32: HALF_UNITS_FOR_TF32)
-            half = _takes_units(anchors, normalize, tf32)  # and on tensor cores:
-            fused = ampere and (anchors.dtype in (torch.bfloat16, torch.float16) or half)
-            forward_logits = "kernel" if fused else "cublas"
+    if forward_logits in (None, "auto"):
+        forward_logits = forward_route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize,
+                                       anchors.device)
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)

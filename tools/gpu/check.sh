@@ -123,7 +123,7 @@ if [ "${BENCH:-1}" = 0 ]; then
 elif [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only methods are skipped, named)
   MEMORY=--no-memory
   small() { [ "$DRY" = 1 ] && echo 64 || echo "$1"; }
-  # first the small sizes (seconds; where auto's dense bound, base.DENSE_AUTO_LOGITS, is to be set from)
+  # first the small sizes (seconds; where auto's dense bound, plan.DENSE_AUTO_LOGITS, is to be set from)
   bench bfloat16-small bfloat16 "$(small 64,256,1024,4096)" 3 \
     "floor-2v,dcl,dcl-triton,dcl-torch,dcl-dense,lightly-ntxent,floor-clip,clip-dcl,clip-dcl-triton,clip-dcl-torch,clip-dcl-dense,openclip"
   bench bfloat16 bfloat16 "$(small 4096,32768)" 3 "$TWO_VIEW_QUICK,$IMAGE_TEXT_QUICK"

@@ -188,7 +188,7 @@ VISION=(recipes/vision/train.py --steps "$VISION_STEPS" --batch-size "$BATCH" --
         --test-images "$TEST_IMAGES" --image-size 32 --eval-every 0 --workers "$WORKERS" --no-progress)
 stage vision_simclr contrastkit -- "${LAUNCH[@]}" "${ONE[@]}" $PROBE "${VISION[@]}" --method simclr --loss dcl \
   --out-dir "$RUN/vision_simclr"
-# MoCo on the Triton kernels, forced: at these sizes "auto" takes the dense path (base.DENSE_AUTO_LOGITS), so
+# MoCo on the Triton kernels, forced: at these sizes "auto" takes the dense path (plan.DENSE_AUTO_LOGITS), so
 # this is the one training loop here that runs them (the CPU dry-run under Triton's interpreter). Its key
 # encoder's momentum 0.9: at the recipe's 0.99 it stays near its initialisation for a run this short (DCL's kNN
 # 0.270 against the untrained 0.246 after 400 steps; 0.294 at step 300 with 0.9)

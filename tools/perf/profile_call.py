@@ -387,12 +387,12 @@ def cuda_path_here(set_attr=setattr) -> None:
     """On the CPU or the meta device, the call takes the path it takes on CUDA beyond the dense sizes: auto's
     Triton backend (its choice on CUDA only), and within it the fused forward, not the dense logits (set_attr:
     how, e.g. a test's monkeypatch.setattr)."""
-    from contrastkit.losses import base, triton_stats
+    from contrastkit.losses import plan, triton_stats
 
-    choose = base.choose_backend
-    set_attr(base, "DENSE_AUTO_LOGITS", 0)
+    choose = plan.choose_backend
+    set_attr(plan, "DENSE_AUTO_LOGITS", 0)
     set_attr(triton_stats, "DENSE_BYTES", 0)
-    set_attr(base, "choose_backend", lambda requested, *rest: choose(requested, *rest[:1], "cuda", *rest[2:]))
+    set_attr(plan, "choose_backend", lambda requested, *rest: choose(requested, *rest[:1], "cuda", *rest[2:]))
 
 
 def _commit() -> str:
