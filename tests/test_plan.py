@@ -124,7 +124,7 @@ def test_triton_plan_takes_autocast_and_its_route(monkeypatch):
     features' bf16/fp16, and the forward's route is triton_stats.forward_route's: the dense logits where the
     float32 matrix fits, the fused kernel for 16-bit operands beyond, cuBLAS's products for float32."""
     pytest.importorskip("triton")
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses import precision, triton_stats
 
     monkeypatch.setattr(plan_module, "triton_available", lambda: True)
     fn = build_loss("dcl", backend="triton")
@@ -135,8 +135,13 @@ def test_triton_plan_takes_autocast_and_its_route(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x = torch.randn(64, 8)
         assert fn.plan(x, x).operands == torch.bfloat16
-    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")  # a module setting the tools patch
-    assert fn.plan(small, small).route == "kernel"
+    assert not fn.plan(large, large).tf32
+    monkeypatch.setattr(precision, "tf32_matmul_allowed", lambda: True)  # as torch's setting, either API, gives it
+    plan = fn.plan(large, large)  # float32 under TF32: the fused kernel on float16 unit vectors
+    assert (plan.route, plan.tf32, plan.half_units) == ("kernel", True, True)
+    assert not fn.plan(large.bfloat16(), large.bfloat16()).half_units
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "cublas")  # a module setting the tools patch
+    assert fn.plan(small, small).route == "cublas"
 
 
 def test_a_plan_prints_its_route():

@@ -444,7 +444,7 @@ class ContrastiveLoss(Objective):
                 cos, rows = {}, [self._units(z, plan) for z in zs]
                 for a in range(v):
                     for b in range(a + 1, v):
-                        cos[a, b] = cos[b, a] = self._positive_cosines(rows[a], rows[b])
+                        cos[a, b] = cos[b, a] = self._positive_cosines(rows[a], rows[b], plan)
                 pos = torch.stack([torch.stack([cos[a, w] for w in range(v) if w != a], dim=1) for a in range(v)])
                 pos = pos.reshape(v * n, v - 1)
             else:
@@ -500,7 +500,7 @@ class ContrastiveLoss(Objective):
         with no_autocast(query.device.type):
             q, k = self._units(query, plan), self._units(keys, plan)
             if plan.path == "triton":  # float32 cosines of the rows the kernels take
-                pos = torch.stack([self._positive_cosines(q, k[:, j]) for j in range(k.shape[1])], 1)
+                pos = torch.stack([self._positive_cosines(q, k[:, j], plan) for j in range(k.shape[1])], 1)
             else:
                 pos = torch.einsum("nd,npd->np", q, k)
             if queue is not None:
@@ -562,7 +562,7 @@ class ContrastiveLoss(Objective):
             else:
                 a, b = self._units(image, plan), self._units(text, plan)
                 if backend == "triton":  # float32 cosines of the rows the kernels take
-                    pos = self._positive_cosines(a, b)[:, None]
+                    pos = self._positive_cosines(a, b, plan)[:, None]
                 else:
                     pos = (a * b).sum(-1, keepdim=True)
             if self.gather_distributed:
@@ -705,14 +705,12 @@ class ContrastiveLoss(Objective):
             return x.to(plan.operands or plan.compute)
         return self._unit(x, plan.compute)
 
-    def _positive_cosines(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _positive_cosines(self, a: torch.Tensor, b: torch.Tensor, plan: Plan) -> torch.Tensor:
         """The Triton backend's positives, cos(a_i, b_i) in float32 (functional.row_cosines), of the rows its
         products take (_units: under autocast the bf16/fp16 copies, not the float32 features; float16, and
-        float32 under TF32, rounded to float16 unit vectors, triton_stats.takes_half_units), so that a positive inside its
+        float32 under TF32, rounded to float16 unit vectors: the plan's half_units), so that a positive inside its
         row's lse cancels there as in the dense loss, whose positive is a logit of the same product."""
-        from contrastkit.losses.triton_stats import takes_half_units
-
-        return row_cosines(a, b, self.normalize, units16=takes_half_units(a, self.normalize))
+        return row_cosines(a, b, self.normalize, units16=plan.half_units)
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every process's rows of x and this process's offset. The settings gather the raw features, in
@@ -751,7 +749,7 @@ class ContrastiveLoss(Objective):
                 candidates = anchors if same else candidates.to(low)
             return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
                                          columns=columns, normalize=self.normalize, labels=labels,
-                                         same_label=same_label, forward_logits=plan.route)
+                                         same_label=same_label, forward_logits=plan.route, tf32=plan.tf32)
         raw = partners is not None if raw is None else raw
         # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
         # sample's views, and pairs by label) are symmetric.

@@ -60,7 +60,7 @@ class Plan(NamedTuple):
     "autograd" (the whole matrix through autograd: labels, several views or keys, a queue, or an objective
     without the written-out form); on "torch" "fast" (the CPU's sampled shifts, values checked on the host)
     or "exact" (no host read: CUDA, torch.compile); on "triton" where the forward's logits come from
-    (triton_stats.LOGITS: "dense", "cublas" or "kernel")."""
+    (triton_stats.LOGITS: "dense", "cublas" or "kernel"), with TF32 and float16 unit vectors decided there too."""
 
     setting: str  # one of SETTINGS
     path: str  # "dense" | "torch" | "triton"
@@ -68,6 +68,8 @@ class Plan(NamedTuple):
     compute: torch.dtype  # the statistics' and the positives' dtype: float64 if an input is, else float32
     operands: torch.dtype | None  # what the Triton products take where it is bfloat16 or float16, else None
     host_checks: bool  # values may be read on the host (eager calls on the CPU)
+    tf32: bool  # the Triton path's float32 products may use TF32 (torch's setting, and the GPU has it)
+    half_units: bool  # the Triton path's products take float16 unit vectors (triton_stats.route)
     anchors: int  # M: the rows of the call's matrix (this process's)
     candidates: int  # K: its columns (every process's where gathered)
     block: int  # the blockwise torch kernel's anchors per block (0 on the other paths)
@@ -187,15 +189,16 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
         return found
     compute = torch.float64 if float64 else torch.float32
     block = keep = 0
+    tf32 = half_units = False
     if path == "dense":
         route = "fused" if fused and fuses else "autograd"
     elif path == "torch":
         block, keep = blocking(kind, candidates, chunk_size)
         route = "fast" if host_checks else "exact"
     else:
-        route = triton_stats.forward_route(anchors, candidates, low or compute, normalize, first.device)
-    plan = Plan(setting, path, route, compute, low if path == "triton" else None, host_checks, anchors, candidates,
-                block, keep)
+        route, tf32, half_units = triton_stats.route(anchors, candidates, low or compute, normalize, first.device)
+    plan = Plan(setting, path, route, compute, low if path == "triton" else None, host_checks, tf32, half_units,
+                anchors, candidates, block, keep)
     if not compiling:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()

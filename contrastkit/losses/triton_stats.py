@@ -158,16 +158,8 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
 
 def takes_half_units(x, normalize):
     """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
-    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32). The losses' positives
-    then come from the same units (functional.row_cosines' units16)."""
-    return _takes_units(x.dtype, normalize, _tf32(x))
-
-
-def _tf32(x):
-    """Whether the float32 products of x may use TF32: the user allows it (either of torch's APIs) and the
-    device has it (sm_80 and later: precision.ampere_or_later; on a T4 or V100 torch's own products stay
-    float32)."""
-    return x.dtype == torch.float32 and precision.tf32_matmul_allowed() and precision.ampere_or_later(x.device)
+    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32; see route)."""
+    return route(1, 1, x.dtype, normalize, x.device)[2]
 
 
 def _takes_units(dtype, normalized, tf32):
@@ -389,22 +381,24 @@ def _backward(ctx, grad, _):
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-def forward_route(m: int, k: int, dtype: torch.dtype, normalize: bool, device: torch.device) -> str:
-    """Where the forward's logits of an [m, k] matrix of features in ``dtype`` come from (LOGITS; the plan's
-    route, plan.make_plan): FORWARD_LOGITS where it names one, else "auto": "dense" where the float32 matrix
-    fits DENSE_BYTES, else the fused kernel ("kernel") where its operands are 16-bit (bf16/fp16, or float16
-    units for float32 under TF32: HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's
-    products ("cublas")."""
-    if FORWARD_LOGITS != "auto":
-        return FORWARD_LOGITS
-    if m * k * 4 <= DENSE_BYTES:
-        return "dense"
+def route(m: int, k: int, dtype: torch.dtype, normalize: bool, device: torch.device) -> tuple[str, bool, bool]:
+    """The Triton path's decisions for an [m, k] matrix of features in ``dtype`` on ``device`` (made once per
+    call, by its plan: plan.make_plan): (where the forward's logits come from, whether float32 products may
+    use TF32, whether the products take float16 unit vectors). The logits (LOGITS): FORWARD_LOGITS where it
+    names one, else "auto": "dense" where the float32 matrix fits DENSE_BYTES, else the fused kernel
+    ("kernel") where its operands are 16-bit (bf16/fp16, or float16 units for float32 under TF32:
+    HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's products ("cublas")."""
     ampere = precision.ampere_or_later(device)
     if dtype == torch.bfloat16 and not ampere:
         dtype = torch.float32  # taken as its float32 copies there (negative_stats_triton)
     tf32 = dtype == torch.float32 and precision.tf32_matmul_allowed() and ampere
-    fused = ampere and (dtype in (torch.bfloat16, torch.float16) or _takes_units(dtype, normalize, tf32))
-    return "kernel" if fused else "cublas"
+    half = _takes_units(dtype, normalize, tf32)
+    if FORWARD_LOGITS != "auto":
+        return FORWARD_LOGITS, tf32, half
+    if m * k * 4 <= DENSE_BYTES:
+        return "dense", tf32, half
+    fused = ampere and (dtype in (torch.bfloat16, torch.float16) or half)
+    return "kernel" if fused else "cublas", tf32, half
 
 
 def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits):
@@ -460,7 +454,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
                           block_m: int | None = None, block_n: int | None = None, block_d: int | None = None,
                           forward_logits: str | None = None,
                           normalize: bool = False, labels: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          same_label: bool = True) -> torch.Tensor:
+                          same_label: bool = True, tf32: bool | None = None) -> torch.Tensor:
     """chunked.negative_stats on Triton kernels: [S, M] float32 statistics of the logits scale * a @ b.T.
 
     anchors [M, D] and candidates [K, D] (float32, bfloat16 or float16; float64 raises TypeError); scale a
@@ -486,7 +480,8 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     labels (rows only): (row ids [M], column ids [K]) integers; the pairs whose ids are equal are left out
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
     statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
-    anchors and candidates (two views) reads the row ids for both.
+    anchors and candidates (two views) reads the row ids for both. tf32: whether float32 products may use TF32
+    (the losses pass their plan's; None: read here, see route).
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
@@ -497,10 +492,9 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
         anchors = anchors.float()
         candidates = anchors if same else candidates.float()
-    tf32 = _tf32(anchors)
-    if forward_logits in (None, "auto"):
-        forward_logits = forward_route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize,
-                                       anchors.device)
+    if forward_logits in (None, "auto") or tf32 is None:
+        logits, tf32, _ = route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize, anchors.device)
+        forward_logits = logits if forward_logits in (None, "auto") else forward_logits
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits)
     if isinstance(scale, torch.Tensor):
         scale = scale.to(device=anchors.device, dtype=torch.float32)
