@@ -10,9 +10,9 @@ from contrastkit.losses.base import Backend, ContrastiveLoss, Objective, Reducti
 from contrastkit.losses.cacr import CACRLoss
 from contrastkit.losses.dcl import DCLLoss, DCLWLoss
 from contrastkit.losses.infonce import EqCoLoss, InfoNCELoss
-from contrastkit.losses.registry import LOSSES, available_losses, build_loss, objective_options
+from contrastkit.losses.registry import LOSSES, available_losses, build_loss, objective_options, register_loss
 from contrastkit.losses.unigrad import UniGradLoss
 
 __all__ = ["functional", "Objective", "ContrastiveLoss", "Backend", "Reduction", "InfoNCELoss", "DCLLoss", "DCLWLoss", "EqCoLoss", "CACRLoss",
            "UniGradLoss", "LOSSES", "available_losses", "build_loss",
-           "objective_options"]
+           "objective_options", "register_loss"]

@@ -18,7 +18,7 @@ from torch import nn
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
 from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
 from contrastkit.losses.dense import dense_loss, layout
-from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Terms, _compute_dtype, normalize_rows,
+from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Terms, _over_positives, normalize_rows,
                                            row_cosines, softmax_mean)
 from contrastkit.losses.plan import Plan, make_plan
 
@@ -121,6 +121,14 @@ def require_negatives(name: str, left: torch.Tensor) -> None:
     elif left.is_cuda and not torch.compiler.is_compiling():
         torch._assert_async((left >= 1).all(), f"{name}: an anchor has no negative left (every candidate shares "
                             "its label)")
+
+
+def _counts(num_neg, like: torch.Tensor) -> torch.Tensor:
+    """The negatives' count per anchor as a tensor that broadcasts against ``like`` ([M] or [M, 1]): a fill, not
+    a copy from the host (which would wait for a GPU)."""
+    if not isinstance(num_neg, torch.Tensor):
+        return torch.full_like(like, num_neg)
+    return num_neg.to(like.dtype).view(like.shape)
 
 
 def _per_id(col_ids: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
@@ -297,18 +305,47 @@ class ContrastiveLoss(Objective):
         self.gather_distributed = gather_distributed
         self.chunk_size = chunk_size
         self.backend = backend
+        if same_label == "positive" and self._has_formula and type(self).label_terms is ContrastiveLoss.label_terms:
+            raise ValueError(f"{self.name}: same_label='positive' needs the objective's form with several positives "
+                             "sharing one denominator (label_terms, SupCon's); a formula alone takes same_label='mask'")
 
-    # Subclasses define these two.
+    # Subclasses define default_logit_scale and either formula (a user's own objective: "Your own objective" in
+    # the guide) or the forms written out below (stat_terms, logit_terms; stat_grad and label_terms optional).
     def default_logit_scale(self) -> float:
         """The factor on cosines where no ``logit_scale=`` is given: 1 / temperature (CACR: 2 t_neg)."""
         raise NotImplementedError
+
+    def formula(self, p: torch.Tensor, l: torch.Tensor, k: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+        """An objective's loss per (anchor, positive) from ``p``, the positive's logit (the scale times its
+        cosine), ``l``, the log-sum-exp of the anchor's negatives' logits, ``k``, how many negatives it has, and
+        (where ``needs_mean``) ``m``, their softmax-weighted mean logit: tensors of one shape, or broadcasting
+        (several positives per anchor: p [M, P], the others [M, 1]; the loss averages over the positives). The
+        one form an objective of one's own writes: every setting and path takes it, its partial derivatives
+        from autograd (_derived). InfoNCE's is softplus(l - p), DCL's l - p."""
+        raise NotImplementedError
+
+    @property
+    def _has_formula(self) -> bool:
+        return type(self).formula is not ContrastiveLoss.formula
+
+    def _formula(self, p, l, k, m):
+        return self.formula(p, l, k, m) if self.needs_mean else self.formula(p, l, k)
 
     def stat_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
                    scale) -> Terms:
         """Per-anchor terms from positive cosines [M, P] and the negatives' statistics: neg_lse [M], the
         logsumexp of their logits (cosines times ``scale``), and, where ``needs_mean``, neg_mean [M], their
-        softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor."""
-        raise NotImplementedError
+        softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor. From ``formula``
+        where the objective writes one: the loss and the diagnostics' generic forms (the positive's term -p,
+        the negatives' the rest, InfoNCE's q_B)."""
+        if not self._has_formula:
+            raise NotImplementedError
+        p, l = pos * scale, neg_lse[:, None]
+        m = None if neg_mean is None else neg_mean[:, None] * scale
+        loss = _over_positives(self._formula(p, l, _counts(num_neg, l), m))
+        pos_term = -_over_positives(p).detach()
+        npc = _over_positives(torch.sigmoid(l - p)).detach()
+        return Terms(loss, pos_term, loss.detach() - pos_term, npc)
 
     def stat_grad(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
                   scale) -> torch.Tensor:
@@ -334,13 +371,27 @@ class ContrastiveLoss(Objective):
                     num_neg: int) -> LogitTerms:
         """The per-anchor loss [M] of one positive per anchor from its logit ``pos``, the negatives' lse and (CACR)
         their softmax-weighted mean logit, with its partial derivatives in each, for the dense path's backward
-        written by hand (dense.py; functional.LogitTerms). Subclasses without it take the other paths."""
-        raise NotImplementedError
+        written by hand (dense.py; functional.LogitTerms). From ``formula`` where the objective writes one, its
+        partial derivatives by autograd (_derived). Subclasses with neither take the other paths."""
+        if not self._has_formula:
+            raise NotImplementedError
+        loss, d_p, d_l, d_m = self._derived(pos, neg_lse, neg_mean, _counts(num_neg, neg_lse))
+        return LogitTerms(loss, d_l, d_m, -d_p, None)
+
+    def _derived(self, p, l, m, k):
+        """``formula``'s value at (p, l, m, k) [M] and its partial derivatives in p, l and m (None without m),
+        by torch.func on these [M] vectors (which torch.compile traces, fullgraph): a few operators beside the
+        call's [M, K] passes."""
+        args = (p, l) if m is None else (p, l, m)
+        loss, pullback = torch.func.vjp(lambda *x: self._formula(x[0], x[1], k, x[2] if m is not None else None),
+                                        *args)
+        grads = pullback(torch.ones_like(loss))
+        return loss, grads[0], grads[1], grads[2] if m is not None else None
 
     @property
     def _fuses(self) -> bool:
-        """Whether this objective has the dense path's form (logit_terms)."""
-        return type(self).logit_terms is not ContrastiveLoss.logit_terms
+        """Whether this objective has the dense path's form (logit_terms, or a formula)."""
+        return self._has_formula or type(self).logit_terms is not ContrastiveLoss.logit_terms
 
     # ------------------------------------------------------------------ the plan (plan.py)
 

@@ -88,6 +88,24 @@ def available_losses() -> list[str]:
     return list(LOSSES)
 
 
+def register_loss(cls: type[Objective]) -> type[Objective]:
+    """Add an objective of one's own to the names build_loss (and so every recipe's ``--loss``) accepts, under
+    its class's ``name``; usable as a class decorator. A name taken by another class, or another library's
+    (FOREIGN_NAMES), is a ValueError."""
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise TypeError(f"register_loss: expected a subclass of contrastkit.losses.Objective, got {cls!r}")
+    name = cls.name
+    if not isinstance(name, str) or not name or name != name.lower() or name in ("objective", "contrastive"):
+        raise ValueError(f"register_loss: {cls.__name__} needs a class attribute name, a lower-case string of its "
+                         f"own (got {name!r})")
+    if LOSSES.get(name, cls) is not cls:
+        raise ValueError(f"register_loss: the name {name!r} is taken by {LOSSES[name].__name__}")
+    if name.replace("_", "").replace("-", "") in FOREIGN_NAMES:
+        raise ValueError(f"register_loss: {name!r} is another library's loss ({FOREIGN_NAMES[name]}); choose another")
+    LOSSES[name] = cls
+    return cls
+
+
 def _keywords(cls: type[Objective]) -> list[str] | None:
     """The keyword arguments ``cls`` takes, in its signature's order (None: it takes any)."""
     params = inspect.signature(cls).parameters.values()
