@@ -167,17 +167,17 @@ def test_lightly_model_is_a_lower_bound_of_its_measurement():
 def test_done_when_at_32768():
     t = pm.targets(N)
     # image-text <= 3x its 3-GEMM floor (the H100's rates): missed by both band paths once the model counts
-    # what the code does (issue 53: its 16 bands, its 350 operators per call, its [N, D] passes); the H200
+    # what the code does (issue 53: its 16 bands, its 248 operators per call, 350 before issue 59, its [N, D] passes); the H200
     # measured 4.0x (docs/gpu/NVIDIA-H200)
-    assert t[(IT, "band")] == pytest.approx(3.59, abs=0.02) and t[(IT, "band")] > 3.0
-    assert t[(IT, "band+fwd")] == pytest.approx(3.41, abs=0.02) and t[(IT, "band+fwd")] > 3.0
+    assert t[(IT, "band")] == pytest.approx(3.58, abs=0.02) and t[(IT, "band")] > 3.0
+    assert t[(IT, "band+fwd")] == pytest.approx(3.30, abs=0.02) and t[(IT, "band+fwd")] > 3.0
     assert t[(IT, "best")] > 3.0  # dense (2.36x) needs 6 GiB
     # two views <= 3.5x its 2-GEMM floor: both band paths hold with the backward over the upper triangle;
     # band+fwd's fused forward over full rows (FUSED_TRIANGLE off), over the triangle 2.46 (the H200 measured
     # the triangle slower: 46.1 against 40.9 ms)
-    assert t[(TV, "band")] == pytest.approx(2.67, abs=0.02) and t[(TV, "band")] <= 3.5
-    assert t[(TV, "band+fwd")] == pytest.approx(2.79, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
-    assert t[(TV, "band+fwd", "triangle")] == pytest.approx(2.46, abs=0.02)
+    assert t[(TV, "band")] == pytest.approx(2.66, abs=0.02) and t[(TV, "band")] <= 3.5
+    assert t[(TV, "band+fwd")] == pytest.approx(2.74, abs=0.02) and t[(TV, "band+fwd")] <= 3.5
+    assert t[(TV, "band+fwd", "triangle")] == pytest.approx(2.41, abs=0.02)
     assert t[(TV, "best")] <= 3.5
     # TF32 within 1.5x of bf16: on float16 units (TF32 products: 1.71 and 1.75, missed), the units' copies alone
     assert t[(IT, "best", "tf32/bf16")] == pytest.approx(1.01, abs=0.01)

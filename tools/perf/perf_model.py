@@ -107,15 +107,15 @@ BUILT_OPERATORS = {"band": {TWO_VIEW: 77, IMAGE_TEXT: 79}, "dense": {TWO_VIEW: 2
 # The same at N = 32768, D = 512 (bf16 features, DCL, the default path: band+fwd), counted by
 # `python tools/perf/profile_call.py --count` (the meta device, the Triton operators' bodies counted inside;
 # tests/test_perf_model.py recounts them). Estimated as BUILT_OPERATORS' one block plus each further block's
-# launches, the model had 174 and 106: per band the code also normalises its rows' gradient in chunks
-# (image-text), sums its d scale terms, and the [N, D] passes (inverse norms, positives, the gradients'
-# normalisation) go in chunks of 2^22 elements. predict() takes these where it has them.
-COUNTED_OPERATORS = {TWO_VIEW: {32768: 348}, IMAGE_TEXT: {32768: 350}}
+# launches, the model had 174 and 106: per band the code also normalises its rows' gradient (image-text) and
+# sums its d scale terms; the [N, D] passes (inverse norms, positives, the gradients' normalisation) went in
+# chunks of 2^22 elements (350 and 348 operators), one pass of 2^24 now. predict() takes these where it has them.
+COUNTED_OPERATORS = {TWO_VIEW: {32768: 236}, IMAGE_TEXT: {32768: 248}}
 # Bytes the same calls move in their passes over [N, D] arrays (inverse norms, float16 copies, F.normalize's
 # backward, the positives' cosines, casts, the objective's per-row terms and autograd's sums: everything but the
 # products, the statistics and the d logits), per element of the features (image-text 2 N D, two views 2 N D),
 # counted alike (each operator's tensors' sizes): the model had none of it; 3.4 and 3.3 GB at N = 32768.
-ROW_BYTES = {TWO_VIEW: 101, IMAGE_TEXT: 98}
+ROW_BYTES = {TWO_VIEW: 95, IMAGE_TEXT: 92}
 
 # Measured on the H100 (docs/gpu/NVIDIA-H100-80GB-HBM3/README.md, run 3, bf16 autocast, D = 512, the minimum
 # of 3 rounds), ms; InfoNCE for the Triton and torch paths. floor-2v timed 3 GEMMs (S, S B, S^T A): two views'
