@@ -69,7 +69,7 @@ def inputs(setting: str, n: int = 9, d: int = 7, *, dtype: torch.dtype = torch.f
     x = []
     for part in _check(setting):
         if part == "scale":
-            t = torch.tensor(scale, dtype=scale_dtype or dtype, device=device)
+            t = torch.tensor(scale, dtype=scale_dtype or dtype).to(device)  # made on the host, as the rows
         elif device.type == "meta":
             t = torch.empty(shapes[part], dtype=dtype, device=device)
         else:
