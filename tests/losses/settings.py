@@ -14,7 +14,7 @@ A setting's tensors, in the order inputs() makes them and call() passes them:
     hard_negatives          query, key, negatives         loss_fn.query_key(q, k, negatives=h)      retrieval
                             ([N, H, D], or [N, D])
     queue                   query, key, queue [Q, D]      loss_fn.query_key(q, k, queue)            MoCo
-    image_text              image, text                   loss_fn.cross_modal(i, t)                 CLIP, the loss's scale
+    image_text              image, text                   loss_fn.cross_modal(i, t)                 CLIP, its own scale
     image_text_scale        image, text, scale (0-dim)    loss_fn.cross_modal(i, t, logit_scale=s)  a learnable scale
     image_text_float_scale  image, text                   loss_fn.cross_modal(i, t, logit_scale=14.0)
 
@@ -41,7 +41,7 @@ PARTS = {
     "image_text_float_scale": ("view", "view"),
 }
 SETTINGS = list(PARTS)
-PER_SAMPLE = ("view", "keys", "negatives")  # rows a process holds its share of (shard); a queue and a scale it holds whole
+PER_SAMPLE = ("view", "keys", "negatives")  # a process holds its share of these rows (shard), a queue and a scale whole
 FLOAT_SCALE = 14.0  # image_text_float_scale's logit scale, a Python number (CLIP's initial 1 / 0.07 is 14.3)
 
 
@@ -73,8 +73,8 @@ def inputs(setting: str, n: int = 9, d: int = 7, *, dtype: torch.dtype = torch.f
         elif device.type == "meta":
             t = torch.empty(shapes[part], dtype=dtype, device=device)
         else:
-            drawn = torch.randn(shapes[part], generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-            t = (size * drawn).to(device=device, dtype=dtype)
+            drawn_in = torch.float64 if dtype == torch.float64 else torch.float32
+            t = (size * torch.randn(shapes[part], generator=g, dtype=drawn_in)).to(device=device, dtype=dtype)
         x.append(t.requires_grad_(requires_grad and (queue_grad or part != "queue")))
     return x
 
