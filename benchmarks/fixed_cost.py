@@ -12,7 +12,7 @@ scale), lightly's NTXentLoss for two views. Columns:
 - ops: aten operators of the call at every level (torch.profiler), and top: those called by no other aten
   operator (what Python and autograd launch);
 - device top: the same count on the path of CUDA (backend "auto" as it decides there, host checks off: no value
-  read on the host), as tests/test_dense.py holds it;
+  read on the host), as tests/losses/test_dense.py holds it;
 - ms: the median single-thread CPU time of a call; / peer: the median over rounds of the call's time divided
   by the peer's in the same round, with a 95 % bootstrap interval of that median. Rounds interleave every
   method (the order rotated), so the machine's load falls on all alike.

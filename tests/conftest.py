@@ -18,7 +18,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).parent))
+# The tests' own modules import each other by name (launch, reference, settings, test_memory...): tests/ and the
+# loss core's folder tests/losses/ (pytest puts a test file's folder on the path only once it collects a file
+# there; an adapter's test run alone still imports reference, or test_host_sync's detector, from it).
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "losses")]
 
 
 QUICK = pytest.StashKey[list]()  # the items marked quick, whatever this run selects (tests/test_quick_tier.py)
@@ -76,7 +79,7 @@ def one_thread():
 def pytest_addoption(parser):
     parser.addoption("--device", choices=["cpu", "cuda"], default=os.environ.get("CONTRASTKIT_TEST_DEVICE", "cpu"),
                      help="device of the loss-core tests' tensors (GPU test mode: --device cuda; "
-                          "tests/test_cuda.py runs wherever CUDA is present)")
+                          "tests/losses/test_cuda.py runs wherever CUDA is present)")
 
 
 @pytest.fixture(scope="session")

@@ -273,7 +273,7 @@ def test_counted_operators_and_bytes_are_the_codes(monkeypatch):
 
 @pytest.mark.parametrize("setting", [TV, IT])
 def test_launches_per_call_are_the_built_paths_operators(setting, device_path, monkeypatch):
-    """The model's fixed launches are what the built paths issue, counted as tests/test_device_path.py counts
+    """The model's fixed launches are what the built paths issue, counted as tests/losses/test_device_path.py counts
     (DCL, float32, N = 64, on the path of CUDA): a change of either path shows here until the model follows."""
     import torch
     from test_device_path import _operators

@@ -18,6 +18,7 @@ from test_imports import MODULES, OPTIONAL
 pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parents[1]
+FLOAT64_CHECKS = ROOT / "tests" / "losses" / "test_losses.py"
 
 
 @pytest.fixture
@@ -30,8 +31,8 @@ def quick(request) -> list[pytest.Item]:
 
 
 def float64_check(item: pytest.Item) -> str | None:
-    """The objective whose float64 value-and-gradient check (tests/test_losses.py) ``item`` is, else None."""
-    if item.path.name == "test_losses.py":
+    """The objective whose float64 value-and-gradient check (FLOAT64_CHECKS) ``item`` is, else None."""
+    if item.path.resolve() == FLOAT64_CHECKS:
         if item.originalname == "test_module_matches_float64_reference":
             return item.callspec.params["kind"]
         if item.originalname == "test_unigrad_matches_reference_and_eq14_gradient":

@@ -15,8 +15,9 @@ failure is a whole-suite failure (checked: the failing test's id is in the whole
 Before the bugs the unmodified copy must pass the tier (``--no-baseline`` skips that); a failure that the whole
 suite finds without a baseline of its own is checked by running that test on the unmodified copy (it must pass).
 
-A bug applies only where its text occurs exactly once in its file; otherwise the tool stops, naming the bug (a
-stale entry fails loudly: tests/test_bugs.py checks every entry against the tree, in the quick tier).
+A bug applies only where its text occurs exactly once in its file and its first test files exist; otherwise the
+tool stops, naming the bug (a stale entry fails loudly: tests/test_bugs.py checks every entry against the tree, in
+the quick tier).
 
     python tools/bugs.py --list
     python tools/bugs.py --check
@@ -61,37 +62,37 @@ BUGS: tuple[Bug, ...] = (
         "return softmax_logit_terms(pos, neg_lse, keep_positive=False)\n",
         "return softmax_logit_terms(pos, neg_lse, keep_positive=True)\n",
         "DCL's dense path keeps the positive in its denominator (InfoNCE's form)",
-        ("tests/test_losses.py",)),
+        ("tests/losses/test_losses.py",)),
     Bug("eqco-margin-sign", "contrastkit/losses/infonce.py",
         "shift=math.log(self.alpha / num_neg))",
         "shift=math.log(num_neg / self.alpha))",
         "EqCo's margin log(alpha / K) with the wrong sign (dense path)",
-        ("tests/test_losses.py",)),
+        ("tests/losses/test_losses.py",)),
     Bug("temperature-multiplied", "contrastkit/losses/infonce.py",
         "return 1.0 / self.temperature",
         "return self.temperature",
         "InfoNCE's (and EqCo's) cosines multiplied by the temperature instead of divided",
-        ("tests/test_losses.py",)),
+        ("tests/losses/test_losses.py",)),
     Bug("gather-without-grad", "contrastkit/distributed.py",
         "return _gather_equal(x, grad=True), rank * x.shape[0]",
         "return _gather_equal(x, grad=False), rank * x.shape[0]",
         "gather_with_grad gathers the other processes' rows without their gradient",
-        ("tests/test_distributed.py",)),
+        ("tests/losses/test_distributed.py",)),
     Bug("layout-positive-index", "contrastkit/losses/dense.py",
         "positives = (rows + own.flip(0)).reshape(-1)",
         "positives = (rows + own).reshape(-1)",
         "two views, dense layout: each anchor's positive is its own column, not its other view's",
-        ("tests/test_dense.py",)),
+        ("tests/losses/test_dense.py",)),
     Bug("layout-gathered-positive", "contrastkit/losses/dense.py",
         "positives = i * (total * per_sample) + (start + i) * per_sample",
         "positives = i * (total * per_sample) + i * per_sample",
         "gathered rows layout: the positive's column ignores this process's offset (right on one process only)",
-        ("tests/test_distributed.py",)),
+        ("tests/losses/test_distributed.py",)),
     Bug("label-mask-inverted", "contrastkit/losses/base.py",
         "hit = row_ids[:, None] == col_ids[None] if same_label else",
         "hit = row_ids[:, None] != col_ids[None] if same_label else",
         "labels, dense path: the candidates of the other labels are masked, not those of the anchor's own",
-        ("tests/test_losses_labels.py",)),
+        ("tests/losses/test_losses_labels.py",)),
     Bug("logit-scale-not-learned", "contrastkit/losses/dense.py",
         "return grad_a, grad_b, d_scale if need_scale else None, None",
         "return grad_a, grad_b, None, None",
@@ -101,22 +102,22 @@ BUGS: tuple[Bug, ...] = (
         "return x * inv, inv, inv * (norm >= NORM_EPS)",
         "return x, inv, inv * (norm >= NORM_EPS)",
         "the dense path takes the raw features as unit vectors (no L2 normalisation)",
-        ("tests/test_dense.py",)),
+        ("tests/losses/test_dense.py",)),
     Bug("dclw-weight-not-detached", "contrastkit/losses/functional.py",
         "scaled = pos.detach() / sigma",
         "scaled = pos / sigma",
         "DCLW's weight keeps its gradient (it must be detached) on the stat paths",
-        ("tests/test_chunked.py",)),
+        ("tests/losses/test_chunked.py",)),
     Bug("cacr-attraction-weights-with-grad", "contrastkit/losses/functional.py",
         "    with torch.no_grad():\n        pos_w = torch.softmax(t_pos * pos_cost, dim=1)",
         "    with torch.enable_grad():\n        pos_w = torch.softmax(t_pos * pos_cost, dim=1)",
         "CACR's attraction weights keep their gradient (only the repulsion's should)",
-        ("tests/test_losses.py",)),
+        ("tests/losses/test_losses.py",)),
     Bug("unigrad-momentum-inverted", "contrastkit/losses/unigrad.py",
         "self.correlation.mul_(self.rho).add_(batch.to(self.correlation.dtype) * (1.0 - self.rho))",
         "self.correlation.mul_(1.0 - self.rho).add_(batch.to(self.correlation.dtype) * self.rho)",
         "UniGrad's running correlation keeps 1 - rho of the old F and takes rho of the batch's",
-        ("tests/test_losses.py",)),
+        ("tests/losses/test_losses.py",)),
     Bug("open-clip-patch-not-reaching-loss", "contrastkit/adapters/open_clip.py",
         "modules = [open_clip, open_clip.factory]",
         "modules = [open_clip.factory]",
@@ -182,6 +183,15 @@ def check(bug: Bug, root: Path = ROOT) -> None:
                        f"{bug.text.strip()!r}; update the entry in tools/bugs.py")
     if bug.text in bug.replacement:  # applied, the text would still be there: the copy would not show the edit
         raise BugError(f"{bug.name}: its replacement contains its text")
+
+
+def check_first(bug: Bug, root: Path = ROOT) -> None:
+    """Raise BugError unless each of the bug's first test files exists under ``root`` (a moved test file would
+    otherwise drop out of the whole-suite run's order unseen: run_tier leaves out what the copy lacks)."""
+    missing = [f for f in bug.first if not (root / f).is_file()]
+    if missing:
+        raise BugError(f"{bug.name}: its first test files {', '.join(missing)} do not exist; update the entry in "
+                       "tools/bugs.py")
 
 
 def apply(bug: Bug, root: Path) -> None:
@@ -374,6 +384,7 @@ def run(bugs: list[Bug], tiers: str, baseline: bool, out: Path | None, extra: li
     commit += " (with uncommitted changes)" if dirty else ""
     for bug in bugs:  # all before any run: a stale entry fails at once
         check(bug)
+        check_first(bug)
     with tempfile.TemporaryDirectory(prefix="contrastkit-bugs-") as tmp:
         tmp = Path(tmp)
         plugin_dir = tmp / "plugin"
@@ -456,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Options after -- go to pytest.")
     parser.add_argument("--list", action="store_true", help="print the bugs and stop")
     parser.add_argument("--check", action="store_true", help="check that every bug applies (its text exactly once "
-                                                              "in its file), without running tests")
+                                                              "in its file, its first test files there), without "
+                                                              "running tests")
     parser.add_argument("--only", type=lambda s: [n for n in s.split(",") if n], default=None, metavar="NAME[,NAME]",
                         help="run these bugs only")
     parser.add_argument("--tier", choices=("quick", "whole", "both"), default="quick",
@@ -481,14 +493,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         problems = []
         for bug in bugs:
-            try:
-                check(bug)
-            except BugError as err:
-                problems.append(str(err))
+            for checked in (check, check_first):
+                try:
+                    checked(bug)
+                except BugError as err:
+                    problems.append(str(err))
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         if not problems:
-            print(f"all {len(bugs)} bugs apply (each one's text exactly once in its file)")
+            print(f"all {len(bugs)} bugs apply (each one's text exactly once in its file, its first test files there)")
         return 1 if problems else 0
     try:
         return run(bugs, args.tier, not args.no_baseline, args.out, extra, args.timeout, args.logs)

@@ -5,8 +5,8 @@
 #     PLAN=full bash tools/gpu/check.sh    # every size, dtype and method (several calls: split with the variables)
 #     bash tools/gpu/check.sh --dry-run    # no GPU: its Python parts on the CPU, tiny sizes, into a temp dir
 #
-# 1. The CUDA tests: tests/test_cuda.py (host syncs, autocast, TF32, compile, memory at a large batch), then the
-#    Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot
+# 1. The CUDA tests: tests/losses/test_cuda.py (host syncs, autocast, TF32, compile, memory at a large batch), then
+#    the Triton kernels' tests with their tensors on CUDA (compiled and run for real: what the interpreter cannot
 #    show). quick: test_cuda.py and the kernels' D = 512 production tests (every logits source: kernel, band,
 #    dense) and the dense/band checks; full: every kernel test. Saved beside the tables: tests-cuda.xml and
 #    tests-cuda-triton.xml (junit) and tests-cuda.log (each test's result as it ends), so a failure's name comes
@@ -92,13 +92,13 @@ if [ "${TESTS:-1}" = 0 ]; then
   echo "(skipped: TESTS=0)"
 else
   rm -f "$OUT"/tests-cuda*
-  tests tests-cuda tests/test_cuda.py  # --dry-run: skipped without CUDA, it checks that they collect, and the files
+  tests tests-cuda tests/losses/test_cuda.py  # --dry-run: skipped without CUDA, it checks that they collect, and the files
   if [ "$DRY" = 1 ]; then
     :
   elif [ "$PLAN" = quick ]; then
-    tests tests-cuda-triton --device cuda tests/test_triton_stats.py -k "production or dense_keeps or two_views"
+    tests tests-cuda-triton --device cuda tests/losses/test_triton_stats.py -k "production or dense_keeps or two_views"
   else
-    tests tests-cuda-triton --device cuda tests/test_triton_stats.py tests/test_triton_kernels.py
+    tests tests-cuda-triton --device cuda tests/losses/test_triton_stats.py tests/losses/test_triton_kernels.py
   fi
 fi
 took

@@ -100,9 +100,10 @@ SIZES = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 1048576)
 PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
 
 # Operators a built path issues per call (forward + backward), counted on the path of CUDA at N = 64 (one
-# block, a second call: the first adds a few) by tests/test_device_path.py's counter: DCL, float32, image-text with a learnable logit scale as CLIP
-# trains (the peers' counts below are theirs under the same conditions, bf16 autocast). "band" is the Triton
-# path (its float32 product is band's), "dense" the dense path; tests/test_perf_model.py recounts them.
+# block, a second call: the first adds a few) by tests/losses/test_device_path.py's counter: DCL, float32,
+# image-text with a learnable logit scale as CLIP trains (the peers' counts below are theirs under the same
+# conditions, bf16 autocast). "band" is the Triton path (its float32 product is band's), "dense" the dense path;
+# tests/test_perf_model.py recounts them.
 BUILT_OPERATORS = {"band": {TWO_VIEW: 77, IMAGE_TEXT: 79}, "dense": {TWO_VIEW: 29, IMAGE_TEXT: 48}}
 # The same at N = 32768, D = 512 (bf16 features, DCL, the default path: band+fwd), counted by
 # `python tools/perf/profile_call.py --count` (the meta device, the Triton operators' bodies counted inside;

@@ -4,7 +4,7 @@ T4) on this machine, no GPU needed (triton.compile with a GPUTarget, then the pt
 for registers and spills).
 
     TRITON_INTERPRET=0 python tools/perf/triton_compile.py              # the whole autotune space, D = 512
-    TRITON_INTERPRET=0 python tools/perf/triton_compile.py --quick --json   # tests/test_triton_compile.py
+    TRITON_INTERPRET=0 python tools/perf/triton_compile.py --quick --json   # tests/losses/test_triton_compile.py
 
 Tiles: BLOCK_M x BLOCK_N x BLOCK_D (d logits: BLOCK_M x BLOCK_N, no product inside). Per compiled kernel: the
 tensor-core instruction in the PTX (wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120), registers

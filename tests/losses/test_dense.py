@@ -1,6 +1,6 @@
 """The dense path (contrastkit/losses/dense.py): the whole matrix in one autograd Function with its backward
 written out, what "auto" takes at the batch sizes people train with per device. Against the float64 references
-(tests/reference.py) in values and gradients for every objective, both settings, a learnable scale, every
+(tests/losses/reference.py) in values and gradients for every objective, both settings, a learnable scale, every
 reduction, with and without normalisation, on fresh random inputs; F.normalize's semantics for rows of norm
 below eps; no host read on the path of CUDA; autocast; its memory at CUDA's bound; and the operators it
 launches, held exactly (benchmarks/fixed_cost.py counts them beside open_clip's ClipLoss and lightly's
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from settings import call, inputs
 from test_device_path import no_host_data_on_the_device  # noqa: F401  (a fixture)
 from test_memory import MiB, count
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.quick
 OPTIONS = {"infonce": {"tau": 0.1}, "dcl": {"tau": 0.1}, "dclw": {"tau": 0.1, "sigma": 0.5},
            "eqco": {"tau": 0.1, "alpha": 256.0}, "cacr": {"t_pos": 1.0, "t_neg": 2.0}}
 KINDS = list(OPTIONS)
-SETTINGS = ["two_views", "image_text", "image_text_scale", "in_batch", "hard_negatives", "queue"]
+SETTINGS = ["two_views", "image_text", "image_text_scale", "query_key", "hard_negatives", "queue"]
 
 
 def _loss_options(kind):
@@ -33,43 +34,16 @@ def _loss_options(kind):
 
 
 def _inputs(seed, setting, n=9, d=7, dtype=torch.float64, size=1.0, device="cpu"):
-    """The call's tensors, each needing a gradient: two [n, d] (views, image and text, query and key), then a
-    learnable scale, two hard negatives per query [n, 2, d] or a queue [11, d] where the setting has them."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = [(n, d), (n, d)] + {"hard_negatives": [(n, 2, d)], "queue": [(11, d)]}.get(setting, [])
-    x = [(size * torch.randn(shape, generator=g, dtype=dtype)).to(device).requires_grad_() for shape in shapes]
-    if setting == "image_text_scale":
-        x.append(torch.tensor(7.5, dtype=dtype, device=device, requires_grad=True))
-    return x
-
-
-def _call(fn, setting, x, **kwargs):
-    if setting == "two_views":
-        return fn(x[0], x[1], **kwargs)
-    if setting == "in_batch":
-        return fn.query_key(x[0], x[1], **kwargs)
-    if setting == "hard_negatives":
-        return fn.query_key(x[0], x[1], negatives=x[2], **kwargs)
-    if setting == "queue":
-        return fn.query_key(x[0], x[1], x[2], **kwargs)
-    return fn.cross_modal(x[0], x[1], logit_scale=x[2] if len(x) > 2 else None, **kwargs)
-
-
-def _reference(kind, setting, x, mean):
-    options = OPTIONS[kind]
-    if setting == "two_views":
-        return reference.per_anchor(x, kind, mean=mean, **options)
-    if setting in ("in_batch", "hard_negatives"):
-        return reference.ranking(x[0], [x[1], *(x[2].unbind(1) if len(x) > 2 else [])], kind, mean=mean, **options)
-    if setting == "queue":
-        return reference.query_key(x[0], x[1], x[2], kind, mean=mean, **options)
-    return reference.cross_modal(x[0], x[1], kind, scale=x[2] if len(x) > 2 else None, mean=mean, **options)
+    """The call's tensors (tests/losses/settings.py), each needing a gradient: two [n, d] (views, image and text,
+    query and key), then a learnable scale of 7.5, two hard negatives per query [n, 2, d] or a queue [11, d]
+    where the setting has them."""
+    return inputs(setting, n, d, dtype=dtype, device=device, seed=seed, size=size, queue=11, hard=2, scale=7.5)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_auto_takes_the_dense_function_at_small_sizes(setting):
     x = _inputs(0, setting, n=64, d=32, dtype=torch.float32)
-    loss = _call(build_loss("dcl"), setting, x)
+    loss = call(build_loss("dcl"), setting, x)
     node = loss.grad_fn.next_functions[0][0]  # the mean's input
     assert type(node).__name__ == "_DenseLossBackward"
 
@@ -87,8 +61,8 @@ def test_matches_float64_reference(kind, setting, reduction, normalize, monkeypa
     if not normalize:
         monkeypatch.setattr(reference, "unit", lambda v: v)
     fn = build_loss(kind, normalize=normalize, reduction=reduction, backend="dense", **_loss_options(kind))
-    got = _call(fn, setting, x)
-    want = _reference(kind, setting, x, mean=reduction == "mean")
+    got = call(fn, setting, x)
+    want = reference.loss(kind, setting, x, mean=reduction == "mean", **OPTIONS[kind])
     if reduction == "sum":
         want = want.sum()
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -103,24 +77,25 @@ def test_gradcheck(kind, setting):
     """Finite differences through the hand-written backward: features and the scale, per-anchor outputs."""
     x = _inputs(hash((kind, setting)) % 2**31, setting, n=4, d=3)
     fn = build_loss(kind, backend="dense", reduction="none", **_loss_options(kind))
-    torch.autograd.gradcheck(lambda *t: _call(fn, setting, t), x)
+    torch.autograd.gradcheck(lambda *t: call(fn, setting, t), x)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_rows_of_norm_below_eps_as_f_normalize(kind, setting):
     """A zero row and a row of norm 1e-13 (below F.normalize's eps): the loss and its gradient are those of
-    autograd through F.normalize (a constant divisor, no projection, for the clamped rows)."""
+    autograd through F.normalize (a constant divisor, no projection, for the clamped rows). Image-text at a
+    constant scale of 1 / tau (CACR: 4)."""
     x = _inputs(hash((kind, setting, "eps")) % 2**31, setting)
     with torch.no_grad():
         x[0][1].zero_()
         x[1][2].mul_(1e-13 / x[1][2].norm())
-    scale = None if setting == "two_views" else 1.0 / OPTIONS.get(kind, {}).get("tau", 0.25)
-    got = _call(build_loss(kind, backend="dense", **_loss_options(kind)), setting,
-                x if scale is None else [*x, torch.tensor(scale, dtype=torch.float64)])
-    want = reference.plain(kind, setting, x[0], x[1], scale, **OPTIONS[kind])
+    if setting == "image_text_scale":
+        x[2] = torch.tensor(1.0 / OPTIONS.get(kind, {}).get("tau", 0.25), dtype=torch.float64)
+    got = call(build_loss(kind, backend="dense", **_loss_options(kind)), setting, x)
+    want = reference.plain(kind, setting, x, **OPTIONS[kind])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    for g, w in zip(torch.autograd.grad(got, x), torch.autograd.grad(want, x)):
+    for g, w in zip(torch.autograd.grad(got, x[:2]), torch.autograd.grad(want, x[:2])):
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-11)
 
 
@@ -128,8 +103,8 @@ def test_rows_of_norm_below_eps_as_f_normalize(kind, setting):
 def test_output_dict_diagnostics_equal_the_blockwise_ones(kind):
     """The diagnostics, made only where asked (from the detached statistics), are the blockwise path's."""
     x = _inputs(5, "image_text_scale")
-    got = _call(build_loss(kind, backend="dense"), "image_text_scale", x, output_dict=True)
-    want = _call(build_loss(kind, backend="torch"), "image_text_scale", x, output_dict=True)
+    got = call(build_loss(kind, backend="dense"), "image_text_scale", x, output_dict=True)
+    want = call(build_loss(kind, backend="torch"), "image_text_scale", x, output_dict=True)
     assert got.keys() == want.keys()
     for key in got:
         torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-12)
@@ -140,8 +115,8 @@ def test_output_dict_diagnostics_equal_the_blockwise_ones(kind):
 def test_no_host_read_on_the_path_of_cuda(kind, setting, device_path, no_host_data_on_the_device):  # noqa: F811
     """Meta tensors (any host read raises) and no tensor made from host data: forward and backward run
     through, so a CUDA step on the dense path has no sync."""
-    x = [t.detach().to("meta").requires_grad_() for t in _inputs(0, setting, dtype=torch.float32)]
-    loss = _call(build_loss(kind, backend="dense"), setting, x)
+    x = _inputs(0, setting, dtype=torch.float32, device="meta")
+    loss = call(build_loss(kind, backend="dense"), setting, x)
     grads = torch.autograd.grad(loss, x)
     assert loss.device.type == "meta" and all(g.shape == t.shape for g, t in zip(grads, x))
 
@@ -153,16 +128,16 @@ def test_autocast_and_low_precision_features(setting):
     rounding; backward called inside the autocast block changes nothing."""
     x = _inputs(6, setting, n=16, d=8, dtype=torch.float32)
     fn = build_loss("dcl")
-    plain = _call(fn, setting, x)
+    plain = call(fn, setting, x)
     want_grads = torch.autograd.grad(plain, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = _call(fn, setting, x)
+        loss = call(fn, setting, x)
         grads = torch.autograd.grad(loss, x)
     assert torch.equal(loss, plain) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
     low = [t.detach().bfloat16().requires_grad_() if t.dim() else t for t in x]
-    loss = _call(fn, setting, low)
+    loss = call(fn, setting, low)
     ref = [t.detach().double().requires_grad_() for t in low]
-    want = _call(fn, setting, ref)
+    want = call(fn, setting, ref)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
     for g, w in zip(torch.autograd.grad(loss, low[:2]), torch.autograd.grad(want, ref[:2])):
@@ -173,7 +148,7 @@ def test_autocast_and_low_precision_features(setting):
 def test_one_sample_is_an_error():
     for setting in ("two_views", "image_text"):
         with pytest.raises(ValueError, match="a batch of 1"):
-            _call(build_loss("dcl"), setting, _inputs(0, setting, n=1))
+            call(build_loss("dcl"), setting, _inputs(0, setting, n=1))
 
 
 def test_layouts_are_made_once_per_shape():
@@ -195,9 +170,9 @@ def test_memory_at_cudas_bound(setting):
     n = 4096 if setting == "two_views" else 8192
     logits = (2 * n) ** 2 if setting == "two_views" else n**2
     assert logits == plan.DENSE_AUTO_LOGITS
-    x = [torch.empty(n, 512, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    x = inputs(setting, n, 512, dtype=torch.bfloat16, device="meta")
     fn = build_loss("dcl", backend="dense")
-    kept, _, peak = count(lambda *t: _call(fn, setting, t), x)
+    kept, _, peak = count(lambda *t: call(fn, setting, t), x)
     matrix = 4 * logits
     assert matrix <= kept <= matrix + 2 * 4 * 2 * n * 512 + MiB, kept / MiB
     assert peak <= 4 * matrix + 64 * MiB, peak / MiB
@@ -207,7 +182,7 @@ def test_memory_at_cudas_bound(setting):
 
 
 def _fixed_cost():
-    path = Path(__file__).parents[1] / "benchmarks" / "fixed_cost.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "fixed_cost.py"
     spec = importlib.util.spec_from_file_location("fixed_cost", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

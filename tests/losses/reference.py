@@ -10,6 +10,8 @@ import math
 
 import torch
 
+import settings
+
 
 def unit(x):
     return x / x.norm(dim=-1, keepdim=True)
@@ -256,25 +258,37 @@ def labelled_query_key(q, k, labels, kind, mode, *, queue=None, queue_labels=Non
 # ----------------------------------------------------------------------------- as plain PyTorch code writes it
 
 
-def plain(kind, setting, a, b, scale=None, **p):
+def _logit_scale(setting, x):
+    """The logit scale a setting's call passes (settings.call), None where the loss takes its own."""
+    if setting == "image_text_scale":
+        return x[2]
+    return settings.FLOAT_SCALE if setting == "image_text_float_scale" else None
+
+
+def plain(kind, setting, x, **p):
     """The loss as plain PyTorch code writes it, for comparing rounding (TF32) and F.normalize's semantics (a
     row of norm below eps): unit vectors through F.normalize, one similarity matrix, the positives read off
     it, the objective's formula on the scores (contrastkit.losses.functional), autograd's gradient. Settings
-    "image_text" (logits scale * cosines; default the loss's own scale) and "two_views"."""
+    "two_views" and the image-text ones (logits scale * cosines; image_text: the loss's own scale), on their
+    tensors x (settings.inputs' order)."""
     from contrastkit.losses import functional
 
+    a, b = x[:2]
+    scale = _logit_scale(setting, x)
     kernel = getattr(functional, kind)
     if kind == "cacr":  # its logits are 2 t_neg s: a logit scale stands for 2 t_neg
         options = {"t_pos": p.get("t_pos", 1.0), "t_neg": scale / 2 if scale is not None else p.get("t_neg", 2.0)}
     else:
         options = {"temperature": 1.0 / scale if scale is not None else p.get("tau", 0.1)}
     options.update({k: p[k] for k in ("alpha", "sigma") if k in p and kind in ("eqco", "dclw")})
-    if setting == "image_text":
+    if setting.startswith("image_text"):
         sims = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
         n = sims.shape[0]
         off = ~torch.eye(n, dtype=torch.bool, device=sims.device)
         return sum(kernel(s.diagonal(), s.masked_select(off).view(n, n - 1), **options).mean()
                    for s in (sims, sims.T)) / 2
+    if setting != "two_views":
+        raise ValueError(f"plain: no {setting} form (two_views and the image-text settings)")
     z = torch.nn.functional.normalize(torch.cat([a, b]), dim=1)
     sims, n = z @ z.T, a.shape[0]
     partner = (torch.arange(2 * n, device=z.device) + n) % (2 * n)
@@ -282,3 +296,38 @@ def plain(kind, setting, a, b, scale=None, **p):
     own = eye | eye.roll(n, dims=1)
     pos = sims.gather(1, partner[:, None])[:, 0]
     return kernel(pos, sims.masked_select(~own).view(2 * n, 2 * n - 2), **options).mean()
+
+
+# ----------------------------------------------------------------------------- by setting
+
+
+def loss(kind, setting, x, *, mean=True, labels=None, queue_labels=None, mode=None, **p):
+    """The reference of ``kind`` in ``setting`` (tests/losses/settings.py) on the call's tensors x: the mean
+    over anchors, or with mean=False the per-anchor losses in the library's order (reduction="none"). With
+    ``labels`` (and a queue's ``queue_labels``), same_label ``mode`` ("mask" or "positive"). several_keys has no
+    reference here, nor labels with a logit scale."""
+    scale = _logit_scale(setting, x)
+    hard = None
+    if setting == "hard_negatives":  # [N, H, D], or one per query [N, D]
+        hard = x[2].unbind(1) if x[2].dim() == 3 else [x[2]]
+    if labels is None:
+        if setting in ("two_views", "three_views"):
+            return per_anchor(list(x), kind, mean=mean, **p)
+        if setting in ("query_key", "hard_negatives"):
+            return ranking(x[0], [x[1], *(hard or [])], kind, mean=mean, **p)
+        if setting == "queue":
+            return query_key(x[0], x[1], x[2], kind, mean=mean, **p)
+        if setting.startswith("image_text"):
+            return cross_modal(x[0], x[1], kind, scale=scale, mean=mean, **p)
+    else:
+        if setting in ("two_views", "three_views"):
+            return labelled_views(list(x), labels, kind, mode, mean=mean, **p)
+        if setting in ("query_key", "hard_negatives"):
+            return labelled_query_key(x[0], x[1], labels, kind, mode, hard=torch.cat(hard) if hard else None,
+                                      mean=mean, **p)
+        if setting == "queue":
+            return labelled_query_key(x[0], x[1], labels, kind, mode, queue=x[2], queue_labels=queue_labels,
+                                      mean=mean, **p)
+        if setting == "image_text":
+            return labelled_cross_modal(x[0], x[1], labels, kind, mode, mean=mean, **p)
+    raise ValueError(f"no reference for {setting}{' with labels' if labels is not None else ''}")

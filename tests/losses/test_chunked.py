@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from launch import end_process_group
+from settings import SCORE_LOSSES, fresh, fresh_call, inputs, shard
 
 from contrastkit.losses import build_loss
 from contrastkit.losses.plan import BLOCK_ELEMENTS, KEEP_MAX_ELEMENTS, blocking
@@ -17,69 +18,51 @@ from contrastkit.losses.chunked import negative_stats
 
 pytestmark = pytest.mark.quick
 
-SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
-SETTINGS = ["2views", "3views", "query_key", "queue", "multi_key", "cross_modal", "cross_modal_scale"]
+SETTINGS = ["two_views", "three_views", "query_key", "queue", "several_keys", "image_text", "image_text_scale"]
 
 
-def _inputs(seed, n, d, dtype, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = [torch.randn(n, d, generator=g, dtype=dtype).to(device) for _ in range(3)]
-    extra = {"queue": torch.randn(2 * n + 1, d, generator=g, dtype=dtype).to(device),
-             "keys": torch.randn(n, 2, d, generator=g, dtype=dtype).to(device)}
-    return x, extra
+def _inputs(seed, setting, n, d, dtype, device="cpu"):
+    """The setting's inputs (tests/losses/settings.py): a queue of 2n + 1 rows, a constant as in MoCo; two keys
+    per query; CLIP's learnable exp(t) of 14, in the features' dtype."""
+    return inputs(setting, n, d, dtype=dtype, device=device, seed=seed, queue=2 * n + 1, queue_grad=False)
 
 
-def _loss(name, setting, chunk, x, extra, output_dict=False, **opts):
-    """Loss and the tensors to differentiate for one objective in one setting: the blockwise torch kernel (chunk
-    None: its automatic blocks, which "auto" takes beyond the dense bound), unless ``backend`` says otherwise;
-    chunk 0 the dense path."""
+def _loss(name, setting, chunk, x, output_dict=False, **opts):
+    """Loss and the tensors to differentiate for one objective in one setting, on fresh leaves of x: the
+    blockwise torch kernel (chunk None: its automatic blocks, which "auto" takes beyond the dense bound), unless
+    ``backend`` says otherwise; chunk 0 the dense path."""
     fn = build_loss(name, chunk_size=chunk, **{"backend": "torch", **opts})
-    leaves = [t.clone().requires_grad_() for t in x]
-    if setting == "2views":
-        return fn(*leaves[:2], output_dict=output_dict), leaves[:2]
-    if setting == "3views":
-        return fn(*leaves, output_dict=output_dict), leaves
-    if setting == "query_key":
-        return fn.query_key(*leaves[:2], output_dict=output_dict), leaves[:2]
-    if setting == "queue":  # the queue is a constant, as in MoCo
-        return fn.query_key(*leaves[:2], extra["queue"], output_dict=output_dict), leaves[:2]
-    if setting == "multi_key":
-        keys = extra["keys"].clone().requires_grad_()
-        return fn.query_key(leaves[0], keys, output_dict=output_dict), [leaves[0], keys]
-    if setting == "cross_modal":
-        return fn.cross_modal(*leaves[:2], output_dict=output_dict), leaves[:2]
-    scale = x[0].new_full((), 14.0).requires_grad_()  # CLIP's learnable exp(t)
-    return fn.cross_modal(*leaves[:2], logit_scale=scale, output_dict=output_dict), [*leaves[:2], scale]
+    return fresh_call(fn, setting, x, output_dict=output_dict)
 
 
-def _value_and_grads(name, setting, chunk, x, extra):
-    loss, leaves = _loss(name, setting, chunk, x, extra)
+def _value_and_grads(name, setting, chunk, x):
+    loss, leaves = _loss(name, setting, chunk, x)
     return loss.detach(), torch.autograd.grad(loss, leaves)
 
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_blockwise_equals_dense_float64(name, setting, device):
-    x, extra = _inputs(hash((name, setting)) % 2**31, 11, 6, torch.float64, device)
-    want, want_grads = _value_and_grads(name, setting, 0, x, extra)
+    x = _inputs(hash((name, setting)) % 2**31, setting, 11, 6, torch.float64, device)
+    want, want_grads = _value_and_grads(name, setting, 0, x)
     for chunk in (1, 4, None):  # single rows, ragged blocks (11 = 4 + 4 + 3 anchors), automatic
-        got, grads = _value_and_grads(name, setting, chunk, x, extra)
+        got, grads = _value_and_grads(name, setting, chunk, x)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"chunk {chunk}: {m}")
         for i, (g, w) in enumerate(zip(grads, want_grads)):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"chunk {chunk} grad {i}: {m}")
 
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
-@pytest.mark.parametrize("setting", ["2views", "3views", "query_key", "cross_modal_scale"])
+@pytest.mark.parametrize("setting", ["two_views", "three_views", "query_key", "image_text_scale"])
 def test_blockwise_equals_dense_float32(name, setting, device):
     """Relative error under 1e-5 in float32, at the low temperature where exp() is most sensitive (on CUDA
     the automatic choice, chunk_size None, is the blockwise kernel on the exact path)."""
     opts = {} if name == "cacr" else {"temperature": 0.05}
-    x, extra = _inputs(7, 96, 32, torch.float32, device)
-    want, leaves = _loss(name, setting, 0, x, extra, **opts)
+    x = _inputs(7, setting, 96, 32, torch.float32, device)
+    want, leaves = _loss(name, setting, 0, x, **opts)
     want_grads = torch.autograd.grad(want, leaves)
     for chunk in (13, None):
-        got, leaves = _loss(name, setting, chunk, x, extra, **opts)
+        got, leaves = _loss(name, setting, chunk, x, **opts)
         grads = torch.autograd.grad(got, leaves)
         assert abs(float(got.detach() - want.detach())) <= 1e-5 * abs(float(want.detach())), f"chunk {chunk}"
         for g, w in zip(grads, want_grads):
@@ -92,10 +75,10 @@ def test_triton_backend_equals_dense(name, setting, device):
     """backend="triton" (on CPU under Triton's interpreter, see conftest) in every setting: float32 to 1e-5,
     ragged against its tiles (21 anchors, 6 dimensions)."""
     opts = {} if name == "cacr" else {"temperature": 0.05}
-    x, extra = _inputs(hash((name, setting, 1)) % 2**31, 21, 6, torch.float32, device)
-    want, leaves = _loss(name, setting, 0, x, extra, **opts)
+    x = _inputs(hash((name, setting, 1)) % 2**31, setting, 21, 6, torch.float32, device)
+    want, leaves = _loss(name, setting, 0, x, **opts)
     want_grads = torch.autograd.grad(want, leaves)
-    got, leaves = _loss(name, setting, None, x, extra, backend="triton", **opts)
+    got, leaves = _loss(name, setting, None, x, backend="triton", **opts)
     grads = torch.autograd.grad(got, leaves)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, w in zip(grads, want_grads):
@@ -106,10 +89,10 @@ def test_triton_backend_equals_dense(name, setting, device):
 def test_triton_backend_takes_bf16_products_under_autocast(name, device):
     """Under bf16 autocast the Triton products take the unit vectors in bf16 (float32 accumulation): the
     loss within bf16's precision of the dense float32 one."""
-    x, extra = _inputs(31, 40, 16, torch.float32, device)
-    want = _loss(name, "2views", 0, x, extra)[0]
+    x = _inputs(31, "two_views", 40, 16, torch.float32, device)
+    want = _loss(name, "two_views", 0, x)[0]
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        got, leaves = _loss(name, "2views", None, [t.bfloat16() for t in x], extra, backend="triton")
+        got, leaves = _loss(name, "two_views", None, [t.bfloat16() for t in x], backend="triton")
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert all(g.dtype == torch.bfloat16 for g in torch.autograd.grad(got, leaves))
@@ -117,9 +100,9 @@ def test_triton_backend_takes_bf16_products_under_autocast(name, device):
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_diagnostics_are_the_same(name, device):
-    x, extra = _inputs(3, 10, 5, torch.float64, device)
-    dense = _loss(name, "2views", 0, x, extra, output_dict=True)[0]
-    blocks = _loss(name, "2views", 3, x, extra, output_dict=True)[0]
+    x = _inputs(3, "two_views", 10, 5, torch.float64, device)
+    dense = _loss(name, "two_views", 0, x, output_dict=True)[0]
+    blocks = _loss(name, "two_views", 3, x, output_dict=True)[0]
     assert dense.keys() == blocks.keys()
     for key in dense:
         torch.testing.assert_close(blocks[key], dense[key], rtol=1e-12, atol=1e-12, msg=key)
@@ -222,20 +205,22 @@ def test_bad_chunk_size(bad):
 # ----------------------------------------------------------------------------- two processes
 
 
+TWO_PROCESS_SETTINGS = ["two_views", "three_views", "query_key", "image_text_scale"]
+
+
 def _run(rank, world, sizes, init_file, out_dir):
     import contrastkit.losses.chunked as chunked
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     weight = sizes[rank] / sum(sizes)
-    x, extra = _inputs(5, sum(sizes), 6, torch.float64)
     results, ratios = {}, []
     original = chunked._upstream_ratio
     chunked._upstream_ratio = lambda *args: ratios.append(original(*args)) or ratios[-1]
     for name in SCORE_LOSSES:
-        for setting in ("2views", "3views", "query_key", "cross_modal_scale"):
-            local = [t[lo:hi] for t in x]
-            loss, leaves = _loss(name, setting, 2, local, extra, gather_distributed="uneven")
+        for setting in TWO_PROCESS_SETTINGS:
+            local = shard(setting, _inputs(5, setting, sum(sizes), 6, torch.float64), lo, hi)
+            loss, leaves = _loss(name, setting, 2, local, gather_distributed="uneven")
             ratios.clear()
             (weight * loss).backward()
             results[name, setting] = (float(loss) * weight, [t.grad for t in leaves], list(ratios))
@@ -251,14 +236,13 @@ def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
     mp.start_processes(_run, args=(2, sizes, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
                        start_method="spawn", join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    x, extra = _inputs(5, sum(sizes), 6, torch.float64)
     for (name, setting), _ in ranks[0].items():
-        want, leaves = _loss(name, setting, 0, x, extra)
+        want, leaves = _loss(name, setting, 0, _inputs(5, setting, sum(sizes), 6, torch.float64))
         want_grads = torch.autograd.grad(want, leaves)
         assert sum(r[name, setting][0] for r in ranks) == pytest.approx(float(want), rel=1e-10), (name, setting)
         for r, rank_weight in zip(ranks, (3 / 7, 4 / 7)):
             guessed = r[name, setting][2]
-            assert guessed == [pytest.approx(rank_weight)] * (2 if setting == "cross_modal_scale" else 1), guessed
+            assert guessed == [pytest.approx(rank_weight)] * (2 if setting == "image_text_scale" else 1), guessed
         for i, w in enumerate(want_grads):
             parts = [r[name, setting][1][i] for r in ranks]
             got = sum(parts) if w.dim() == 0 else torch.cat(parts)  # the shared scale: DDP sums its gradient
@@ -371,19 +355,19 @@ def guesses(monkeypatch):
 
 
 @pytest.mark.parametrize("name", SCORE_LOSSES)
-@pytest.mark.parametrize("setting", ["2views", "3views", "queue", "multi_key", "cross_modal_scale"])
+@pytest.mark.parametrize("setting", ["two_views", "three_views", "queue", "several_keys", "image_text_scale"])
 @pytest.mark.parametrize("factor", [1.0, 0.25])  # the loss as is, and scaled (gradient accumulation)
 def test_guessed_gradient_is_taken_and_exact(name, setting, factor, guesses):
     """Every objective has a closed-form d loss / d (lse, mean), so backward's products are done in forward;
     backward takes them (times the upstream factor) and the gradients equal the dense float64 ones. On one
     process image-text takes them for CACR (each direction as rows) and not for the others (columns)."""
-    x, extra = _inputs(21, 13, 6, torch.float64)
-    want, leaves = _loss(name, setting, 0, x, extra)
+    x = _inputs(21, setting, 13, 6, torch.float64)
+    want, leaves = _loss(name, setting, 0, x)
     want_grads = torch.autograd.grad(factor * want, leaves)
-    got, leaves = _loss(name, setting, 4, x, extra)
+    got, leaves = _loss(name, setting, 4, x)
     grads = torch.autograd.grad(factor * got, leaves)
-    one_product = setting == "cross_modal_scale" and name != "cacr"
-    assert guesses == ([] if one_product else [pytest.approx(factor)] * (2 if setting == "cross_modal_scale" else 1))
+    one_product = setting == "image_text_scale" and name != "cacr"
+    assert guesses == ([] if one_product else [pytest.approx(factor)] * (2 if setting == "image_text_scale" else 1))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
@@ -391,10 +375,10 @@ def test_guessed_gradient_is_taken_and_exact(name, setting, factor, guesses):
 
 def test_guessed_gradient_float32_is_taken(guesses):
     """In float32 the guess and autograd's gradient differ by rounding only: taken, and exact to 1e-5."""
-    x, extra = _inputs(22, 200, 32, torch.float32)
-    want, leaves = _loss("infonce", "2views", 0, x, extra, temperature=0.05)
+    x = _inputs(22, "two_views", 200, 32, torch.float32)
+    want, leaves = _loss("infonce", "two_views", 0, x, temperature=0.05)
     want_grads = torch.autograd.grad(want, leaves)
-    got, leaves = _loss("infonce", "2views", None, x, extra, temperature=0.05)
+    got, leaves = _loss("infonce", "two_views", None, x, temperature=0.05)
     grads = torch.autograd.grad(got, leaves)
     assert guesses == [pytest.approx(1.0)]
     for g, w in zip(grads, want_grads):
@@ -438,9 +422,9 @@ def test_guessed_gradient_gradcheck():
 
 def test_retain_graph_backward_twice():
     """Saved blocks and guesses survive a retained graph: two backward passes give the same gradients."""
-    x, extra = _inputs(25, 12, 5, torch.float64)
-    for name, setting in (("infonce", "2views"), ("infonce", "cross_modal"), ("cacr", "2views")):  # guessed, kept, guessed
-        loss, leaves = _loss(name, setting, None, x, extra)
+    # guessed, kept, guessed
+    for name, setting in (("infonce", "two_views"), ("infonce", "image_text"), ("cacr", "two_views")):
+        loss, leaves = _loss(name, setting, None, _inputs(25, setting, 12, 5, torch.float64))
         first = torch.autograd.grad(loss, leaves, retain_graph=True)
         second = torch.autograd.grad(loss, leaves)
         for f, s in zip(first, second):
@@ -465,11 +449,11 @@ def test_kept_blocks_freed_by_backward(case, monkeypatch):
             return state
 
         monkeypatch.setattr(chunked, fn_name, spy)
-    x, extra = _inputs(26, 20, 6, torch.float32)
+    x = _inputs(26, "image_text", 20, 6, torch.float32)
     if case == "image-text":
-        out, leaves = _loss("infonce", "cross_modal", None, x, extra)
+        out, leaves = _loss("infonce", "image_text", None, x)
     else:  # no guess: the blocks are kept
-        leaves = [t.clone().requires_grad_() for t in x[:2]]
+        leaves = fresh(x)
         out = negative_stats(*leaves, 5.0, exclude=torch.arange(20)[:, None], block=6, keep=10**9,
                              with_mean=case == "rows+mean").sum()
     assert refs and all(r() is not None for r in refs)
@@ -484,9 +468,9 @@ def test_no_grad_keeps_nothing(monkeypatch):
     seen = []
     original = chunked._fast_rows
     monkeypatch.setattr(chunked, "_fast_rows", lambda *args: seen.append((args[4], args[6])) or original(*args))
-    x, extra = _inputs(27, 20, 6, torch.float32)
-    with_grad = _loss("infonce", "2views", None, x, extra)[0]
+    x = _inputs(27, "two_views", 20, 6, torch.float32)
+    with_grad = _loss("infonce", "two_views", None, x)[0]
     with torch.no_grad():
-        without = _loss("infonce", "2views", None, x, extra)[0]
+        without = _loss("infonce", "two_views", None, x)[0]
     assert seen[0][1] is not None and seen[1] == (0, None)
     torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)

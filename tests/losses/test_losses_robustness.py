@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from settings import call
 
 from contrastkit.losses import available_losses, build_loss, functional
 
@@ -114,16 +115,12 @@ def test_a_tiny_row_takes_f_normalize_s_gradient(name, setting, backend):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
     a[3], b[7] = a[3] / a[3].norm() * 5e-13, b[7] / b[7].norm() * 2e-13  # unit vectors of norm 0.5 and 0.2
-
-    def call(fn, x, y):
-        return fn.cross_modal(x, y) if setting == "image_text" else fn(x, y)
-
     leaves = [t.double().requires_grad_() for t in (a, b)]
     reference = build_loss(name, backend="dense", normalize=False)
-    want = call(reference, *(torch.nn.functional.normalize(t, dim=-1) for t in leaves))
+    want = call(reference, setting, [torch.nn.functional.normalize(t, dim=-1) for t in leaves])
     want_grads = torch.autograd.grad(want, leaves)
     ours = [t.clone().requires_grad_() for t in (a, b)]
-    got = call(build_loss(name, backend=backend), *ours)
+    got = call(build_loss(name, backend=backend), setting, ours)
     got_grads = torch.autograd.grad(got, ours)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     for gg, w in zip(got_grads, want_grads):

@@ -3,7 +3,7 @@ meta device, which takes the path of CUDA (backend="auto": the blockwise torch k
 the exact path with no host read), and every tensor an operator makes is counted while it lives. Two
 numbers per call: what stays alive between forward and backward (the saved tensors and nothing else), and
 the peak beyond the inputs and their gradients (what torch.cuda.max_memory_allocated would show, less the
-inputs and .grad, as tests/test_cuda.py measures it on a GPU)."""
+inputs and .grad, as tests/losses/test_cuda.py measures it on a GPU)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+from settings import call, inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -78,8 +79,20 @@ def count(call, inputs, inside=None):
     return kept, sum(saved.values()), mode.peak - sum(grads.values())
 
 
-def _features(n, d, count_=2, dtype=torch.bfloat16):
-    return [torch.empty(n, d, device="meta", dtype=dtype, requires_grad=True) for _ in range(count_)]
+def _inputs(setting, n, d, dtype=torch.bfloat16):
+    """The setting's tensors on the meta device (tests/losses/settings.py): features [n, d], a queue of n rows (a
+    constant), a float32 logit scale."""
+    return inputs(setting, n, d, dtype=dtype, device="meta", queue=n, queue_grad=False, scale_dtype=torch.float32)
+
+
+def _rows(x):
+    """The input rows of a call (features, keys, a queue; not the scale)."""
+    return sum(t.shape[0] for t in x if t.dim())
+
+
+def _counted(fn, setting):
+    """What count() calls: fn in the setting, on the inputs it gives."""
+    return lambda *x: call(fn, setting, x)
 
 
 @pytest.mark.quick
@@ -97,43 +110,29 @@ def test_the_counter_counts():
     assert w.shape == (2**20,)
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_float_scale"])
 def test_cuda_memory_limit_holds_by_count(setting):
-    """tests/test_cuda.py's large-batch case, N = 65536, D = 256 bf16 (DCL): under its 512 MiB limit. Only the
-    features as given (two views: their stack) and per-anchor vectors (statistics, inverse norms, excluded
+    """tests/losses/test_cuda.py's large-batch case, N = 65536, D = 256 bf16 (DCL): under its 512 MiB limit. Only
+    the features as given (two views: their stack) and per-anchor vectors (statistics, inverse norms, excluded
     indices) are kept for backward: less than their float32 unit vectors."""
     n, d = 65536, 256
-    z = _features(n, d)
-    fn = build_loss("dcl")
-
-    def call(z1, z2):
-        return fn.cross_modal(z1, z2, logit_scale=14.0) if setting == "image_text" else fn(z1, z2)
-
-    kept, saved, peak = count_sampled(call, z)
+    kept, saved, peak = count_sampled(_counted(build_loss("dcl"), setting), _inputs(setting, n, d))
     unit, rows = 2 * n * d * 4, 2 * n  # both views' unit vectors in float32; anchors
     assert saved <= unit + ROW_BYTES * rows and kept <= unit + ROW_BYTES * rows, (kept / MiB, saved / MiB)
     assert peak < 512 * MiB, f"{peak / MiB:.0f} MiB"
 
 
-CALLS = {
-    "three_views": (lambda fn, z: fn(*z), 3),
-    "query_key": (lambda fn, z: fn.query_key(z[0], z[1]), 2),
-    "queue": (lambda fn, z: fn.query_key(z[0], z[1], z[2].detach()), 3),
-}
-
-
 @pytest.mark.parametrize("name", ["dcl", "cacr"])
-@pytest.mark.parametrize("setting", CALLS)
+@pytest.mark.parametrize("setting", ["three_views", "query_key", "queue"])
 def test_other_settings_stay_linear(name, setting):
     """Three views, query/key and a queue (N = 16384, D = 256, a queue of 16384): kept <= the unit vectors,
     peak <= 4 copies of them plus three GPU blocks (CACR's mean takes three, the others two; no [M, K] matrix:
     that alone would be 1-2 GiB)."""
     n, d = 16384, 256
-    call, views = CALLS[setting]
-    z = _features(n, d, views)
-    fn = build_loss(name)
-    kept, saved, peak = count(lambda *x: call(fn, x), z)
-    unit, rows = views * n * d * 4, views * n
+    z = _inputs(setting, n, d)
+    kept, saved, peak = count(_counted(build_loss(name), setting), z)
+    rows = _rows(z)
+    unit = rows * d * 4
     assert kept <= unit + ROW_BYTES * rows and saved <= unit + ROW_BYTES * rows, (kept / MiB, saved / MiB)
     assert peak <= 4 * unit + 3 * DEVICE_BLOCK_ELEMENTS * 4, f"{peak / MiB:.0f} MiB"
 
@@ -180,21 +179,15 @@ def count_sampled(call, inputs, skipped=None):
         LiveBytes.__init__ = original
 
 
-def _setting_call(fn, setting):
-    if setting == "image_text":
-        return lambda z1, z2: fn.cross_modal(z1, z2, logit_scale=torch.tensor(14.0, device="meta", requires_grad=True))
-    return lambda z1, z2: fn(z1, z2)
-
-
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_sampled_blocks_count_what_all_blocks_do(setting):
     """16 blocks of 1024 anchors per loop (two views at N = 8192, image-text at N = 16384; D = 256): the
     sampled count, 12 blocks of each loop left out, equals the full one."""
     fn = build_loss("cacr")
     n = 8192 if setting == "two_views" else 16384
-    full = count(_setting_call(fn, setting), _features(n, 256))
+    full = count(_counted(fn, setting), _inputs(setting, n, 256))
     skipped = []
-    sampled = count_sampled(_setting_call(fn, setting), _features(n, 256), skipped)
+    sampled = count_sampled(_counted(fn, setting), _inputs(setting, n, 256), skipped)
     assert sampled == full and sum(skipped) >= 24, skipped
 
 
@@ -202,21 +195,21 @@ LIMIT = 2**30  # the issue's target: 1 GiB of loss memory at N = 262144, D = 512
 
 
 @pytest.mark.parametrize("name", ["infonce", "dcl", "dclw", "eqco", "cacr"])
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_one_gib_at_262144(name, setting):
     """N = 262144, D = 512 bf16 (inputs 256 MiB each), on the path of CUDA: at most 1 GiB beyond the inputs and
     their gradients, at any time; between forward and backward only the features as given (two views: their
     stack, 512 MiB) and per-anchor numbers."""
     n, d = 262144, 512
     fn = build_loss(name)
-    kept, saved, peak = count_sampled(_setting_call(fn, setting), _features(n, d))
+    kept, saved, peak = count_sampled(_counted(fn, setting), _inputs(setting, n, d))
     stack = 2 * n * d * 2 if setting == "two_views" else 0
     assert kept <= stack + ROW_BYTES * 2 * n, f"{kept / MiB:.0f} MiB kept"
     assert peak <= LIMIT, f"{peak / MiB:.0f} MiB at the peak"
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_dense_keeps_its_matrix_and_the_band_path_none(monkeypatch, setting):
     """The Triton path's dense form keeps the float32 matrix from forward to backward, 4 M K bytes, and
     nothing else more than the band form (N = 4096, D = 512 bf16: two views' [8192, 8192] matrix is 256 MiB,
@@ -230,19 +223,13 @@ def test_dense_keeps_its_matrix_and_the_band_path_none(monkeypatch, setting):
     for forward in ("dense", "cublas"):
         monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
         fn = build_loss("dcl", backend="triton")
-        kept[forward] = count(_setting_call(fn, setting), _features(n, d))[0]
+        kept[forward] = count(_counted(fn, setting), _inputs(setting, n, d))[0]
     assert kept["dense"] - kept["cublas"] == 4 * rows * rows, {k: v / MiB for k, v in kept.items()}
-
-
-TRITON_CALLS = {"two_views": (lambda fn, z: fn(z[0], z[1]), 2),
-                "image_text": (lambda fn, z: fn.cross_modal(z[0], z[1], logit_scale=14.0), 2),
-                "query_key": (lambda fn, z: fn.query_key(z[0], z[1]), 2),
-                "queue": (lambda fn, z: fn.query_key(z[0], z[1], z[2].detach()), 3)}
 
 
 @pytest.mark.quick
 @pytest.mark.parametrize("name", ["dcl", "cacr"])
-@pytest.mark.parametrize("setting", TRITON_CALLS)
+@pytest.mark.parametrize("setting", ["two_views", "image_text_float_scale", "query_key", "queue"])
 def test_triton_path_keeps_at_most_two_rows_a_row(monkeypatch, name, setting):
     """The Triton path (band form, N = 16384, D = 512 bf16) keeps from forward to backward at most 2 rows of
     the inputs' dtype and 64 bytes per input row: its unit vectors in bf16 and their inverse norms, no float32
@@ -251,10 +238,9 @@ def test_triton_path_keeps_at_most_two_rows_a_row(monkeypatch, name, setting):
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
     n, d = 16384, 512
-    call, inputs = TRITON_CALLS[setting]
-    z = _features(n, d, inputs)
-    kept, saved, _ = count(lambda *x: call(build_loss(name, backend="triton"), x), z)
-    rows = inputs * n
+    z = _inputs(setting, n, d)
+    kept, saved, _ = count(_counted(build_loss(name, backend="triton"), setting), z)
+    rows = _rows(z)
     assert kept <= rows * (2 * 2 * d + ROW_BYTES) and saved <= rows * (2 * 2 * d + ROW_BYTES), (kept / rows, saved / rows)
 
 
@@ -273,20 +259,14 @@ def test_the_counter_sees_inside_the_triton_ops(monkeypatch):
     from contrastkit.losses import triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "cublas")
-    call = _setting_call(build_loss("dcl", backend="triton"), "two_views")
-    outside = count(call, _features(4096, 512))[2]
-    inside = count(call, _features(4096, 512), inside=triton_ops())[2]
+    loss = _counted(build_loss("dcl", backend="triton"), "two_views")
+    outside = count(loss, _inputs("two_views", 4096, 512))[2]
+    inside = count(loss, _inputs("two_views", 4096, 512), inside=triton_ops())[2]
     assert inside - outside >= 4 * 8192 * 2048, (outside / MiB, inside / MiB)  # at least a band of 2048 rows
 
 
-TRITON_SETTINGS = {"two_views": (lambda fn, z: fn(z[0], z[1]), 2),
-                   "image_text": (lambda fn, z: fn.cross_modal(z[0], z[1], logit_scale=torch.tensor(
-                       14.0, device="meta", requires_grad=True)), 2),
-                   "queue": (lambda fn, z: fn.query_key(z[0], z[1], z[2].detach()), 3)}
-
-
 @pytest.mark.parametrize("forward", ["kernel", "cublas"])
-@pytest.mark.parametrize("name, setting", [("dcl", "two_views"), ("cacr", "two_views"), ("dcl", "image_text"),
+@pytest.mark.parametrize("name, setting", [("dcl", "two_views"), ("cacr", "two_views"), ("dcl", "image_text_scale"),
                                            ("infonce", "queue")])
 def test_triton_path_within_one_gib_at_262144(monkeypatch, forward, name, setting):
     """The issue's target on the fast path itself, not through auto's choice: N = 262144, D = 512 bf16
@@ -299,11 +279,9 @@ def test_triton_path_within_one_gib_at_262144(monkeypatch, forward, name, settin
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
     n, d = 262144, 512
-    call, inputs = TRITON_SETTINGS[setting]
-    z = _features(n, d, inputs)
-    fn = build_loss(name, backend="triton")
-    kept, saved, peak = count(lambda *x: call(fn, x), z, inside=triton_ops())
-    rows = inputs * n
+    z = _inputs(setting, n, d)
+    kept, saved, peak = count(_counted(build_loss(name, backend="triton"), setting), z, inside=triton_ops())
+    rows = _rows(z)
     stack = 2 * n * d * 2 if setting == "two_views" else 0
     assert kept <= stack + ROW_BYTES * rows and saved <= stack + ROW_BYTES * rows, (kept / MiB, saved / MiB)
     assert peak <= LIMIT, f"{peak / MiB:.0f} MiB at the peak"
@@ -321,18 +299,17 @@ def test_triangle_within_one_gib_at_its_bound(monkeypatch, forward):
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     n, d = 65536, 512
     assert 2 * n * d * 4 == triton_stats.TRIANGLE_BYTES
-    call, inputs = TRITON_SETTINGS["two_views"]
     fn = build_loss("dcl", backend="triton")
     taken = []
     triangle = triton_stats._triangle_gradients
     monkeypatch.setattr(triton_stats, "_triangle_gradients", lambda *a, **k: (taken.append(1), triangle(*a, **k))[1])
-    kept, saved, peak = count(lambda *x: call(fn, x), _features(n, d, inputs), inside=triton_ops())
+    kept, saved, peak = count(_counted(fn, "two_views"), _inputs("two_views", n, d), inside=triton_ops())
     assert taken, "the triangle was not taken"
     assert kept <= 2 * n * d * 2 + ROW_BYTES * 2 * n, kept / MiB
     assert peak <= LIMIT, f"{peak / MiB:.0f} MiB at the peak"
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_fake_tensors_before_torch_2_13_write_then_add(monkeypatch, setting):
     """addmm with out_dtype fails under fake tensors before torch 2.13 (the GPU machine's 2.11 compiling the
     loss): there the bf16 products' float32 sums are written by mm, then added. The meta device takes that
@@ -346,8 +323,8 @@ def test_fake_tensors_before_torch_2_13_write_then_add(monkeypatch, setting):
     for flag in (True, False):
         monkeypatch.setattr(triton_stats, "_FAKE_ADDMM_OUT_DTYPE", flag)
         written.clear()
-        call = _setting_call(build_loss("dcl", backend="triton"), setting)
-        peaks[flag] = count(call, _features(n, d), inside=triton_ops())[2]
+        peaks[flag] = count(_counted(build_loss("dcl", backend="triton"), setting), _inputs(setting, n, d),
+                            inside=triton_ops())[2]
         products[flag] = len(written)
     assert products[True] == 0 and products[False] >= 1  # the fallback's: dA's and dB's, or dz's
     assert peaks[True] <= peaks[False] <= peaks[True] + 2 * n * d * 4, {k: v / MiB for k, v in peaks.items()}

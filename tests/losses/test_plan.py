@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from settings import SETTINGS, call, inputs, labels, plan
+
 import contrastkit.losses.base as base
 import contrastkit.losses.plan as plan_module
 from contrastkit.losses import build_loss
@@ -17,27 +19,27 @@ def _features(n, d=8, dtype=torch.float32, device="cpu"):
     return torch.randn(n, d, dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("setting, call, expected", [
-    ("two_views", lambda fn, x: fn.plan(x, x), ("two_views", 64, 64, "fused")),
-    ("three_views", lambda fn, x: fn.plan(x, x, x), ("views", 96, 96, "autograd")),
-    ("labels", lambda fn, x: fn.plan(x, x, labels=torch.arange(32)), ("two_views", 64, 64, "autograd")),
-    ("queue", lambda fn, x: fn.plan(x, x, _features(100), call="query_key"), ("queue", 32, 100, "fused")),
-    ("batch_keys", lambda fn, x: fn.plan(x, x, call="query_key"), ("batch_keys", 32, 32, "fused")),
-    ("hard_negatives", lambda fn, x: fn.plan(x, x, negatives=torch.stack([x, x], 1), call="query_key"),
-     ("batch_keys", 32, 96, "fused")),
-    ("several_keys", lambda fn, x: fn.plan(x, torch.stack([x, x], 1), call="query_key"),
-     ("batch_keys", 32, 64, "autograd")),
-    ("image_text", lambda fn, x: fn.plan(x, x, call="cross_modal"), ("image_text", 32, 32, "fused")),
-    ("image_text_scales", lambda fn, x: fn.plan(x, x, call="cross_modal", logit_scale=torch.ones(32)),
-     ("image_text", 32, 32, "autograd")),
+@pytest.mark.parametrize("setting, labelled, expected", [
+    ("two_views", False, ("two_views", 64, 64, "fused")),
+    ("three_views", False, ("views", 96, 96, "autograd")),
+    ("two_views", True, ("two_views", 64, 64, "autograd")),
+    ("queue", False, ("queue", 32, 11, "fused")),
+    ("query_key", False, ("batch_keys", 32, 32, "fused")),
+    ("hard_negatives", False, ("batch_keys", 32, 96, "fused")),
+    ("several_keys", False, ("batch_keys", 32, 64, "autograd")),
+    ("image_text", False, ("image_text", 32, 32, "fused")),
+    ("image_text_scale", False, ("image_text", 32, 32, "fused")),
 ])
-def test_each_setting_plans_its_matrix(setting, call, expected):
+def test_each_setting_plans_its_matrix(setting, labelled, expected):
     """Each setting's matrix (this process's anchors x every candidate) and the dense path's sub-path: "fused"
     (one autograd Function with its backward written out) where the setting's shape has that form, else the
-    matrix through autograd (labels, several views or keys, a logit scale per anchor)."""
-    got = call(build_loss("dcl"), _features(32))
+    matrix through autograd (labels, several views or keys)."""
+    x = inputs(setting, n=32, d=8, dtype=torch.float32)
+    got = plan(build_loss("dcl"), setting, x, **(labels(setting, x) if labelled else {}))
     assert (got.setting, got.anchors, got.candidates, got.route) == expected
     assert got.path == "dense" and got.compute == torch.float32 and got.host_checks
+    many = torch.ones(32, requires_grad=True)  # a logit scale per pair: the matrix through autograd
+    assert build_loss("dcl").plan(x[0], x[1], call="cross_modal", logit_scale=many).route == "autograd"
 
 
 def test_the_objectives_form_and_the_paths():
@@ -61,29 +63,17 @@ def _counting(monkeypatch):
     return made
 
 
-CALLS = {
-    "two_views": lambda fn, x, y: fn(x, y),
-    "three_views": lambda fn, x, y: fn(x, y, x.flip(0)),
-    "labels_positive": lambda fn, x, y: fn(x, y, labels=torch.arange(len(x)) % 5),
-    "queue": lambda fn, x, y: fn.query_key(x, y, _features(50, x.shape[1])),
-    "queue_labels": lambda fn, x, y: fn.query_key(x, y, _features(50, x.shape[1]), labels=torch.arange(len(x)) % 5,
-                                                  queue_labels=torch.arange(50) % 5),
-    "hard_negatives": lambda fn, x, y: fn.query_key(x, y, negatives=x.flip(0)),
-    "image_text": lambda fn, x, y: fn.cross_modal(x, y),
-    "image_text_labels": lambda fn, x, y: fn.cross_modal(x, y, labels=torch.arange(len(x)) % 5),
-}
-
-
 @pytest.mark.parametrize("options", [{}, {"chunk_size": 4}], ids=["dense", "torch"])
 @pytest.mark.parametrize("name", ["infonce", "dcl", "cacr"])
-@pytest.mark.parametrize("setting", CALLS)
-def test_one_plan_per_call(monkeypatch, setting, name, options):
+@pytest.mark.parametrize("labelled", [False, True], ids=["", "labels"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_one_plan_per_call(monkeypatch, setting, labelled, name, options):
     """A call makes its plan once, at its entry, whatever its setting, path and labels (same_label="positive":
     the positives' second pass too): nothing below it decides the route again."""
     made = _counting(monkeypatch)
     fn = build_loss(name, same_label="positive", **options)
-    x, y = _features(12).requires_grad_(), _features(12)
-    CALLS[setting](fn, x, y).backward()
+    x = inputs(setting, n=12, d=8, dtype=torch.float32)
+    call(fn, setting, x, **(labels(setting, x) if labelled else {})).backward()
     assert len(made) == 1
     assert made[0].path == ("torch" if options else "dense")
 

@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from launch import end_process_group
+from settings import call, fresh, inputs, plan, shard
 
 import contrastkit.losses.registry as registry
 from contrastkit.losses import build_loss
 
 pytestmark = pytest.mark.quick
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "own-objective.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "own-objective.md"
 _namespace: dict = {}
 exec(re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)[0], _namespace)  # the page's example, as written
 DebiasedLoss = _namespace["DebiasedLoss"]
@@ -38,10 +39,10 @@ def _anchor_loss(fn, a, positives, negatives, scale):
     return torch.stack([fn.formula(scale * (a * b).sum().reshape(1), l, k) for b in positives]).mean()
 
 
-def reference(fn, setting, x, labels=None, scale=None):
-    """The mean per-anchor loss of ``setting`` on float64 inputs ``x``, each anchor's positives and negatives
-    listed one by one (labels: the candidates sharing an anchor's label left out of its negatives)."""
-    scale = 1.0 / fn.temperature if scale is None else scale
+def reference(fn, setting, x, labels=None):
+    """The mean per-anchor loss of ``setting`` on float64 inputs ``x`` (tests/losses/settings.py's), each anchor's
+    positives and negatives listed one by one (labels: the candidates sharing an anchor's label left out)."""
+    scale = x[2] if setting == "image_text_scale" else 1.0 / fn.temperature
     n = x[0].shape[0]
     same = (lambda i, j: labels is not None and bool(labels[i] == labels[j]))
     losses = []
@@ -54,13 +55,13 @@ def reference(fn, setting, x, labels=None, scale=None):
     elif setting == "queue":
         q, k, queue = (_unit(t) for t in x)
         losses = [_anchor_loss(fn, q[i], [k[i]], list(queue), scale) for i in range(n)]
-    elif setting == "hard_negatives":
+    elif setting == "hard_negatives":  # every sample's key and hard negatives but its own key
         q, k, hard = (_unit(t) for t in x)
         for i in range(n):
-            negatives = [k[j] for j in range(n) if j != i and not same(i, j)] + list(hard)
+            negatives = [k[j] for j in range(n) if j != i and not same(i, j)] + list(hard.reshape(-1, q.shape[1]))
             losses.append(_anchor_loss(fn, q[i], [k[i]], negatives, scale))
     else:  # image-text: each image against the texts, each text against the images
-        img, txt = (_unit(t) for t in x)
+        img, txt = (_unit(t) for t in x[:2])
         for a, b in ((img, txt), (txt, img)):
             for i in range(n):
                 negatives = [b[j] for j in range(n) if j != i and not same(i, j)]
@@ -68,49 +69,16 @@ def reference(fn, setting, x, labels=None, scale=None):
     return torch.stack(losses).mean()
 
 
-def call(fn, setting, x, labels=None, scale=None):
-    if setting in ("two_views", "three_views"):
-        return fn(*x, labels=labels)
-    if setting == "queue":
-        return fn.query_key(x[0], x[1], x[2])
-    if setting == "hard_negatives":
-        return fn.query_key(x[0], x[1], negatives=x[2], labels=labels)
-    return fn.cross_modal(x[0], x[1], logit_scale=scale, labels=labels)
-
-
-def plan(fn, setting, x):
-    if setting in ("two_views", "three_views"):
-        return fn.plan(*x)
-    if setting == "queue":
-        return fn.plan(*x, call="query_key")
-    if setting == "hard_negatives":
-        return fn.plan(x[0], x[1], negatives=x[2], call="query_key")
-    return fn.plan(*x, call="cross_modal")
-
-
-def inputs(setting, n=7, d=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    sizes = {"queue": [n, n, 11], "three_views": [n] * 3}.get(setting, [n, n])
-    if setting == "hard_negatives":
-        sizes = [n, n, n]
-    return [torch.randn(m, d, generator=g, dtype=torch.float64) for m in sizes]
-
-
-SETTINGS = ["two_views", "three_views", "queue", "hard_negatives", "image_text"]
+SETTINGS = ["two_views", "three_views", "queue", "hard_negatives", "image_text", "image_text_scale"]
 PATHS = {"dense": {}, "torch": {"chunk_size": 3}, "triton": {"backend": "triton"}}
 
 
-def _check(fn, setting, x, labels=None, scale=None, rtol=1e-10, atol=1e-12, dtype=torch.float64):
-    leaves = [t.clone().requires_grad_() for t in x]
-    given = [t.to(dtype).detach().requires_grad_() for t in x]
-    s_leaf = None if scale is None else scale.clone().requires_grad_()
-    s_given = None if scale is None else scale.to(dtype).detach().requires_grad_()
-    want = reference(fn, setting, leaves, labels, s_leaf)
-    got = call(fn, setting, given, labels, s_given)
+def _check(fn, setting, x, labels=None, rtol=1e-10, atol=1e-12, dtype=torch.float64):
+    """The call's value and gradients on x in ``dtype`` against the float64 reference on x."""
+    want, got = reference(fn, setting, x, labels), call(fn, setting, given := [t.to(dtype) for t in fresh(x)],
+                                                          **({} if labels is None else {"labels": labels}))
     assert float(got) == pytest.approx(float(want), rel=rtol, abs=atol)
-    want_grads = torch.autograd.grad(want, leaves + ([s_leaf] if scale is not None else []))
-    got_grads = torch.autograd.grad(got, given + ([s_given] if scale is not None else []))
-    for w, g in zip(want_grads, got_grads):
+    for w, g in zip(torch.autograd.grad(want, x), torch.autograd.grad(got, given)):
         torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol)
 
 
@@ -120,32 +88,35 @@ def test_formula_equals_float64_reference(setting, path):
     if path == "triton":
         pytest.importorskip("triton")
     fn = DebiasedLoss(temperature=0.5, tau_plus=0.1, **PATHS[path])
-    x = inputs(setting)
+    x = inputs(setting, n=7, d=5, scale=2.5)
     if path == "triton":  # the kernels compute in float32
         _check(fn, setting, x, rtol=2e-4, atol=2e-5, dtype=torch.float32)
     else:
         _check(fn, setting, x)
-    assert plan(fn, setting, [t.float() for t in x]).path == path  # the path the test is named for is the one the call took
+    assert plan(fn, setting, [t.float() for t in x]).path == path  # the path the test is named for is the one taken
 
 
 @pytest.mark.parametrize("path", ["dense", "torch"])
 @pytest.mark.parametrize("setting", ["two_views", "hard_negatives", "image_text"])
 def test_labels_leave_same_label_candidates_out(setting, path):
     fn = DebiasedLoss(temperature=0.5, tau_plus=0.1, **PATHS[path])
-    _check(fn, setting, inputs(setting, n=8), labels=torch.tensor([0, 1, 0, 2, 1, 3, 3, 4]))
+    labels = torch.tensor([0, 1, 0, 2, 1, 3, 3, 4])
+    _check(fn, setting, inputs(setting, n=8, d=5), labels=labels)
+    assert plan(fn, setting, inputs(setting, n=8, d=5), labels=labels).route == ("autograd" if path == "dense" else "fast")
 
 
-def test_learnable_logit_scale():
+def test_the_dense_path_takes_the_written_out_function():
+    """One positive per anchor, no labels: the dense path's one autograd Function, its backward from the
+    formula's partial derivatives (two views, image-text with a learnable scale, a queue)."""
     fn = DebiasedLoss(temperature=0.5, tau_plus=0.1)
-    for path in ({}, {"chunk_size": 3}):
-        _check(DebiasedLoss(**path), "image_text", inputs("image_text"), scale=torch.tensor(2.5, dtype=torch.float64))
-    assert fn.plan(*inputs("image_text"), call="cross_modal").route == "fused"  # the written-out dense Function
+    for setting in ("two_views", "image_text_scale", "queue"):
+        assert plan(fn, setting, inputs(setting)).route == "fused"
 
 
 def test_without_the_class_prior_it_is_infonce():
     """Chuang et al.: tau_plus = 0 gives the standard contrastive loss back (where the floor e^{-1/t} does not
     bind, as it does not for these logits)."""
-    x = inputs("two_views")
+    x = inputs("two_views", n=7, d=5)
     debiased = DebiasedLoss(temperature=0.5, tau_plus=0.0)(*x)
     assert float(debiased) == pytest.approx(float(build_loss("infonce", temperature=0.5)(*x)), rel=1e-12)
 
@@ -167,7 +138,7 @@ def test_registered_by_name_and_refused_where_it_has_no_form(monkeypatch):
 def test_compiles_whole():
     """The partial derivatives come from torch.func, which torch.compile traces: one graph (fullgraph)."""
     fn = DebiasedLoss(temperature=0.5)
-    x = [t.float().requires_grad_() for t in inputs("two_views", n=16)]
+    x = inputs("two_views", n=16, d=5, dtype=torch.float32)
     compiled = torch.compile(fn, fullgraph=True)
     eager, traced = fn(*x), compiled(*x)
     assert float(traced) == pytest.approx(float(eager), rel=1e-5)
@@ -179,8 +150,7 @@ def _rank(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
     for setting in ("two_views", "image_text"):
-        x = inputs(setting, n=8)
-        local = [t[rank * 4:(rank + 1) * 4].clone().requires_grad_() for t in x]
+        local = shard(setting, inputs(setting, n=8, d=5), rank * 4, (rank + 1) * 4)
         loss = call(DebiasedLoss(temperature=0.5, tau_plus=0.1, gather_distributed=True), setting, local)
         (loss / world).backward()  # DDP averages the processes' gradients
         results[setting] = (float(loss) / world, [t.grad for t in local])
@@ -193,7 +163,7 @@ def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     fn = DebiasedLoss(temperature=0.5, tau_plus=0.1)
     for setting in ("two_views", "image_text"):
-        x = [t.clone().requires_grad_() for t in inputs(setting, n=8)]
+        x = inputs(setting, n=8, d=5)
         want = reference(fn, setting, x)
         assert sum(r[setting][0] for r in ranks) == pytest.approx(float(want), rel=1e-10)
         for i, grad in enumerate(torch.autograd.grad(want, x)):

@@ -9,10 +9,11 @@ import contextlib
 
 import pytest
 import torch
+from settings import call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from reference import plain
 from contrastkit.losses import build_loss
+from reference import plain
 
 aten = torch.ops.aten
 # Products and the positions of their two matrix operands (backward's products included: dispatch level).
@@ -57,12 +58,7 @@ def _errors(name, setting, chunk, inputs, reference=None, backend="auto"):
     leaves = [t.detach().to(dtype).clone().requires_grad_() for t in inputs]
     fn = None if backend == "plain" else build_loss(name, chunk_size=chunk, backend=backend)
     with EmulateTF32() if reference is not None else contextlib.nullcontext():
-        if fn is None:
-            loss = plain(name, setting, *leaves)
-        elif setting == "image_text":
-            loss = fn.cross_modal(leaves[0], leaves[1], logit_scale=leaves[2])
-        else:
-            loss = fn(leaves[0], leaves[1])
+        loss = plain(name, setting, leaves) if fn is None else call(fn, setting, leaves)
         grads = torch.autograd.grad(loss, leaves)
     results = [loss.detach().double(), *(g.double() for g in grads)]
     if reference is None:
@@ -70,17 +66,17 @@ def _errors(name, setting, chunk, inputs, reference=None, backend="auto"):
     return [float((r - w).abs().max() / w.abs().max()) for r, w in zip(results, reference)]
 
 
-CASES = [("infonce", "image_text", 0.3), ("infonce", "image_text", 3.0), ("dcl", "image_text", 0.3),
+CASES = [("infonce", "image_text_scale", 0.3), ("infonce", "image_text_scale", 3.0), ("dcl", "image_text_scale", 0.3),
          ("infonce", "two_views", 0.3), ("dcl", "two_views", 3.0), ("cacr", "two_views", 0.3)]
 
 
 def _batch(setting, noise):
-    """Pairs at cosines set by ``noise``, float64; image-text with a logit scale of 100."""
+    """Pairs at cosines set by ``noise``, float64, the setting's tensors (tests/losses/settings.py); image-text with
+    a learnable logit scale of 100."""
     g = torch.Generator().manual_seed(7)
     a = torch.randn(1024, 64, generator=g, dtype=torch.float64)
     b = a + noise * torch.randn(1024, 64, generator=g, dtype=torch.float64)
-    inputs = [a, b, torch.tensor(100.0 if setting == "image_text" else 1.0, dtype=torch.float64)]
-    return inputs if setting == "image_text" else inputs[:2]
+    return [a, b, torch.tensor(100.0, dtype=torch.float64)] if setting == "image_text_scale" else [a, b]
 
 
 @pytest.mark.parametrize("name, setting, noise", CASES)

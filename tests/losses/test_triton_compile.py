@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.legacy  # also what triton 3.5.1 (the second environment) builds
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 pytest.importorskip("triton")
 
 

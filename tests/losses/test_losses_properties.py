@@ -1,6 +1,6 @@
 """Property-based tests of the loss core (hypothesis): on random shapes, views, dtypes, memory layouts,
 magnitudes, temperatures, chunk sizes and reductions, every objective in every form gives the values and
-gradients of the float64 references (tests/reference.py, written from the formulas).
+gradients of the float64 references (tests/losses/reference.py, written from the formulas).
 
 Deterministic and bounded for CI: ``derandomize=True`` (the same examples on every run) and a fixed
 number of examples per test; no example database is written.

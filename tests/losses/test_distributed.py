@@ -10,16 +10,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from launch import end_process_group
+from settings import SCORE_LOSSES, SETTINGS, call, fresh, fresh_call, inputs, labels, shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastkit.losses import available_losses, build_loss
 
 OPTIONS = {"unigrad": {"lam": 10.0, "rho": 0.5}}
+# Each objective in two views, the score objectives in image-text, two of them in several views, with in-batch keys
+# and with a hard negative per query.
+CASES = ([(name, "two_views") for name in available_losses()] + [(name, "image_text") for name in SCORE_LOSSES]
+         + [(name, setting) for name in ("dcl", "cacr") for setting in ("three_views", "query_key", "hard_negatives")])
 
 
-def _batch(seed, n, d=6):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(4)]  # z1, z2, z3, queue-ish
+def _inputs(setting, total, seed=0, **options):
+    """The whole batch's tensors in ``setting`` (tests/losses/settings.py), the same in every process: D = 6, one
+    hard negative per query ([N, D]), seeded by ``seed`` and the setting."""
+    return inputs(setting, total, 6, seed=10 * seed + SETTINGS.index(setting), hard=None, **options)
 
 
 def _make(name, gather=True):
@@ -29,74 +35,39 @@ def _make(name, gather=True):
     return build_loss(name, **opts).double()
 
 
+def _steps(name):
+    return 2 if name == "unigrad" else 1  # a second step, so that UniGrad's running correlation is used after an update
+
+
 def _run(rank, world, sizes, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     total = sum(sizes)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     gather = True if len(set(sizes)) == 1 else "uneven"  # equal sizes: checked on the device, no host round trip
+    weight = sizes[rank] / total  # the global mean is the size-weighted mean of local means
     results = {}
-    for name in available_losses():
-        views = [z[lo:hi].clone().requires_grad_() for z in _batch(0, total)[:2]]
+    for name, setting in CASES:
         loss_fn = _make(name, gather)
-        weight = sizes[rank] / total  # the global mean is the size-weighted mean of local means
-        loss = loss_fn(*views)
-        (weight * loss).backward()
-        if name == "unigrad":  # a second step, so the running correlation is used after an update
-            views2 = [z[lo:hi].clone().requires_grad_() for z in _batch(1, total)[:2]]
-            loss = loss_fn(*views2)
+        for step in range(_steps(name)):
+            x = shard(setting, _inputs(setting, total, step), lo, hi)
+            loss = call(loss_fn, setting, x)
             (weight * loss).backward()
-            views = views2
-        results[name] = (float(loss.detach()) * weight, [v.grad for v in views],
-                         getattr(loss_fn, "correlation", None))
-    for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):  # image-text
-        a, b = (x[lo:hi].clone().requires_grad_() for x in _batch(4, total)[:2])
-        loss = _make(name, gather).cross_modal(a, b)
-        (sizes[rank] / total * loss).backward()
-        results[name + "/cross_modal"] = (float(loss) * sizes[rank] / total, [a.grad, b.grad], None)
-    for name in ("dcl", "cacr"):  # several views, the query/key form without a queue, with hard negatives
-        z = [x[lo:hi].clone().requires_grad_() for x in _batch(2, total)[:3]]
-        loss = _make(name, gather)(*z)
-        (sizes[rank] / total * loss).backward()
-        results[name + "/3views"] = (float(loss) * sizes[rank] / total, [x.grad for x in z], None)
-        q, k = (x[lo:hi].clone().requires_grad_() for x in _batch(3, total)[:2])
-        loss = _make(name, gather).query_key(q, k)
-        (sizes[rank] / total * loss).backward()
-        results[name + "/query_key"] = (float(loss) * sizes[rank] / total, [q.grad, k.grad], None)
-        q, k, hard = (x[lo:hi].clone().requires_grad_() for x in _batch(5, total)[:3])
-        loss = _make(name, gather).query_key(q, k, negatives=hard)
-        (sizes[rank] / total * loss).backward()
-        results[name + "/hard_negatives"] = (float(loss) * sizes[rank] / total, [q.grad, k.grad, hard.grad], None)
+        results[name, setting] = (float(loss.detach()) * weight, [t.grad for t in x],
+                                  getattr(loss_fn, "correlation", None))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     end_process_group()
 
 
 def _single(sizes):
-    total = sum(sizes)
     expected = {}
-    for name in available_losses():
+    for name, setting in CASES:
         loss_fn = build_loss(name, **OPTIONS.get(name, {})).double()
-        views = [z.clone().requires_grad_() for z in _batch(0, total)[:2]]
-        loss = loss_fn(*views)
-        if name == "unigrad":
-            loss.backward()
-            views = [z.clone().requires_grad_() for z in _batch(1, total)[:2]]
-            loss = loss_fn(*views)
-        grads = torch.autograd.grad(loss, views)
-        expected[name] = (float(loss), grads, getattr(loss_fn, "correlation", None))
-    for name in ("infonce", "dcl", "dclw", "eqco", "cacr"):
-        a, b = (x.clone().requires_grad_() for x in _batch(4, total)[:2])
-        loss = build_loss(name).double().cross_modal(a, b)
-        expected[name + "/cross_modal"] = (float(loss), torch.autograd.grad(loss, (a, b)), None)
-    for name in ("dcl", "cacr"):
-        z = [x.clone().requires_grad_() for x in _batch(2, total)[:3]]
-        loss = build_loss(name).double()(*z)
-        expected[name + "/3views"] = (float(loss), torch.autograd.grad(loss, z), None)
-        q, k = (x.clone().requires_grad_() for x in _batch(3, total)[:2])
-        loss = build_loss(name).double().query_key(q, k)
-        expected[name + "/query_key"] = (float(loss), torch.autograd.grad(loss, (q, k)), None)
-        q, k, hard = (x.clone().requires_grad_() for x in _batch(5, total)[:3])
-        loss = build_loss(name).double().query_key(q, k, negatives=hard)
-        expected[name + "/hard_negatives"] = (float(loss), torch.autograd.grad(loss, (q, k, hard)), None)
+        for step in range(_steps(name)):
+            x = _inputs(setting, sum(sizes), step)
+            loss = call(loss_fn, setting, x)
+            if step < _steps(name) - 1:
+                loss.backward()
+        expected[name, setting] = (float(loss), torch.autograd.grad(loss, x), getattr(loss_fn, "correlation", None))
     return expected
 
 
@@ -120,31 +91,26 @@ def test_gathered_processes_equal_one_process(sizes, tmp_path):
     assert bounds[-1] == sum(sizes)
 
 
-COMPILED = [("dclw", "two_views"), ("infonce", "image_text"), ("dcl", "query_key")]
+COMPILED = [("dclw", "two_views"), ("infonce", "image_text_scale"), ("dcl", "query_key")]
 
 
 def _compiled_call(name, setting, x, compiled):
     fn = build_loss(name, gather_distributed=compiled is not None).double()
 
-    def call(a, b, scale):
-        if setting == "two_views":
-            return fn(a, b)
-        if setting == "image_text":
-            return fn.cross_modal(a, b, logit_scale=scale)
-        return fn.query_key(a, b)
+    def loss_of(*x):
+        return call(fn, setting, x)
 
     if compiled:
-        call = torch.compile(call, fullgraph=True, backend=compiled)
-    leaves = [t.clone().requires_grad_() for t in x]
-    loss = call(*leaves)
-    return loss, leaves
+        loss_of = torch.compile(loss_of, fullgraph=True, backend=compiled)
+    leaves = fresh(x)
+    return loss_of(*leaves), leaves
 
 
 def _run_compiled(rank, world, n, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
     for name, setting in COMPILED:
-        x = [t[rank * n : (rank + 1) * n] for t in _batch(7, world * n)[:2]] + [torch.tensor(10.0, dtype=torch.float64)]
+        x = shard(setting, _inputs(setting, world * n, 7, scale=10.0), rank * n, (rank + 1) * n)
         torch._dynamo.reset()
         loss, leaves = _compiled_call(name, setting, x, "aot_eager")
         (loss / world).backward()
@@ -157,12 +123,12 @@ def _run_compiled(rank, world, n, init_file, out_dir):
                 seen.append((str(func), args[0].dtype, args[0].shape[-1]))
             return func(*args, **(kwargs or {}))
 
-    z = [t[rank * n : (rank + 1) * n].bfloat16().requires_grad_() for t in _batch(9, world * n)[:2]]
+    z = shard("two_views", _inputs("two_views", world * n, 9, dtype=torch.bfloat16), rank * n, (rank + 1) * n)
     with Collectives():
         build_loss("dcl", gather_distributed=True)(*z).backward()
     results["collectives"] = seen
     bad = build_loss("dcl", gather_distributed=True).double()
-    z = [t[: n + rank] for t in _batch(8, 2 * n + 1)[:2]]  # n and n + 1 rows
+    z = shard("two_views", _inputs("two_views", 2 * n + 1, 8), 0, n + rank)  # n and n + 1 rows
     try:
         bad(*z)
         results["uneven"] = None
@@ -183,15 +149,12 @@ def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
                        start_method="spawn", join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name, setting in COMPILED:
-        x = _batch(7, world * n)[:2] + [torch.tensor(10.0, dtype=torch.float64)]
-        loss, leaves = _compiled_call(name, setting, x, None)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        loss, leaves = _compiled_call(name, setting, _inputs(setting, world * n, 7, scale=10.0), None)
+        grads = torch.autograd.grad(loss, leaves)
         assert sum(r[name, setting][0] for r in ranks) == pytest.approx(float(loss), rel=1e-10), (name, setting)
-        for i in range(2):
-            torch.testing.assert_close(torch.cat([r[name, setting][1][i] for r in ranks]), grads[i], rtol=1e-9,
-                                       atol=1e-12)
-        if setting == "image_text":  # the scale's gradient: each process's share, summed (as DDP would)
-            torch.testing.assert_close(sum(r[name, setting][1][2] for r in ranks), grads[2], rtol=1e-9, atol=1e-12)
+        for i, g in enumerate(grads):  # the scale's gradient: each process's share, summed (as DDP would)
+            parts = [r[name, setting][1][i] for r in ranks]
+            torch.testing.assert_close(sum(parts) if g.dim() == 0 else torch.cat(parts), g, rtol=1e-9, atol=1e-12)
     for r in ranks:
         assert r["uneven"] is not None and "gather_distributed='uneven'" in r["uneven"], r["uneven"]
         features = [(op, dtype) for op, dtype, width in r["collectives"] if width == 2 * 6]  # both views' rows
@@ -207,7 +170,7 @@ def _gather_without_warnings(rank, world, init_file):
         warnings.simplefilter("error", FutureWarning)  # torch 2.13+: all_gather_tensor warns, all_gather_single not
         warnings.simplefilter("error", DeprecationWarning)
         for gather in (True, "uneven"):
-            z1, z2 = (x[rank * 3:(rank + 1) * 3].clone().requires_grad_() for x in _batch(0, 3 * world)[:2])
+            z1, z2 = shard("two_views", _inputs("two_views", 3 * world), rank * 3, (rank + 1) * 3)
             build_loss("dcl", gather_distributed=gather)(z1, z2).backward()
     end_process_group()
 
@@ -226,25 +189,16 @@ LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "three_views")
             ("cacr", "positive", "image_text")]
 
 
-def _labelled_call(name, mode, setting, x, labels, gather=False):
-    """The loss of a labelled setting on inputs x (three [n, D] tensors) and its leaves."""
+def _labelled_call(name, mode, setting, x, given, gather=False):
+    """The loss of a labelled setting on fresh leaves of inputs x, with labels ``given``, and those leaves."""
     fn = build_loss(name, gather_distributed=gather, same_label=mode, chunk_size=3).double()
-    leaves = [t.clone().requires_grad_() for t in x]
-    if setting == "two_views":
-        return fn(*leaves[:2], labels=labels), leaves[:2]
-    if setting == "three_views":
-        return fn(*leaves, labels=labels), leaves
-    if setting == "image_text":
-        return fn.cross_modal(*leaves[:2], labels=labels), leaves[:2]
-    if setting == "query_key":
-        return fn.query_key(*leaves[:2], labels=labels), leaves[:2]
-    return fn.query_key(*leaves[:2], negatives=leaves[2], labels=labels), leaves
+    return fresh_call(fn, setting, x, **given)
 
 
-def _labels(total):
-    labels = torch.randint(3, (total,), generator=torch.Generator().manual_seed(1))
-    labels[:2] = torch.tensor([0, 1])
-    return labels
+def _labelled_inputs(setting, total):
+    """The whole batch's tensors and labels (three classes, two at least), the same in every process."""
+    x = _inputs(setting, total, 6)
+    return x, labels(setting, x, seed=1)
 
 
 def _run_labelled(rank, world, sizes, init_file, out_dir):
@@ -253,8 +207,9 @@ def _run_labelled(rank, world, sizes, init_file, out_dir):
     gather = True if len(set(sizes)) == 1 else "uneven"
     results = {}
     for case in LABELLED:
-        x = [t[lo:hi] for t in _batch(6, total)[:3]]
-        loss, leaves = _labelled_call(*case, x, _labels(total)[lo:hi], gather)
+        x, given = _labelled_inputs(case[2], total)
+        local = {k: v[lo:hi] for k, v in given.items()}
+        loss, leaves = _labelled_call(*case, shard(case[2], x, lo, hi), local, gather)
         (loss * sizes[rank] / total).backward()
         results[case] = (float(loss.detach()) * sizes[rank] / total, [t.grad for t in leaves])
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -270,7 +225,7 @@ def test_labels_are_gathered_with_the_features(sizes, tmp_path):
                        nprocs=world, start_method="spawn", join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for case in LABELLED:
-        loss, leaves = _labelled_call(*case, _batch(6, sum(sizes))[:3], _labels(sum(sizes)))
+        loss, leaves = _labelled_call(*case, *_labelled_inputs(case[2], sum(sizes)))
         grads = torch.autograd.grad(loss, leaves)
         assert sum(r[case][0] for r in ranks) == pytest.approx(float(loss.detach()), rel=1e-10, abs=1e-12), case
         for i, g in enumerate(grads):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from settings import SCORE_LOSSES, call
+from test_tf32 import TF32_ROUNDING
 
 from contrastkit.losses import build_loss
 from reference import plain
-from test_tf32 import TF32_ROUNDING
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: runs where a GPU is present")
-SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
 
 
 def _encoder(seed=0):
@@ -34,7 +34,7 @@ def _batch(n=512, seed=1):
 
 def _step(model, loss_fn, setting, x1, x2, optimizer, scale=None):
     z1, z2 = model(x1), model(x2)
-    loss = loss_fn.cross_modal(z1, z2, logit_scale=scale) if setting == "image_text" else loss_fn(z1, z2)
+    loss = call(loss_fn, setting, [z1, z2, scale] if setting == "image_text_scale" else [z1, z2])
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -42,7 +42,7 @@ def _step(model, loss_fn, setting, x1, x2, optimizer, scale=None):
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton", "torch"])  # auto at N = 512: the dense path
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_training_step_has_no_host_sync(name, setting, backend):
     model, loss_fn = _encoder(), build_loss(name, backend=backend)
@@ -76,7 +76,7 @@ def test_unigrad_step_has_no_host_sync():
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_float_scale"])
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_fp16_autocast_with_grad_scaler_matches_float32(name, setting):
     x1, x2 = _batch()
@@ -87,11 +87,11 @@ def test_fp16_autocast_with_grad_scaler_matches_float32(name, setting):
         # 2^12, not GradScaler's 2^16: at 2^16 this toy model's last bias, a float16 sum of 1024 rows' gradients,
         # overflows under DCL (86787 > 65504; a float32 replay on the CPU, where InfoNCE gives 62309): the
         # scaler then skips a step, as it should. The loss's own gradient at 2^24 is
-        # test_device_path.py::test_loss_scaler_gradient_stays_finite.
+        # tests/losses/test_device_path.py::test_loss_scaler_gradient_stays_finite.
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, enabled=fp16)
         with torch.autocast("cuda", dtype=torch.float16, enabled=fp16):
             z1, z2 = model(x1), model(x2)
-            loss = loss_fn.cross_modal(z1, z2, logit_scale=14.0) if setting == "image_text" else loss_fn(z1, z2)
+            loss = call(loss_fn, setting, [z1, z2])
         assert loss.dtype == torch.float32
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -118,23 +118,23 @@ def test_bf16_features_close_to_float64(name):
         assert float((g.double() - w).norm() / w.norm()) < 2e-2
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_tf32_within_plain_error(float32_precision, setting):
     """Under TF32 every path is within twice the error of the loss as plain PyTorch code writes it
-    (reference.plain: autograd through the formula on one similarity matrix), as tests/test_tf32.py emulates."""
+    (reference.plain: autograd through the formula on one similarity matrix), as tests/losses/test_tf32.py
+    emulates."""
     x1, x2 = _batch(4096)
     x1, x2 = x1 @ torch.randn(64, 512, device="cuda"), x2 @ torch.randn(64, 512, device="cuda")
 
     def run(backend, dtype):
         z = [x.to(dtype).requires_grad_() for x in (x1, x2)]
-        scale = torch.tensor(100.0, device="cuda", dtype=dtype, requires_grad=True)
+        if setting == "image_text_scale":
+            z.append(torch.tensor(100.0, device="cuda", dtype=dtype, requires_grad=True))
         if backend == "plain":
-            loss = plain("infonce", setting, *z, scale if setting == "image_text" else None)
+            loss = plain("infonce", setting, z)
         else:
-            fn = build_loss("infonce", backend=backend)
-            loss = fn.cross_modal(*z, logit_scale=scale) if setting == "image_text" else fn(*z)
-        return [loss.detach().double(), *(g.double() for g in torch.autograd.grad(loss, [*z, scale], allow_unused=True)
-                                          if g is not None)]
+            loss = call(build_loss("infonce", backend=backend), setting, z)
+        return [loss.detach().double(), *(g.double() for g in torch.autograd.grad(loss, z))]
 
     want = run("torch", torch.float64)
     torch.backends.cuda.matmul.allow_tf32 = True  # float32_precision puts it back
@@ -165,7 +165,7 @@ def test_compiled_training_step_equals_eager(name):
     torch.testing.assert_close(got_g, want_g, rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_float_scale"])
 def test_memory_linear_at_a_large_batch(setting):
     """N = 65536, D = 256, the torch kernel: the loss's extra memory beyond the features and their gradients
     stays under 512 MiB (the dense matrix alone would take 16 GiB in float32). The Triton path, auto's choice
@@ -186,7 +186,7 @@ def _extra_memory(n, d, setting, backend, calls=1):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = fn.cross_modal(*z, logit_scale=14.0) if setting == "image_text" else fn(*z)
+        loss = call(fn, setting, z)
         loss.backward()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base - sum(t.grad.numel() * t.grad.element_size() for t in z))
@@ -195,15 +195,15 @@ def _extra_memory(n, d, setting, backend, calls=1):
 
 # Triton's autotuner, at a launch's first sizes, times each candidate after filling a 256 MiB buffer (its L2
 # flush) and cloning the outputs a launch adds into: the first GPU run measured 1182-1192 MiB for the first call
-# of the Triton path at N = 262144 (the CPU count, tests/test_memory.py, 957-963 MiB for every later one).
+# of the Triton path at N = 262144 (the CPU count, tests/losses/test_memory.py, 957-963 MiB for every later one).
 AUTOTUNE_BYTES = 256 * 2**20
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_float_scale"])
 def test_one_gib_at_262144(setting, backend):
     """Issue 23's target where it binds: N = 262144, D = 512 bf16, the loss's extra memory beyond the features
-    and their gradients at most 1 GiB (tests/test_memory.py counts the same on the CPU), on "auto"'s path (the
+    and their gradients at most 1 GiB (tests/losses/test_memory.py counts the same on the CPU), on "auto"'s path (the
     Triton kernels since issue 40) and on the torch kernel's, in a training loop's steps; the first step of the
     Triton path at most the autotuner's buffer more."""
     first, later = _extra_memory(262144, 512, setting, backend, calls=2)

@@ -1,11 +1,12 @@
 """Labels in the core: same_label="mask" (false negatives leave the negatives) and "positive" (they join the
-positives, SupCon's L_out), against the float64 references of tests/reference.py, in every setting and with
+positives, SupCon's L_out), against the float64 references of tests/losses/reference.py, in every setting and with
 the torch kernel blocked (several blocks), automatic and dense."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from settings import call, inputs, labels
 
 import reference
 from contrastkit.losses import build_loss
@@ -21,45 +22,19 @@ PARAMS = {
     "cacr": ({"t_pos": 1.0, "t_neg": 2.0}, {"t_pos": 1.0, "t_neg": 2.0}),
 }
 CASES = [(kind, mode) for kind in PARAMS for mode in ("mask", "positive")]
-SETTINGS = ["two_views", "three_views", "image_text", "query_key", "queue"]
+SETTINGS = ["two_views", "three_views", "image_text", "hard_negatives", "queue"]
 CHUNKS = [None, 2, 0]  # automatic (the CPU's fast path), blocks of 2 anchors (several blocks), dense
 
 
-def _inputs(seed, n=6, d=5, classes=3):
-    g = torch.Generator().manual_seed(seed)
-    x = [torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    queue = torch.randn(9, d, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(classes, (n,), generator=g)
-    labels[:2] = torch.tensor([0, 1])  # two labels at least: every anchor keeps a negative
-    queue_labels = torch.randint(classes + 1, (9,), generator=g)
-    queue_labels[:2] = torch.tensor([0, 1])  # ... in the queue too
-    return x, queue, labels, queue_labels
+def _inputs(seed, setting, n=6, d=5, classes=3):
+    """The setting's tensors (tests/losses/settings.py), float64 leaves: one hard negative per sample ([n, d]), a
+    queue of 9; and their labels (call's keyword arguments), two at least in the batch and in the queue."""
+    x = inputs(setting, n, d, seed=seed, queue=9, hard=None)
+    return x, labels(setting, x, classes=classes, seed=seed)
 
 
-def _call(fn, setting, x, queue, labels, queue_labels, **options):
-    """(loss, leaves) of the library in a setting; options: the call's (output_dict)."""
-    if setting == "two_views":
-        return fn(x[0], x[1], labels=labels, **options), x[:2]
-    if setting == "three_views":
-        return fn(*x, labels=labels, **options), x
-    if setting == "image_text":
-        return fn.cross_modal(x[0], x[1], labels=labels, **options), x[:2]
-    if setting == "query_key":  # with one hard negative per sample
-        return fn.query_key(x[0], x[1], negatives=x[2], labels=labels, **options), x
-    return fn.query_key(x[0], x[1], queue, labels=labels, queue_labels=queue_labels, **options), [x[0], x[1], queue]
-
-
-def _expected(kind, mode, setting, x, queue, labels, queue_labels):
-    ref = PARAMS[kind][1]
-    if setting == "two_views":
-        return reference.labelled_views(x[:2], labels, kind, mode, **ref)
-    if setting == "three_views":
-        return reference.labelled_views(x, labels, kind, mode, **ref)
-    if setting == "image_text":
-        return reference.labelled_cross_modal(x[0], x[1], labels, kind, mode, **ref)
-    if setting == "query_key":
-        return reference.labelled_query_key(x[0], x[1], labels, kind, mode, hard=x[2], **ref)
-    return reference.labelled_query_key(x[0], x[1], labels, kind, mode, queue=queue, queue_labels=queue_labels, **ref)
+def _expected(kind, mode, setting, x, given):
+    return reference.loss(kind, setting, x, mode=mode, **given, **PARAMS[kind][1])
 
 
 def _loss(kind, mode, **options):
@@ -71,25 +46,30 @@ def _loss(kind, mode, **options):
 @pytest.mark.parametrize("kind,mode", CASES)
 def test_labels_match_float64_reference(kind, mode, setting, chunk_size):
     seed = hash((kind, mode, setting)) % 2**31
-    x, queue, labels, queue_labels = _inputs(seed)
-    got, leaves = _call(_loss(kind, mode, chunk_size=chunk_size), setting, x, queue, labels, queue_labels)
-    expected = _expected(kind, mode, setting, x, queue, labels, queue_labels)
+    x, given = _inputs(seed, setting)
+    got = call(_loss(kind, mode, chunk_size=chunk_size), setting, x, **given)
+    expected = _expected(kind, mode, setting, x, given)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    grads = torch.autograd.grad(got, leaves)
-    for g, e in zip(grads, torch.autograd.grad(expected, leaves)):
+    grads = torch.autograd.grad(got, x)
+    for g, e in zip(grads, torch.autograd.grad(expected, x)):
         torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-11, msg=lambda m: f"seed {seed}: {m}")
 
 
 @pytest.mark.parametrize("kind,mode", CASES)
 def test_float32_with_labels_close_to_float64_reference(kind, mode):
     """float32 features: the CPU's fast path (sampled shifts, backward guessed in forward) with labels."""
-    x, queue, labels, queue_labels = _inputs(7, n=16, d=8, classes=4)
+    x, given = _inputs(7, "two_views", n=16, d=8, classes=4)
     x32 = [t.detach().float().requires_grad_() for t in x]
-    got, leaves = _call(_loss(kind, mode), "two_views", x32, None, labels, None)
-    expected = _expected(kind, mode, "two_views", x, queue, labels, queue_labels)
+    got = call(_loss(kind, mode), "two_views", x32, **given)
+    expected = _expected(kind, mode, "two_views", x, given)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-    for g, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, x[:2])):
+    for g, e in zip(torch.autograd.grad(got, x32), torch.autograd.grad(expected, x)):
         torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-6)
+
+
+def _distinct(setting):
+    """Labels all distinct (batch and queue: 6 and 9 rows)."""
+    return {"labels": torch.arange(6), **({"queue_labels": torch.arange(6, 15)} if setting == "queue" else {})}
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -98,14 +78,12 @@ def test_distinct_labels_mask_nothing(kind, setting):
     """same_label="mask" with every label distinct is the loss without labels, values and gradients, to float64
     rounding: the two calls take different routes (with labels image-text's directions come one at a time, the
     dense path's Function runs autograd's), so bit-identity is not the claim."""
-    x, queue, _, _ = _inputs(3)
-    labels, queue_labels = torch.arange(6), torch.arange(6, 15)
+    x, _ = _inputs(3, setting)
     for chunk_size in CHUNKS:
         fn = _loss(kind, "mask", chunk_size=chunk_size)
-        got, leaves = _call(fn, setting, x, queue, labels, queue_labels)
-        plain, _ = _call(fn, setting, x, queue, None, None) if setting != "queue" else \
-            (fn.query_key(x[0], x[1], queue), None)
-        for g, e in zip((got, *torch.autograd.grad(got, leaves)), (plain, *torch.autograd.grad(plain, leaves))):
+        got = call(fn, setting, x, **_distinct(setting))
+        plain = call(fn, setting, x)
+        for g, e in zip((got, *torch.autograd.grad(got, x)), (plain, *torch.autograd.grad(plain, x))):
             torch.testing.assert_close(g, e, rtol=1e-14, atol=1e-15, msg=lambda m: f"chunk_size {chunk_size}: {m}")
 
 
@@ -115,20 +93,17 @@ def test_distinct_labels_as_positives_are_the_plain_loss(kind, setting):
     """same_label="positive" with every label distinct: one positive per anchor, SupCon's L_out is the plain
     loss (to rounding: the positives' sums are built another way). CACR's too with several views: its plain
     attraction already weighs all of an anchor's own positives by one softmax."""
-    x, queue, _, _ = _inputs(4)
-    labels, queue_labels = torch.arange(6), torch.arange(6, 15)
-    fn = _loss(kind, "positive", chunk_size=2)
-    got, leaves = _call(fn, setting, x, queue, labels, queue_labels)
-    plain, _ = _call(_loss(kind, "mask", chunk_size=2), setting, x, queue, None, None) if setting != "queue" else \
-        (_loss(kind, "mask").query_key(x[0], x[1], queue), None)
+    x, _ = _inputs(4, setting)
+    got = call(_loss(kind, "positive", chunk_size=2), setting, x, **_distinct(setting))
+    plain = call(_loss(kind, "mask", chunk_size=2 if setting != "queue" else None), setting, x)
     torch.testing.assert_close(got, plain, rtol=1e-13, atol=1e-13)
-    for g, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(plain, leaves)):
+    for g, e in zip(torch.autograd.grad(got, x), torch.autograd.grad(plain, x)):
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-13)
 
 
 @pytest.mark.parametrize("kind,mode", CASES)
 def test_one_label_for_all_leaves_no_negative(kind, mode):
-    x, _, _, _ = _inputs(5)
+    x, _ = _inputs(5, "two_views")
     with pytest.raises(ValueError, match="no negative left"):
         _loss(kind, mode)(x[0], x[1], labels=torch.zeros(6, dtype=torch.long))
     with pytest.raises(ValueError, match="no negative left"):
@@ -136,7 +111,8 @@ def test_one_label_for_all_leaves_no_negative(kind, mode):
 
 
 def test_bad_labels_are_named():
-    x, queue, labels, _ = _inputs(6)
+    x, given = _inputs(6, "queue")
+    labels, queue = given["labels"], x[2]
     fn = _loss("dcl", "mask")
     for bad, match in [(labels[:5], r"must be \[6\]"), (labels[:, None], r"must be \[6\]"),
                        (labels.double(), "integer dtype"), (labels.bool(), "integer dtype"),
@@ -161,15 +137,12 @@ def test_labels_on_the_triton_backend(kind, mode, setting):
     """backend="triton" (under the interpreter on CPU) masks by label in its kernels (kernels/common.
     kept_by_label): float32 features against the float64 reference, every objective, mode and setting."""
     seed = hash((kind, mode, setting, "triton")) % 2**31
-    x, queue, labels, queue_labels = _inputs(seed)
+    x, given = _inputs(seed, setting)
     x32 = [t.detach().float().requires_grad_() for t in x]
-    queue32 = queue.detach().float().requires_grad_()
-    got, leaves = _call(_loss(kind, mode, backend="triton"), setting, x32, queue32, labels, queue_labels)
-    expected = _expected(kind, mode, setting, x, queue, labels, queue_labels)
+    got = call(_loss(kind, mode, backend="triton"), setting, x32, **given)
+    expected = _expected(kind, mode, setting, x, given)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-    wanted = torch.autograd.grad(expected, [x[i] for i in range(len(leaves) - (setting == "queue"))]
-                                 + ([queue] if setting == "queue" else []))
-    for g, e in zip(torch.autograd.grad(got, leaves), wanted):
+    for g, e in zip(torch.autograd.grad(got, x32), torch.autograd.grad(expected, x)):
         assert float((g.double() - e).norm() / e.norm()) < 1e-5, f"seed {seed}"
 
 
@@ -181,7 +154,7 @@ def test_labels_take_every_backend():
 def test_mask_cuts_same_label_samples_off_and_positive_pulls_them():
     """Anchor 0 (sample 0, label 0) and sample 1 (label 0): with "mask" anchor 0's loss does not depend on
     sample 1 at all; with "positive" its gradient moves sample 1's view towards anchor 0."""
-    x, _, _, _ = _inputs(9, n=4)
+    x, _ = _inputs(9, "two_views", n=4)
     labels = torch.tensor([0, 0, 1, 2])
     for mode in ("mask", "positive"):
         z1, z2 = (t.detach().clone().requires_grad_() for t in x[:2])
@@ -198,9 +171,9 @@ def test_mask_cuts_same_label_samples_off_and_positive_pulls_them():
 def test_cacr_positive_moves_only_the_attraction(setting):
     """CACR's negatives are the other labels' candidates in both modes: "positive" has "mask"'s repulsion (to
     rounding), and only its attraction, over the label's candidates too, differs."""
-    x, queue, labels, queue_labels = _inputs(8)
-    mask, positive = (_call(_loss("cacr", mode, chunk_size=2), setting, x, queue, labels, queue_labels,
-                            output_dict=True)[0] for mode in ("mask", "positive"))
+    x, given = _inputs(8, setting)
+    mask, positive = (call(_loss("cacr", mode, chunk_size=2), setting, x, output_dict=True, **given)
+                      for mode in ("mask", "positive"))
     torch.testing.assert_close(positive["repulsion"], mask["repulsion"], rtol=1e-13, atol=1e-14)
     assert float((positive["attraction"] - mask["attraction"]).abs()) > 1e-3
 

@@ -26,6 +26,7 @@ import contextlib
 
 import pytest
 import torch
+from settings import SCORE_LOSSES, SETTINGS, call, inputs, labels
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastkit.losses import build_loss
@@ -34,9 +35,6 @@ from contrastkit.losses.frames import KERNELS, FrameObjective
 pytestmark = pytest.mark.quick
 
 aten = torch.ops.aten
-SCORE_LOSSES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
-SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "several_keys", "hard_negatives", "cross_modal",
-            "cross_modal_float_scale", "cross_modal_tensor_scale"]
 
 SYNCS = {
     aten._local_scalar_dense.default: "a value read on the host (.item(), int(), float(), bool(), if tensor:)",
@@ -163,60 +161,39 @@ def test_detector_sees_each_kind():
         torch.where(m, x, 0.0).sum()
 
 
-def _call(name: str, setting: str, chunk: int | None):
-    """One training call of objective ``name`` in ``setting`` (inputs made before, outside the check)."""
-    fn = build_loss(name, chunk_size=chunk)
-    z1, z2, z3, queue, keys, hard = _leaves((6, 5), (6, 5), (6, 5), (9, 5), (6, 2, 5), (6, 3, 5))
-    scale = torch.tensor(14.0, requires_grad=True)
-    calls = {
-        "two_views": lambda: fn(z1, z2, output_dict=True),
-        "three_views": lambda: fn(z1, z2, z3, output_dict=True),
-        "queue": lambda: fn.query_key(z1, z2, queue.detach(), output_dict=True),
-        "batch_keys": lambda: fn.query_key(z1, z2, output_dict=True),
-        "several_keys": lambda: fn.query_key(z1, keys, output_dict=True),
-        "hard_negatives": lambda: fn.query_key(z1, z2, negatives=hard, output_dict=True),
-        "cross_modal": lambda: fn.cross_modal(z1, z2, output_dict=True),
-        "cross_modal_float_scale": lambda: fn.cross_modal(z1, z2, logit_scale=14.0, output_dict=True),
-        "cross_modal_tensor_scale": lambda: fn.cross_modal(z1, z2, logit_scale=scale, output_dict=True),
-    }
-    return calls[setting]
+def _inputs(setting: str) -> list[torch.Tensor]:
+    """The setting's tensors (tests/losses/settings.py), made before the check: 6 rows of 5, two keys and three
+    hard negatives per query, a constant queue of 9, a learnable scale."""
+    return inputs(setting, 6, 5, dtype=torch.float32, queue=9, keys=2, hard=3, queue_grad=False)
 
 
 @pytest.mark.parametrize("chunk", [None, 0, 4], ids=["auto", "dense", "blocks"])
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_score_losses(name, setting, chunk, device_path):
-    call = _call(name, setting, chunk)
+    """One training call of each objective in each setting, with its diagnostics (output_dict)."""
+    fn, x = build_loss(name, chunk_size=chunk), _inputs(setting)
     with no_host_sync():
-        loss = _backward(call())
+        loss = _backward(call(fn, setting, x, output_dict=True))
     assert bool(torch.isfinite(loss))
 
 
-TRITON_SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "cross_modal_tensor_scale"]
+TRITON_SETTINGS = ["two_views", "three_views", "queue", "query_key", "image_text_scale"]
 
 
 @pytest.mark.parametrize("setting", TRITON_SETTINGS)
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_triton_backend(name, setting, device_path, triton_launches_excused):
-    """The Triton path's own host code: inverse norms, bands, the normalization's backward, label ids (the
-    first GPU run found a host-to-device copy in its backward that no CPU test saw)."""
-    fn = build_loss(name, backend="triton")
-    z1, z2, z3, queue = _leaves((6, 5), (6, 5), (6, 5), (9, 5))
-    scale = torch.tensor(14.0, requires_grad=True)
-    labels = torch.arange(6) % 3
-    calls = {
-        "two_views": lambda: fn(z1, z2),
-        "three_views": lambda: fn(z1, z2, z3),
-        "queue": lambda: fn.query_key(z1, z2, queue.detach()),
-        "batch_keys": lambda: fn.query_key(z1, z2, labels=labels),
-        "cross_modal_tensor_scale": lambda: fn.cross_modal(z1, z2, logit_scale=scale),
-    }
+    """The Triton path's own host code: inverse norms, bands, the normalization's backward, label ids (in-batch
+    keys with labels; the first GPU run found a host-to-device copy in its backward that no CPU test saw)."""
+    fn, x = build_loss(name, backend="triton"), _inputs(setting)
+    given = labels(setting, x) if setting == "query_key" else {}
     with no_host_sync(inside=triton_launches_excused):
-        loss = _backward(calls[setting]())
+        loss = _backward(call(fn, setting, x, **given))
     assert bool(torch.isfinite(loss))
 
 
-LABELLED_SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "hard_negatives", "cross_modal_tensor_scale"]
+LABELLED_SETTINGS = ["two_views", "three_views", "queue", "query_key", "hard_negatives", "image_text_scale"]
 
 
 @pytest.mark.parametrize("chunk", [None, 0, 4], ids=["auto", "dense", "blocks"])
@@ -224,20 +201,10 @@ LABELLED_SETTINGS = ["two_views", "three_views", "queue", "batch_keys", "hard_ne
 @pytest.mark.parametrize("name, mode", [(n, m) for n in SCORE_LOSSES for m in ("mask", "positive")])
 def test_score_losses_with_labels(name, mode, setting, chunk, device_path):
     """Labels: ids by sort and searchsorted, counts and class sums by index_add, the kernel's pairs by mask."""
-    fn = build_loss(name, chunk_size=chunk, same_label=mode)
-    z1, z2, z3, queue, hard = _leaves((6, 5), (6, 5), (6, 5), (9, 5), (6, 3, 5))
-    labels, queue_labels = torch.arange(6) % 3, torch.arange(9) % 4
-    scale = torch.tensor(14.0, requires_grad=True)
-    calls = {
-        "two_views": lambda: fn(z1, z2, labels=labels),
-        "three_views": lambda: fn(z1, z2, z3, labels=labels),
-        "queue": lambda: fn.query_key(z1, z2, queue.detach(), labels=labels, queue_labels=queue_labels),
-        "batch_keys": lambda: fn.query_key(z1, z2, labels=labels),
-        "hard_negatives": lambda: fn.query_key(z1, z2, negatives=hard, labels=labels),
-        "cross_modal_tensor_scale": lambda: fn.cross_modal(z1, z2, logit_scale=scale, labels=labels),
-    }
+    fn, x = build_loss(name, chunk_size=chunk, same_label=mode), _inputs(setting)
+    given = labels(setting, x)
     with no_host_sync():
-        loss = _backward(calls[setting]())
+        loss = _backward(call(fn, setting, x, **given))
     assert bool(torch.isfinite(loss))
 
 

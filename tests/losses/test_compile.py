@@ -7,43 +7,37 @@ from __future__ import annotations
 
 import pytest
 import torch
+from settings import call, fresh, inputs, labels
 
 from contrastkit.losses import build_loss
 
 pytestmark = pytest.mark.legacy  # fullgraph on torch 2.9.1 (the second environment) too
 
-SETTINGS = ["two_views", "three_views", "query_key", "queue", "image_text"]
+SETTINGS = ["two_views", "three_views", "query_key", "queue", "image_text_scale"]
 
 
-def _call(fn, setting, x):
-    if setting == "two_views":
-        return fn(x[0], x[1])
-    if setting == "three_views":
-        return fn(x[0], x[1], x[2])
-    if setting == "query_key":
-        return fn.query_key(x[0], x[1])
-    if setting == "queue":
-        return fn.query_key(x[0], x[1], x[2])
-    return fn.cross_modal(x[0], x[1], logit_scale=x[3])
+def _inputs(seed, setting, dtype=torch.float32):
+    """The setting's tensors (tests/losses/settings.py), 24 rows of 16, a queue of 24 and a float32 logit scale of
+    14, each a leaf needing a gradient."""
+    return inputs(setting, 24, 16, dtype=dtype, seed=seed, queue=24, scale_dtype=torch.float32)
 
 
-def _value_and_grads(call, inputs):
-    leaves = [t.clone().requires_grad_() for t in inputs]
-    loss = call(*leaves)
+def _value_and_grads(loss_of, x):
+    leaves = fresh(x)
+    loss = loss_of(*leaves)
     return loss.detach(), torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
 def _check(name, setting, compiler, dtype=torch.float32, **options):
     torch._dynamo.reset()
-    g = torch.Generator().manual_seed(hash((name, setting)) % 2**31)
-    inputs = [torch.randn(24, 16, generator=g).to(dtype) for _ in range(3)] + [torch.tensor(14.0)]
+    x = _inputs(hash((name, setting)) % 2**31, setting, dtype)
     fn = build_loss(name, **options)
 
-    def call(*x):
-        return _call(fn, setting, x)
+    def loss(*x):
+        return call(fn, setting, x)
 
-    want, want_grads = _value_and_grads(call, inputs)
-    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend=compiler), inputs)
+    want, want_grads = _value_and_grads(loss, x)
+    got, got_grads = _value_and_grads(torch.compile(loss, fullgraph=True, backend=compiler), x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g_got, g_want in zip(got_grads, want_grads):
         assert (g_got is None) == (g_want is None)
@@ -56,11 +50,11 @@ def test_dcl_compiles_with_inductor_fullgraph():
 
 
 CASES = [(name, "two_views") for name in ("infonce", "dclw", "eqco", "cacr")] + [("dcl", s) for s in SETTINGS]
-CASES += [("cacr", "image_text")]  # CACR's mean, each image-text direction as rows
+CASES += [("cacr", "image_text_scale")]  # CACR's mean, each image-text direction as rows
 
 
 @pytest.mark.parametrize("name", ["infonce", "dcl", "dclw", "eqco", "cacr"])
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_dense_path_has_no_graph_break(name, setting):
     """The default at these sizes: dense.py's Function, its layout made in the graph."""
     _check(name, setting, "aot_eager")
@@ -72,7 +66,7 @@ def test_every_objective_and_setting_has_no_graph_break(name, setting):
     _check(name, setting, "aot_eager", chunk_size=7)  # 7: several blocks, a ragged last one
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_triton_backend_stays_in_the_graph(setting):
     """The Triton kernels are custom ops: a compiled call keeps them in one graph (on CPU, under the
     interpreter, as opaque custom ops; on CUDA as triton_op, which inductor can see into)."""
@@ -87,7 +81,7 @@ def test_triton_backend_with_bf16_features_compiles(setting):
     _check("dcl", setting, "aot_eager", dtype=torch.bfloat16, backend="triton")
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 def test_triton_backend_under_tf32_compiles_with_its_rounding(float32_precision, setting):
     """float32 under TF32 on the Triton path runs on float16 unit vectors, the positives' cosines from the same
     units (functional.half_units, an operator of its own): compiled by Inductor, which drops a float16 round
@@ -97,15 +91,14 @@ def test_triton_backend_under_tf32_compiles_with_its_rounding(float32_precision,
     entries of 384 (by 3.6e-6 and 2.4e-5)."""
     torch._dynamo.reset()
     torch.backends.cuda.matmul.allow_tf32 = True
-    g = torch.Generator().manual_seed(5)
-    inputs = [torch.randn(24, 16, generator=g) for _ in range(3)] + [torch.tensor(14.0)]
+    x = _inputs(5, setting)
     fn = build_loss("infonce", backend="triton")
 
-    def call(*x):
-        return _call(fn, setting, x)
+    def loss(*x):
+        return call(fn, setting, x)
 
-    want, want_grads = _value_and_grads(call, inputs)
-    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend="inductor"), inputs)
+    want, want_grads = _value_and_grads(loss, x)
+    got, got_grads = _value_and_grads(torch.compile(loss, fullgraph=True, backend="inductor"), x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     grads = [(x, w) for x, w in zip(got_grads, want_grads) if w is not None]
     moved = sum(int((~torch.isclose(x, w, rtol=1e-4, atol=1e-6)).sum()) for x, w in grads)
@@ -122,24 +115,15 @@ def test_labels_have_no_graph_break(name, mode, setting):
     """Labels (ids by sort and searchsorted, counts and class sums by index_add: no value read on the host)
     keep the call in one graph, equal to eager."""
     torch._dynamo.reset()
-    g = torch.Generator().manual_seed(5)
-    inputs = [torch.randn(24, 16, generator=g) for _ in range(3)]
-    labels, queue_labels = torch.randint(4, (24,), generator=g), torch.randint(4, (24,), generator=g)
+    x = _inputs(5, setting)
+    given = labels(setting, x, classes=4, seed=5)  # constants of the graph
     fn = build_loss(name, chunk_size=7, same_label=mode)
 
-    def call(a, b, c):
-        if setting == "two_views":
-            return fn(a, b, labels=labels)
-        if setting == "three_views":
-            return fn(a, b, c, labels=labels)
-        if setting == "image_text":
-            return fn.cross_modal(a, b, labels=labels)
-        if setting == "query_key":
-            return fn.query_key(a, b, labels=labels)
-        return fn.query_key(a, b, c, labels=labels, queue_labels=queue_labels)
+    def loss(*x):
+        return call(fn, setting, x, **given)
 
-    want, want_grads = _value_and_grads(call, inputs)
-    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend="aot_eager"), inputs)
+    want, want_grads = _value_and_grads(loss, x)
+    got, got_grads = _value_and_grads(torch.compile(loss, fullgraph=True, backend="aot_eager"), x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g_got, g_want in zip(got_grads, want_grads):
         assert (g_got is None) == (g_want is None)
@@ -154,16 +138,16 @@ def test_wav2vec2_frames_have_no_graph_break(name):
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(hash(name) % 2**31)
-    pos, neg = torch.rand(12, generator=g), torch.rand(12, 6, generator=g)
+    pos, neg = torch.rand(12, generator=g).requires_grad_(), torch.rand(12, 6, generator=g).requires_grad_()
     valid, frames = torch.rand(12, 6, generator=g) > 0.3, torch.rand(12, generator=g) > 0.2
     valid[0] = False  # a frame with no valid distractor
     objective = FrameObjective(name)
 
-    def call(p, n):
+    def loss(p, n):
         return objective.summed(p, n, valid, model_temperature=0.1, frames=frames)[0]
 
-    want, want_grads = _value_and_grads(call, [pos, neg])
-    got, got_grads = _value_and_grads(torch.compile(call, fullgraph=True, backend="aot_eager"), [pos, neg])
+    want, want_grads = _value_and_grads(loss, [pos, neg])
+    got, got_grads = _value_and_grads(torch.compile(loss, fullgraph=True, backend="aot_eager"), [pos, neg])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g_got, g_want in zip(got_grads, want_grads):
         torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)

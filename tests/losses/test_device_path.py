@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_chunked import SCORE_LOSSES, SETTINGS, _inputs, _loss, _value_and_grads
+from settings import SCORE_LOSSES, call
+from test_chunked import SETTINGS, _inputs, _loss, _value_and_grads
 
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.quick
 def test_auto_takes_the_backend_measured_faster(monkeypatch):
     """"auto" on CUDA: the dense path for a matrix of at most DENSE_AUTO_LOGITS logits (host-bound there:
     docs/gpu/NVIDIA-H200), beyond it Triton for bf16/fp16 products (faster on an H100: docs/gpu/) and for float32 (the
-    band design, predicted faster: docs/performance.md), its memory counted in tests/test_memory.py; the
+    band design, predicted faster: docs/performance.md), its memory counted in tests/losses/test_memory.py; the
     blockwise torch kernel everywhere else (float64 beyond the dense size), and wherever triton is missing or a
     chunk_size asks for blocks."""
     import contrastkit.losses.plan as plan
@@ -72,10 +73,8 @@ def test_each_call_sizes_its_matrix(monkeypatch, setting, n, expected):
     monkeypatch.setattr(plan, "triton_available", lambda: True)
     monkeypatch.setattr(plan, "choose_backend", on_cuda)
     z = torch.empty(n, 8, device="meta", requires_grad=True)
-    fn = build_loss("dcl")
-    {"two_views": lambda: fn(z, z), "image_text": lambda: fn.cross_modal(z, z),
-     "queue": lambda: fn.query_key(z, z, torch.empty(65536, 8, device="meta")),
-     "hard_negatives": lambda: fn.query_key(z, z, negatives=z)}[setting]()
+    rest = {"queue": [torch.empty(65536, 8, device="meta")], "hard_negatives": [z]}.get(setting, [])
+    call(build_loss("dcl"), setting, [z, z, *rest])
     assert seen == [expected]
 
 
@@ -92,8 +91,7 @@ def test_cpu_bound_per_objective(monkeypatch, name, setting, n, expected):
     original = plan.choose_backend
     monkeypatch.setattr(plan, "choose_backend", lambda *args: seen.append(original(*args)) or "dense")
     z = torch.empty(n, 8, device="meta", requires_grad=True)
-    fn = build_loss(name)
-    fn.cross_modal(z, z) if setting == "image_text" else fn(z, z)
+    call(build_loss(name), setting, [z, z])
     assert seen == [expected]
 
 
@@ -108,10 +106,10 @@ def test_gpu_sized_blocks_off_the_cpu():
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_device_path_equals_dense_float64(name, setting, device_path):
-    x, extra = _inputs(hash((name, setting, "device")) % 2**31, 11, 6, torch.float64)
-    want, want_grads = _value_and_grads(name, setting, 0, x, extra)
+    x = _inputs(hash((name, setting, "device")) % 2**31, setting, 11, 6, torch.float64)
+    want, want_grads = _value_and_grads(name, setting, 0, x)
     for chunk in (4, None):  # ragged blocks (11 = 4 + 4 + 3 anchors), automatic
-        got, grads = _value_and_grads(name, setting, chunk, x, extra)
+        got, grads = _value_and_grads(name, setting, chunk, x)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"chunk {chunk}: {m}")
         for i, (g, w) in enumerate(zip(grads, want_grads)):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"chunk {chunk} grad {i}: {m}")
@@ -132,11 +130,7 @@ def test_symmetric_backward_gradcheck(with_mean, keep, device_path):
 
 
 def _meta_call(name, setting):
-    x, extra = _inputs(0, 9, 5, torch.float32)
-    meta = [t.to("meta") for t in x]
-    extra = {k: v.to("meta") for k, v in extra.items()}
-    loss, leaves = _loss(name, setting, None, meta, extra)
-    return loss, leaves
+    return _loss(name, setting, None, _inputs(0, setting, 9, 5, torch.float32, "meta"))
 
 
 @pytest.fixture
@@ -193,37 +187,35 @@ def test_split_product_is_float32_accurate(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 @pytest.mark.parametrize("name", ["infonce", "cacr"])
 def test_low_precision_features_on_the_device_path(name, setting, dtype, device_path, monkeypatch):
     """bf16/fp16 features on the exact path, as CUDA runs it (see _emulate_cuda_low_precision): the loss equals
     the float64 one of the same feature values to float32 rounding, the gradients (in the features' dtype)
     to that dtype's rounding."""
     _emulate_cuda_low_precision(monkeypatch)
-    x, extra = _inputs(5, 40, 16, torch.float32)
-    x = [t.to(dtype) for t in x]
-    want, want_grads = _value_and_grads(name, setting, 0, [t.double() for t in x], extra)
-    got, grads = _value_and_grads(name, setting, None, x, extra)
+    x = [t.to(dtype) for t in _inputs(5, setting, 40, 16, torch.float32)]
+    want, want_grads = _value_and_grads(name, setting, 0, [t.double() for t in x])
+    got, grads = _value_and_grads(name, setting, None, x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     eps = torch.finfo(dtype).eps
     for g, w in zip(grads[:2], want_grads[:2]):
         assert g.dtype == dtype
         torch.testing.assert_close(g.double(), w, rtol=eps, atol=eps * float(w.abs().max()))
-    if setting == "cross_modal_scale":  # the learnable scale (in the features' dtype, as its leaf)
+    if setting == "image_text_scale":  # the learnable scale (in the features' dtype, as its leaf)
         torch.testing.assert_close(grads[2].double(), want_grads[2], rtol=eps, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "dense"])
-@pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_loss_scaler_gradient_stays_finite(name, setting, backend, device_path):
     """A loss scaled by 2^24 (GradScaler's scale grows from 2^16 in fp16 training) backpropagates exactly 2^24
     times the gradient: the excluded pairs' finite logit never overflows against a large upstream gradient
     (CACR's mean term multiplies it by g_mean / scale; seen as inf on an H100 with the excluded logit at a
     quarter of float32's range)."""
-    x, extra = _inputs(7, 64, 16, torch.float32)
-    loss, leaves = _loss(name, setting, None, x, extra, backend=backend)
+    loss, leaves = _loss(name, setting, None, _inputs(7, setting, 64, 16, torch.float32), backend=backend)
     grads = torch.autograd.grad(loss, leaves, retain_graph=True)
     scaled = torch.autograd.grad(loss * 2.0**24, leaves)
     for g, s in zip(grads, scaled):
@@ -232,7 +224,7 @@ def test_loss_scaler_gradient_stays_finite(name, setting, backend, device_path):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "dense"])
-@pytest.mark.parametrize("setting", ["2views", "cross_modal_scale"])
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
 @pytest.mark.parametrize("name", ["infonce", "cacr"])
 def test_backward_called_inside_autocast(name, setting, backend, device_path):
     """backward() inside the autocast block (as many training loops call it, and benchmarks/losses.py): the
@@ -240,8 +232,7 @@ def test_backward_called_inside_autocast(name, setting, backend, device_path):
     backward failed there, a bf16 product meeting a float32 one), and gives the gradients of a backward
     called outside: exactly with the torch kernel; with Triton to bf16's rounding, as the builtin ops around
     its kernels (the positives' products on unit vectors) take autocast's dtype in backward as anywhere."""
-    x, extra = _inputs(3, 40, 16, torch.float32)
-    loss, leaves = _loss(name, setting, None, x, extra, backend=backend)
+    loss, leaves = _loss(name, setting, None, _inputs(3, setting, 40, 16, torch.float32), backend=backend)
     want = torch.autograd.grad(loss, leaves, retain_graph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         grads = torch.autograd.grad(loss, leaves)
@@ -284,11 +275,10 @@ def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_pat
     """Why "auto" takes the dense path for small matrices on CUDA (DENSE_AUTO_LOGITS): there each operator
     costs host time, not bandwidth, and the dense path issues half as many as the Triton path (DCL at N = 64 on
     the path of CUDA, a second call: two views 38 against 79, image-text 48 against 80). Against the peers:
-    tests/test_dense.py."""
+    tests/losses/test_dense.py."""
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     counts = {}
     for backend in ("dense", "triton"):
         fn = build_loss("dcl", backend=backend)
-        counts[backend] = _operators(lambda: fn.cross_modal(a, b) if setting == "image_text" else fn(a, b),
-                                     monkeypatch)
+        counts[backend] = _operators(lambda: call(fn, setting, [a, b]), monkeypatch)
     assert counts["dense"] <= 0.65 * counts["triton"], counts
