@@ -143,7 +143,7 @@ def _operand_exact(shift):
 def no_autocast(device_type: str):
     """Autocast off on this device: the kernels choose each op's precision, in forward and in backward (which
     runs under the caller's autocast where backward() is called inside an autocast block). The meta device
-    (tests/test_memory.py) has no autocast; not through torch.amp.is_autocast_available, which torch 2.9's
+    (tests/losses/test_memory.py) has no autocast; not through torch.amp.is_autocast_available, which torch 2.9's
     dynamo cannot trace. Where autocast is off already, no context (entering one costs ~8 us of host time per
     call, which counts at the small sizes where a GPU step is host-bound)."""
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):

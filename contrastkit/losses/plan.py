@@ -29,17 +29,17 @@ KEEP_MAX_ELEMENTS = 2**26
 # On a GPU (any device but the CPU): blocks of about DEVICE_BLOCK_ELEMENTS logits, none kept. A block's
 # product is then 2^24 * 2 D flops (17 GFLOP at D = 512: tens of microseconds on an H100, far above a
 # launch), and the exact path holds at most two or three float32 blocks (128-192 MiB) at a time; 2^27 would
-# hold 1 GiB and break tests/test_cuda.py's 512 MiB limit (tests/test_memory.py counts it on the CPU).
+# hold 1 GiB and break tests/losses/test_cuda.py's 512 MiB limit (tests/losses/test_memory.py counts it on the CPU).
 DEVICE_BLOCK_ELEMENTS = 2**24
 # "auto" takes the dense path (dense.py: the whole matrix, one autograd Function with its backward written out;
 # for labels, several views and a queue the matrix through autograd) for a call whose matrix has at most this
 # many logits: there a call's time is the host's, a fixed cost per operator, and the dense path launches the
 # fewest (DCL at N = 64: 61 top-level operators image-text against open_clip's ClipLoss's 77, 39 two views
-# against lightly's NTXentLoss's 144; benchmarks/fixed_cost.py, tests/test_dense.py). On CUDA measured on an
+# against lightly's NTXentLoss's 144; benchmarks/fixed_cost.py, tests/losses/test_dense.py). On CUDA measured on an
 # H200 (docs/gpu/NVIDIA-H200/bfloat16-small, the autograd dense path of then): faster than the Triton path at
 # every N measured, up to 2^26 logits (two views N = 4096: 4.9 against 5.9 ms; image-text N = 4096: 3.3 against
 # 5.8). It keeps the float32 matrix from forward to backward and holds up to three more in backward (CACR's
-# four): 1 GiB at 2^26 (tests/test_dense.py counts it).
+# four): 1 GiB at 2^26 (tests/losses/test_dense.py counts it).
 DENSE_AUTO_LOGITS = 2**26
 # On the CPU (and any device but CUDA) up to 2^19 logits (image-text N <= 724, two views N <= 362): beyond it
 # the blockwise kernel's fused passes win (one thread, D = 512, DCL, dense / blockwise time: image-text
@@ -100,7 +100,7 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     operators: see there; CPU_MEAN_DENSE_AUTO_LOGITS for an objective that ``needs_mean``); beyond it on CUDA the
     Triton kernels (triton installed; products in bf16/fp16, ``low``, or float32, not ``float64``: the kernels
     compute in float32), which take the features as given and their inverse norms, so that their memory stays
-    within 1 GiB at N = 262144, D = 512 bf16 (tests/test_memory.py counts it, the operators' own buffers
+    within 1 GiB at N = 262144, D = 512 bf16 (tests/losses/test_memory.py counts it, the operators' own buffers
     included); the blockwise torch kernel everywhere else (the CPU, float64 beyond the dense size). Measured
     on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
     for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 takes the band design's elementwise

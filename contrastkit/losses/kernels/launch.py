@@ -2,7 +2,7 @@
 
 A kernel file names its autotune space per feature itemsize: (tile sizes..., warps, stages, architectures),
 the entries that compile without register spills at D = 512 for those architectures, or that a device
-measured faster (docs/gpu/compile.md, docs/gpu/<device>/kernels.md; tests/test_triton_compile.py asserts the
+measured faster (docs/gpu/compile.md, docs/gpu/<device>/kernels.md; tests/losses/test_triton_compile.py asserts the
 first of each, the production default, spill-free). On CUDA a launch is
 autotuned over the space of its device's architecture (90: Hopper and later, else 80), keyed on the sizes;
 under TRITON_INTERPRET=1 (the CPU tests) it runs the production default (the first entry for sm_90).
