@@ -152,8 +152,8 @@ def _with_logits(fn, forward: str, full_rows: bool = False, fused_triangle: bool
     "auto"); with ``full_rows`` two views' passes over full rows (no triangle in backward or forward), with
     ``fused_triangle`` the fused forward over the triangle (triton_stats.FUSED_TRIANGLE)."""
     def run():
-        from contrastkit.losses import triton_stats
-        from contrastkit.losses.kernels import stats_fwd
+        from contrastkit.losses.triton import stats as triton_stats
+        from contrastkit.losses.triton import stats_fwd
 
         saved = (triton_stats.FORWARD_LOGITS, triton_stats.TRIANGLE_BYTES, stats_fwd.TRIANGLE_BAND_ROWS,
                  triton_stats.FUSED_TRIANGLE)

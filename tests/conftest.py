@@ -48,7 +48,7 @@ def device_path(monkeypatch):
     module asks it, so no value is read on the host and the CPU's fast paths are off. The lazily imported
     Triton module is imported first: imported under the patch, it would keep the patched function for good."""
     import contrastkit.losses.chunked as chunked
-    import contrastkit.losses.triton_stats  # noqa: F401
+    import contrastkit.losses.triton.stats  # noqa: F401
 
     original = chunked.host_checks_allowed
     for name, module in list(sys.modules.items()):

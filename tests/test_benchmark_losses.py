@@ -109,8 +109,8 @@ def test_triton_variants_take_their_paths(monkeypatch):
     none), and the module's settings put back after each call."""
     from types import SimpleNamespace
 
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import stats_fwd
 
     monkeypatch.setattr(triton_stats, "DENSE_BYTES", 0)
     seen = []

@@ -83,7 +83,7 @@ def test_tf32_runs_on_float16_units(monkeypatch):
     """float32 under TF32 takes bf16's passes and products (triton_stats.HALF_UNITS_FOR_TF32, as the code does),
     and adds the units' copies: a read of the float32 features and a write of their float16 units, in forward
     and in backward (two views one input of M rows, image-text two of N)."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     assert triton_stats.HALF_UNITS_FOR_TF32
     for setting, inputs in ((TV, 1), (IT, 2)):
@@ -129,7 +129,7 @@ def test_blocks_are_the_codes():
     """The backward's blocks are the ones contrastkit makes (dlogits.block_shape: float32 logits within
     BAND_BYTES), whatever the budget, which they fit (384 MiB with their 16-bit d logits); until issue 53 the
     model sized them from its budget (7 bands at N = 32768 image-text, 25 two views)."""
-    from contrastkit.losses.kernels import dlogits
+    from contrastkit.losses.triton import dlogits
 
     assert (pm.BAND_BYTES, pm.BAND_MIN_ROWS, pm.TILE) == (dlogits.BAND_BYTES, dlogits.BAND_MIN_ROWS, dlogits.BAND_ALIGN)
     for setting in (TV, IT):
@@ -190,7 +190,7 @@ def test_done_when_at_32768():
 def test_two_views_backward_over_the_triangle_where_dz_fits(monkeypatch):
     """The model's triangle is the code's: the same bound on dZ's float32 sum (N <= 65536 at D = 512), the
     band paths only; over R row blocks it recomputes (R + 1) / 2R of the matrix and keeps the products whole."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     assert pm.TRIANGLE_BYTES == triton_stats.TRIANGLE_BYTES
     assert pm.triangle("band", TV, 65536, 512) and not pm.triangle("band", TV, 65537, 512)
@@ -215,8 +215,10 @@ def test_two_views_forward_over_the_triangle(monkeypatch, device_path):
     import torch
     from test_device_path import _operators
 
-    from contrastkit.losses import build_loss, triton_stats
-    from contrastkit.losses.kernels import stats_fwd
+    from contrastkit.losses import build_loss
+
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import stats_fwd
 
     assert pm.TRIANGLE_BAND_ROWS == stats_fwd.TRIANGLE_BAND_ROWS
     assert pm.FUSED_TRIANGLE == triton_stats.FUSED_TRIANGLE

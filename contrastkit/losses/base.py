@@ -791,7 +791,7 @@ class ContrastiveLoss(Objective):
         ``partners`` are given, and then (stats, pos), see negative_terms; ``labels`` and ``same_label``: pairs
         left out by label, see chunked.negative_stats)."""
         if plan.path == "triton":
-            from contrastkit.losses.triton_stats import negative_stats_triton
+            from contrastkit.losses.triton.stats import negative_stats_triton
 
             low = plan.operands
             if low is not None and anchors.dtype != low:  # features given by a caller outside the settings

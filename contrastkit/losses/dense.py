@@ -13,7 +13,7 @@ one backward written out by hand, each a short straight run of operators:
 
 The objective supplies only its formula and its partial derivatives (``logit_terms`` of each loss class, from
 functional.py: functional.LogitTerms); the setting supplies which entries are each anchor's positive and which are left out, as flat
-indices made once per shape and device (``layout``). The blockwise paths (chunked.py, triton_stats.py) serve
+indices made once per shape and device (``layout``). The blockwise paths (chunked.py, triton/stats.py) serve
 the matrices that do not fit (plan.choose_backend).
 """
 

@@ -144,7 +144,7 @@ def normalization_backward(pre: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 def half_units(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """x_i / ||x_i|| in float16 from x [rows, D] and its rows' inverse norms [rows] (inverse_norms): the float32
     product rounded once, no float32 copy made. What the Triton path's products take for float16 features and
-    for float32 ones under TF32 (triton_stats.FLOAT16_UNITS, HALF_UNITS_FOR_TF32). An operator of its own, so that torch.compile keeps the
+    for float32 ones under TF32 (triton.stats.FLOAT16_UNITS, HALF_UNITS_FOR_TF32). An operator of its own, so that torch.compile keeps the
     rounding (Inductor drops a float16 round trip inside a fused kernel: emulate_precision_casts)."""
     return torch.mul(x, inv[:, None], out=x.new_empty(x.shape, dtype=torch.float16))
 
@@ -230,7 +230,7 @@ def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True, units1
     float32 unit vectors would give it, from features in any dtype, keeping for backward only 12 bytes a row
     (the rows' divisors and the cosine: backward then needs no norms again). units16 (with normalize): from
     the unit vectors rounded to float16, as the Triton path's products take float16 features and float32 ones
-    under TF32 (the plan's half_units, triton_stats.route), so that a positive inside a row's lse cancels as the dense loss's
+    under TF32 (the plan's half_units, triton.stats.route), so that a positive inside a row's lse cancels as the dense loss's
     does, whose positive is a logit of the same products."""
     return _RowCosines.apply(a, b, normalize, units16 and normalize)
 

@@ -60,7 +60,7 @@ class Plan(NamedTuple):
     "autograd" (the whole matrix through autograd: labels, several views or keys, a queue, or an objective
     without the written-out form); on "torch" "fast" (the CPU's sampled shifts, values checked on the host)
     or "exact" (no host read: CUDA, torch.compile); on "triton" where the forward's logits come from
-    (triton_stats.LOGITS: "dense", "cublas" or "kernel"), with TF32 and float16 unit vectors decided there too."""
+    (triton.stats.LOGITS: "dense", "cublas" or "kernel"), with TF32 and float16 unit vectors decided there too."""
 
     setting: str  # one of SETTINGS
     path: str  # "dense" | "torch" | "triton"
@@ -69,7 +69,7 @@ class Plan(NamedTuple):
     operands: torch.dtype | None  # what the Triton products take where it is bfloat16 or float16, else None
     host_checks: bool  # values may be read on the host (eager calls on the CPU)
     tf32: bool  # the Triton path's float32 products may use TF32 (torch's setting, and the GPU has it)
-    half_units: bool  # the Triton path's products take float16 unit vectors (triton_stats.route)
+    half_units: bool  # the Triton path's products take float16 unit vectors (triton.stats.route)
     anchors: int  # M: the rows of the call's matrix (this process's)
     candidates: int  # K: its columns (every process's where gathered)
     block: int  # the blockwise torch kernel's anchors per block (0 on the other paths)
@@ -105,7 +105,7 @@ def choose_backend(requested: str, chunk_size: int | None, device_type: str = "c
     on an H100 (docs/gpu/NVIDIA-H100-80GB-HBM3): in bf16 the Triton path ran 2.1-3.2x the torch kernel's speed
     for two views, 5.6-6.9x for image-text at N = 32768, D = 512. float32 takes the band design's elementwise
     kernels on cuBLAS's products, and where TF32 is allowed (sm_80 and later) runs as float16 on its unit vectors
-    (triton_stats.HALF_UNITS_FOR_TF32: TF32's 10 mantissa bits at the 16-bit rate), which
+    (triton.stats.HALF_UNITS_FOR_TF32: TF32's 10 mantissa bits at the 16-bit rate), which
     docs/performance.md's model predicts faster than the torch kernel's float32 passes; not measured yet. A
     chunk_size asks for the torch kernel's blocks. Labels run on every path (the Triton kernels mask by
     label in their elementwise passes)."""
@@ -179,9 +179,9 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
         if not triton_available():
             raise RuntimeError(f"{name}: backend='triton' needs the triton package (pip install triton), and on "
                                "CPU tensors TRITON_INTERPRET=1 set before triton is imported")
-        from contrastkit.losses import triton_stats
+        from contrastkit.losses.triton import stats
 
-        triton = triton_stats.FORWARD_LOGITS, precision.tf32_matmul_allowed()
+        triton = stats.FORWARD_LOGITS, precision.tf32_matmul_allowed()
     key = (name, options, setting, anchors, candidates, float64, low, kind, host_checks, fused, path, triton)
     compiling = torch.compiler.is_compiling()
     found = None if compiling else _PLANS.get(key)
@@ -196,7 +196,7 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
         block, keep = blocking(kind, candidates, chunk_size)
         route = "fast" if host_checks else "exact"
     else:
-        route, tf32, half_units = triton_stats.route(anchors, candidates, low or compute, normalize, first.device)
+        route, tf32, half_units = stats.route(anchors, candidates, low or compute, normalize, first.device)
     plan = Plan(setting, path, route, compute, low if path == "triton" else None, host_checks, tf32, half_units,
                 anchors, candidates, block, keep)
     if not compiling:

@@ -219,9 +219,9 @@ def test_two_view_forward_over_the_triangle_at_production_size(monkeypatch, forw
     each row leaving out itself and its other view: the statistics over the upper triangle against the float64
     ones of the same bf16 features, and against the same kernels over full rows. The fused kernel's triangle
     (FUSED_TRIANGLE, off by default until a GPU table shows it correct and faster) is what this proves."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import stats_fwd
-    from contrastkit.losses.triton_stats import negative_stats_triton
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import stats_fwd
+    from contrastkit.losses.triton.stats import negative_stats_triton
 
     g = torch.Generator(device="cuda").manual_seed(3)
     z = torch.randn(8192, 512, device="cuda", generator=g).bfloat16()
@@ -250,8 +250,8 @@ def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
     over the upper triangle, each band's partials a group of their own, backward blocks of 1024 rows; CACR's
     mean. The compiled call (fullgraph; aot_eager: the tracing and functionalisation of the launches, without
     Inductor's code generation, in the device session's budget) equals eager."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import dlogits, stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import dlogits, stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)

@@ -248,7 +248,7 @@ def _operators(call, monkeypatch) -> int:
     from test_memory import triton_ops
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from contrastkit.losses.kernels import launch
+    from contrastkit.losses.triton import launch
 
     count = [0]
     monkeypatch.setattr(launch, "run", lambda *args, **kwargs: count.__setitem__(0, count[0] + 1))

@@ -109,7 +109,7 @@ def triton_launches_excused(monkeypatch):
     from test_memory import triton_ops
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from contrastkit.losses.kernels import launch
+    from contrastkit.losses.triton import launch
 
     original = launch.run
 

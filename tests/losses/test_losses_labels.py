@@ -134,7 +134,7 @@ def test_bad_labels_are_named():
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("kind,mode", CASES)
 def test_labels_on_the_triton_backend(kind, mode, setting):
-    """backend="triton" (under the interpreter on CPU) masks by label in its kernels (kernels/common.
+    """backend="triton" (under the interpreter on CPU) masks by label in its kernels (triton/common.
     kept_by_label): float32 features against the float64 reference, every objective, mode and setting."""
     seed = hash((kind, mode, setting, "triton")) % 2**31
     x, given = _inputs(seed, setting)

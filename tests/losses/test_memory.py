@@ -215,7 +215,7 @@ def test_dense_keeps_its_matrix_and_the_band_path_none(monkeypatch, setting):
     nothing else more than the band form (N = 4096, D = 512 bf16: two views' [8192, 8192] matrix is 256 MiB,
     within DENSE_BYTES). Counted on the meta device, where the kernels' launches are skipped; the operators'
     own temporaries (a band's logits and d logits) are not seen by this counter, only what they return."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     n, d = 4096, 512
     rows = 2 * n if setting == "two_views" else n
@@ -234,7 +234,7 @@ def test_triton_path_keeps_at_most_two_rows_a_row(monkeypatch, name, setting):
     """The Triton path (band form, N = 16384, D = 512 bf16) keeps from forward to backward at most 2 rows of
     the inputs' dtype and 64 bytes per input row: its unit vectors in bf16 and their inverse norms, no float32
     copy (was 3 KiB a row: a float32 and a bf16 copy); the positives' cosines come from the features as given."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
     n, d = 16384, 512
@@ -247,7 +247,7 @@ def test_triton_path_keeps_at_most_two_rows_a_row(monkeypatch, name, setting):
 def triton_ops():
     """The Triton path's operators with their Python bodies (under the interpreter, custom ops whose launches
     the meta device skips), so that count() sees the bands' buffers they allocate inside."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     return {f"contrastkit::{name}": getattr(triton_stats, f"_{name}")._init_fn
             for name in ("negative_stats", "negative_stats_backward")}
@@ -256,7 +256,7 @@ def triton_ops():
 def test_the_counter_sees_inside_the_triton_ops(monkeypatch):
     """Counting inside the operators adds the backward's float32 band of logits (it is allocated there and
     returned by nothing): two views at N = 4096, D = 512 bf16, the band path."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "cublas")
     loss = _counted(build_loss("dcl", backend="triton"), "two_views")
@@ -275,7 +275,7 @@ def test_triton_path_within_one_gib_at_262144(monkeypatch, forward, name, settin
     the inputs' dtype (two views: their stack) and 64 bytes per input row. The kernels take the features as
     given and their inverse norms, so neither unit vectors nor their gradient exist, and the forward's split
     partials are combined per launch: peaks of 957-963 MiB (1517-1767 MiB before, at 8302646)."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
     n, d = 262144, 512
@@ -293,7 +293,7 @@ def test_triangle_within_one_gib_at_its_bound(monkeypatch, forward):
     TRIANGLE_BYTES (256 MiB, N = 65536 at D = 512 bf16; beyond, full rows), and there the peak stays within
     1 GiB (807 MiB, against full rows' 551), nothing more kept from forward to backward; the fused forward over
     the triangle too (FUSED_TRIANGLE: its columns' partials)."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
@@ -314,7 +314,7 @@ def test_fake_tensors_before_torch_2_13_write_then_add(monkeypatch, setting):
     """addmm with out_dtype fails under fake tensors before torch 2.13 (the GPU machine's 2.11 compiling the
     loss): there the bf16 products' float32 sums are written by mm, then added. The meta device takes that
     path too here, at most one product's float32 [rows, D] more at the peak."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     n, d = 4096, 512
     peaks, products, written = {}, {}, []

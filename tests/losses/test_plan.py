@@ -111,10 +111,11 @@ def test_plans_are_cached_and_never_stale(monkeypatch):
 
 def test_triton_plan_takes_autocast_and_its_route(monkeypatch):
     """On the Triton path (emulated here: its choice is CUDA's) the products take autocast's dtype or the
-    features' bf16/fp16, and the forward's route is triton_stats.forward_route's: the dense logits where the
+    features' bf16/fp16, and the forward's route is triton.stats.route's: the dense logits where the
     float32 matrix fits, the fused kernel for 16-bit operands beyond, cuBLAS's products for float32."""
     pytest.importorskip("triton")
-    from contrastkit.losses import precision, triton_stats
+    from contrastkit.losses import precision
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(plan_module, "triton_available", lambda: True)
     fn = build_loss("dcl", backend="triton")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contrastkit.losses.kernels import dlogits, launch
+from contrastkit.losses.triton import dlogits, launch
 
 pytestmark = [pytest.mark.quick, pytest.mark.legacy]  # the kernels under triton 3.5.1 / torch 2.9.1 too
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of the negatives' statistics (losses/triton_stats.py) against dense float64 references
+"""The Triton kernels of the negatives' statistics (losses/triton/stats.py) against dense float64 references
 written from the formula: values and gradients of anchors, candidates and a learnable scale. On CPU they run
 under Triton's interpreter (conftest.py sets TRITON_INTERPRET), on CUDA unchanged; small shapes and 16-wide
 tiles keep the interpreter quick, and leave partial tiles in every dimension (37 = 16 + 16 + 5 rows,
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contrastkit.losses.triton_stats import negative_stats_triton
+from contrastkit.losses.triton.stats import negative_stats_triton
 
 pytestmark = pytest.mark.legacy  # the kernels under triton 3.5.1 / torch 2.9.1 too
 
@@ -51,7 +51,7 @@ def logits_from(request, monkeypatch):
     backward's logits recomputed per block by cuBLAS (two views then take one product of dL + dL^T), or
     written whole once in forward and read back in backward (dense). Tests without it run the defaults
     ("auto": dense at these sizes)."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", request.param)
     return request.param
@@ -142,8 +142,8 @@ def test_two_views_far_apart(monkeypatch, forward):
     """Scale 100, one sample of 20 opposite the others (both views): its row's lse ~200 below the tile
     maxima, past the forward's one-exp-per-logit window over the triangle (common.tile_exp), whose columns' partials (that sample's column) then take their own exps: exact still
     (one exp per logit there would overflow)."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")  # the default here is dense: no triangle
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
@@ -223,7 +223,7 @@ def test_columns_far_below_zero():
 
 def test_columns_far_apart():
     """Scale 100, every image near u, half the captions near u and half near -u: tiles whose columns' maxima
-    lie ~200 apart, past the one-exp-per-logit window (kernels/common.tile_exp): those take their own exps,
+    lie ~200 apart, past the one-exp-per-logit window (triton/common.tile_exp): those take their own exps,
     exact still (one exp per logit there would overflow)."""
     g = torch.Generator().manual_seed(17)
     u = _features(g, 1, 24)
@@ -292,7 +292,7 @@ def test_dot_precision_follows_the_tf32_setting(monkeypatch, float32_precision, 
     flag or torch >= 2.9's fp32_precision (after which reading the legacy flag raises: issue 23's crash);
     float16: float16 products, never TF32. The fused forward, the one kernel with products inside (the d logits
     kernel reads cuBLAS's, which follow torch's own setting). The kernels still run."""
-    from contrastkit.losses.kernels import launch
+    from contrastkit.losses.triton import launch
     from contrastkit.losses.precision import tf32_matmul_allowed
 
     seen, run = [], launch.run
@@ -336,8 +336,8 @@ def test_labels_two_views_same_tensor(same_label, as_given, logits_from, monkeyp
     """Two views on one process with labels: one array of ids for the one tensor, the symmetric backward's
     transposed term and the forward's mirrored entries (over the triangle, in bands of 16 rows) masked by the
     columns' own ids (the fused forward, cublas, dense)."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import stats_fwd
 
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16)
@@ -354,7 +354,7 @@ def test_labels_two_views_same_tensor(same_label, as_given, logits_from, monkeyp
 def test_labels_in_bands_at_production_tiles(monkeypatch, logits_from):
     """Labels at D = 512, the production tiles, blocks of 128 x 128 and forward launches of 128 rows (the
     buffers' bounds made small), bf16: every band and split masks by its own rows' and columns' ids."""
-    from contrastkit.losses.kernels import dlogits, stats_fwd
+    from contrastkit.losses.triton import dlogits, stats_fwd
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
@@ -426,8 +426,8 @@ def small_buffers(request, monkeypatch):
     blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile, their partials
     combined per launch, and two views' forward over the upper triangle in bands of one row tile (the fused
     kernel's too: FUSED_TRIANGLE)."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import dlogits, stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import dlogits, stats_fwd
 
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
 
@@ -472,7 +472,7 @@ def test_one_tensor_as_image_and_text(small_buffers, as_given, logits_from):
 def two_view_backward(request, monkeypatch):
     """Two views' backward in the band design: over the upper triangle (the default where dz's float32 sum
     fits TRIANGLE_BYTES) or over full rows (beyond it)."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "TRIANGLE_BYTES", 2**62 if request.param == "triangle" else 0)
     return request.param
@@ -499,8 +499,8 @@ def test_two_views_in_bands(small_buffers, two_view_backward, dtype, with_mean, 
 def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
     """Two views' backward over the upper triangle writes each band's logits from its first row on (40 rows
     in bands of 16: 16 x 40 + 16 x 24 + 8 x 8 = 1088 logits), against the full rows' 40 x 40 = 1600."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import dlogits
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import dlogits
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
@@ -525,8 +525,8 @@ def test_forward_visits_the_upper_triangle_only(monkeypatch, forward, fused_tria
     rows in bands of 16 take 16 x 40 + 16 x 24 + 8 x 8 = 1088 logits (cuBLAS's products, or the kernel's
     columns), against one band's 40 x 40 = 1600 where the band holds every row; image-text (columns) takes
     every column in each band. The fused kernel only where FUSED_TRIANGLE (off: full rows, 1600)."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import launch, stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import launch, stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", fused_triangle)
@@ -565,8 +565,8 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import dlogits, launch, stats_fwd
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import dlogits, launch, stats_fwd
 
     assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
     assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64)
@@ -603,7 +603,7 @@ def test_production_configuration_equals_float64_reference(monkeypatch, as_given
 def test_dense_keeps_the_logits_and_backward_reads_them(monkeypatch, forward):
     """The dense path: cuBLAS writes the whole matrix once in forward and backward reads it back (no product
     written in backward); the band path recomputes each block in backward. Two views and image-text."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     calls = []
     write = triton_stats._write_product
@@ -623,7 +623,7 @@ def test_dense_keeps_the_logits_and_backward_reads_them(monkeypatch, forward):
 def tf32(float32_precision, monkeypatch):
     """TF32 allowed for float32 matmuls (the legacy flag, as open_clip_train sets it), and the shapes of the
     float16 unit vectors the products then take (functional.half_units), as the calls make them."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     torch.backends.cuda.matmul.allow_tf32 = True
     made, half = [], triton_stats.half_units
@@ -676,7 +676,7 @@ def test_float16_on_units_in_bands(small_buffers, two_view_backward, setting, lo
     dense path (FLOAT16_UNITS), made once in forward and once in backward: two views with CACR's mean and
     asymmetric exclusions, image-text at a logit scale of 100, in bands or blocks, exact for the rounded
     units (_compare_units)."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     made, half = [], triton_stats.half_units
     monkeypatch.setattr(triton_stats, "half_units", lambda x, inv: made.append(tuple(x.shape)) or half(x, inv))
@@ -700,7 +700,7 @@ def test_float16_features_of_any_norm(monkeypatch, norm, scale, weight):
     0.003 with near-duplicates at scale 100 (p ~ 1 times ~ 1e5 overflowed to inf) both within 2e-3 of the
     float64 gradient of the same features (5e-4 and 1.1e-3 measured). The upstream gradient is a
     GradScaler's: 2^16 where the features' own gradients are small, 1 where they are large."""
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     g = torch.Generator().manual_seed(23)
     base = torch.nn.functional.normalize(torch.randn(64, 32, generator=g, dtype=torch.float64), dim=1)
@@ -785,7 +785,8 @@ def test_before_sm80_products_on_cublas(tf32, monkeypatch, dtype):
     the one sm_80 makes with those settings: forward "cublas" (fp16), TF32 off (float32, and bfloat16's
     float32 copy, its gradient rounded back to bfloat16). On sm_80 and later (the default here) the same call
     takes the fused kernel, and float32 the units."""
-    from contrastkit.losses import precision, triton_stats
+    from contrastkit.losses import precision
+    from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "DENSE_BYTES", 0)  # beyond the dense bound
     fused = []

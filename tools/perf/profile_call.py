@@ -71,7 +71,8 @@ def _labelled(fn, name):
 def label_passes() -> contextlib.ExitStack:
     """The loss code's pass boundaries marked (its module attributes wrapped, restored on exit): cuBLAS's
     products, the forward statistics, the d logits, the normalisation and the positives."""
-    from contrastkit.losses import base, triton_stats
+    from contrastkit.losses import base
+    from contrastkit.losses.triton import stats as triton_stats
 
     stack = contextlib.ExitStack()
     wrap = {(triton_stats, "_write_product"): "products", (triton_stats, "_add_product"): "products",
@@ -150,8 +151,8 @@ def count(call) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from contrastkit.losses import triton_stats
-    from contrastkit.losses.kernels import launch
+    from contrastkit.losses.triton import stats as triton_stats
+    from contrastkit.losses.triton import launch
 
     totals = {p: dict(operators=0, launches=0, bytes=0, flops=0) for p in PASSES}
 
@@ -286,7 +287,7 @@ def predicted(setting: str, n: int, d: int, rate: dict) -> tuple[str, dict]:
         setattr(pm, name, value)
     tv = setting == "two-view"
     m = 2 * n if tv else n
-    from contrastkit.losses import triton_stats
+    from contrastkit.losses.triton import stats as triton_stats
 
     path = "dense" if m * m * 4 <= triton_stats.DENSE_BYTES else "band+fwd"
     parts = pm.by_pass(path, pm.TWO_VIEW if tv else pm.IMAGE_TEXT, n, d)
@@ -387,7 +388,8 @@ def cuda_path_here(set_attr=setattr) -> None:
     """On the CPU or the meta device, the call takes the path it takes on CUDA beyond the dense sizes: auto's
     Triton backend (its choice on CUDA only), and within it the fused forward, not the dense logits (set_attr:
     how, e.g. a test's monkeypatch.setattr)."""
-    from contrastkit.losses import plan, triton_stats
+    from contrastkit.losses import plan
+    from contrastkit.losses.triton import stats as triton_stats
 
     choose = plan.choose_backend
     set_attr(plan, "DENSE_AUTO_LOGITS", 0)

@@ -67,12 +67,12 @@ def compile_kernel(case: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from contrastkit.losses.kernels import launch
+    from contrastkit.losses.triton import launch
 
     if launch.INTERPRETED:
         raise SystemExit("error: run with TRITON_INTERPRET=0 (the interpreter's kernels cannot be compiled)")
     module_name, pointers, unit, variant = KERNELS[case["kernel"]]
-    module = importlib.import_module(f"contrastkit.losses.kernels.{module_name}")
+    module = importlib.import_module(f"contrastkit.losses.triton.{module_name}")
     kernel = getattr(module, module_name)
     *sizes, warps, stages = case["config"]
     d, dtype, columns = case["d"], DTYPES[case["dtype"]], bool(case.get("columns"))
@@ -126,7 +126,7 @@ def _shapes(kernel: str, d: int, dtype: str, arch: int) -> list[tuple]:
     """The autotune space of a kernel as (sizes..., warps, stages)."""
     import importlib
 
-    module = importlib.import_module(f"contrastkit.losses.kernels.{KERNELS[kernel][0]}")
+    module = importlib.import_module(f"contrastkit.losses.triton.{KERNELS[kernel][0]}")
     space = module.triangle_space if kernel.startswith("fwd") and "triangle" in kernel else module.space
     return [tuple(c.kwargs.values()) + (c.num_warps, c.num_stages) for c in space(d, ITEMSIZE[dtype], arch)]
 
@@ -143,11 +143,11 @@ FP16 = {90: ("two-view-band", "fwd", "fwd-band", "fwd-triangle", "fwd-band-trian
         80: ("fwd", "fwd-band", "fwd-triangle", "fwd-band-triangle", "dlogits-band")}
 
 
-# GPUs before sm_80 (Turing's T4 at sm_75; Volta alike) launch sm_80's entries (kernels/launch.py). There the
+# GPUs before sm_80 (Turing's T4 at sm_75; Volta alike) launch sm_80's entries (triton/launch.py). There the
 # default path is the band design (precision.ampere_or_later): its elementwise kernels in float16 (autocast's dtype
 # there) and float32 (no TF32); the fused forward beside them shows why (triton lowers its products to FMA).
 PRE_AMPERE = 75
-# Blackwell launches sm_90's entries (kernels/launch.py): sm_100 (B200: tcgen05) and sm_120 (RTX 50 series:
+# Blackwell launches sm_90's entries (triton/launch.py): sm_100 (B200: tcgen05) and sm_120 (RTX 50 series:
 # mma.sync, 99 KiB of shared memory per block); the default path's kernels in bf16.
 BLACKWELL = (100, 120)
 

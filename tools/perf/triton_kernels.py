@@ -27,8 +27,8 @@ import sys
 import torch
 import triton
 
-from contrastkit.losses import triton_stats
-from contrastkit.losses.kernels import dlogits, launch, stats_fwd
+from contrastkit.losses.triton import stats as triton_stats
+from contrastkit.losses.triton import dlogits, launch, stats_fwd
 
 KERNELS = ("stats_fwd", "two_view_backward", "dlogits", "band_products")
 

@@ -3,7 +3,7 @@
 Anchors a [M, D], candidates b [K, D], logits L = scale a b^T, each row's excluded columns left out.
 Per row: lse_i = log sum_k exp(L_ik) (InfoNCE, DCL Eq. 6, DCLW, EqCo) and, for CACR's repulsion (Sec. 3.2),
 mean_i = sum_k p_ik L_ik / scale with p = softmax(L_i); with ``columns`` (CLIP, a square matrix) also each
-column's lse. The [M, K] matrix is never stored whole. The kernels, one per file (losses/kernels/):
+column's lse. The [M, K] matrix is never stored whole. The kernels, one per file (losses/triton/):
 
 - forward (stats_fwd.py): one pass, an online maximum per row (exact whatever the logits' range, no shift
   to guess); image-text's columns from the same pass, as partial lse per row tile combined by a logsumexp;
@@ -31,7 +31,7 @@ fastest (docs/gpu/NVIDIA-H200/README.md). Cost in [M, K, D] matrix products (doc
 
 Small M (few row tiles) splits the other axis over programs (flash-decoding style), each split's partial
 statistics (or gradients, in float32) combined by a few torch ops. On CUDA the tiles, warps and pipeline
-stages are autotuned (kernels/launch.py); under TRITON_INTERPRET=1 (the CPU tests) the production default.
+stages are autotuned (triton/launch.py); under TRITON_INTERPRET=1 (the CPU tests) the production default.
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
 (precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has
@@ -57,9 +57,9 @@ from torch._subclasses.fake_tensor import is_fake
 from contrastkit.losses import precision
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
 from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward, projection_weights
-from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.dlogits import block_shape, write_dlogits
-from contrastkit.losses.kernels.stats_fwd import forward_stats
+from contrastkit.losses.triton import launch
+from contrastkit.losses.triton.dlogits import block_shape, write_dlogits
+from contrastkit.losses.triton.stats_fwd import forward_stats
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = launch.INTERPRETED
@@ -133,7 +133,7 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
     """(the statistics, the float32 logits kept for backward: the dense path, else empty); b None: the
     candidates are a (two views on one process); inv_a, inv_b: the rows' inverse norms where a and b are the
     features as given (the kernels normalise), else None; ids_a, ids_b, labels: the samples' ids and the
-    kernels' LABELS (kernels/common.kept_by_label; 0: none)."""
+    kernels' LABELS (triton/common.kept_by_label; 0: none)."""
     a, b, inv_a, inv_b, tf32, _ = _operands(a, b, inv_a, inv_b, tf32)
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
     # L symmetric: its upper triangle (the fused kernel's only where FUSED_TRIANGLE)

@@ -1,11 +1,11 @@
 """Backward's d loss / d logits for a block of rows and columns, from the block's float32 logits (cuBLAS's
 recompute, or the dense path's kept ones) and the saved statistics, written once: an elementwise pass, no
-product inside. Two cuBLAS products read it (triton_stats.py), so dA and dB come from one recompute
+product inside. Two cuBLAS products read it (triton/stats.py), so dA and dB come from one recompute
 (image-text and query/queue: 1 recompute + 2 products; two views: 1 + 1, of dL + dL^T).
 
 dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
 buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the
-columns. The logit scale and the factor go on the products' float32 sums once, at the end (triton_stats).
+columns. The logit scale and the factor go on the products' float32 sums once, at the end (stats.py).
 The blocks are bounded by their float32 logits, at most BAND_BYTES (256 MiB; block_shape): at N = 32768
 image-text, 16 bands of 2048 rows and every column; two views at N = 32768 (65536 rows) and anything past
 65536 rows, square blocks of 8192 x 8192.
@@ -18,8 +18,8 @@ import math
 import triton
 import triton.language as tl
 
-from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import (EXCLUDED, anchor_dlogits, column_dlogits, inverse_norms,
+from contrastkit.losses.triton import launch
+from contrastkit.losses.triton.common import (EXCLUDED, anchor_dlogits, column_dlogits, inverse_norms,
                                                kept_by_label, scaled, tile_exp, valid)
 
 BAND_BYTES = 2**28
@@ -66,12 +66,12 @@ def dlogits(dl_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_a_ptr, i
     SYMMETRIC (two views, a = b): dl = dL' + dL'^T on the block, the term dL'_ki from row k's statistics and
     exclusions (L is symmetric), so that one product gives dz; ds from dL' alone. TRIANGLE (with SYMMETRIC: the band
     design's two views over the upper triangle, the columns from the band's first row on,
-    triton_stats._triangle_gradients): the entries (k, r) below the diagonal are never visited, so ds sums H = dL' +
+    triton.stats._triangle_gradients): the entries (k, r) below the diagonal are never visited, so ds sums H = dL' +
     dL'^T times a.b over the columns past the band (k >= R1) and H / 2 on the band's own square (the first block's
     columns R0:R1, which holds both (r, k) and (k, r)). NORMALIZE: a and b are the features as given, the logits
     scale (a.b) inv_a inv_b (common.scaled), ds sums dL' times those cosines, and dl is written times inv_a inv_b,
     so that cuBLAS's products of it with the features are the gradients with respect to the unit vectors, times the
-    rows' inverse norms (triton_stats applies the normalisation's projection after). LABELS: pairs also left out by
+    rows' inverse norms (stats.py applies the normalisation's projection after). LABELS: pairs also left out by
     the samples' ids (common.kept_by_label; two views: one array of ids, the transposed term's too)."""
     rows = (R0 + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     start = C0 + tl.program_id(1) * SPLIT

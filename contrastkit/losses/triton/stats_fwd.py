@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from contrastkit.losses.kernels import launch
-from contrastkit.losses.kernels.common import (EXCLUDED, dots, inverse_norms, kept_by_label, resident, scaled,
+from contrastkit.losses.triton import launch
+from contrastkit.losses.triton.common import (EXCLUDED, dots, inverse_norms, kept_by_label, resident, scaled,
                                                tile_exp, valid)
 
 PARTIAL_BYTES = 2**27
