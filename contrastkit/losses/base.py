@@ -18,8 +18,8 @@ from torch import nn
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
 from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
 from contrastkit.losses.dense import dense_loss, layout
-from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Terms, _over_positives, normalize_rows,
-                                           row_cosines, softmax_mean)
+from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Partial, Terms, _over_positives,
+                                           normalize_rows, row_cosines, softmax_mean)
 from contrastkit.losses.plan import Plan, make_plan
 
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
@@ -121,6 +121,12 @@ def require_negatives(name: str, left: torch.Tensor) -> None:
     elif left.is_cuda and not torch.compiler.is_compiling():
         torch._assert_async((left >= 1).all(), f"{name}: an anchor has no negative left (every candidate shares "
                             "its label)")
+
+
+def _per_anchor(d, like: torch.Tensor) -> torch.Tensor:
+    """A partial derivative (a tensor [M, P] or [M, 1], or a number) as one per anchor [M], averaged over the
+    positives (``like``: [M, 1])."""
+    return _over_positives(d) if isinstance(d, torch.Tensor) else torch.full_like(like[:, 0], d)
 
 
 def _counts(num_neg, like: torch.Tensor) -> torch.Tensor:
@@ -309,52 +315,82 @@ class ContrastiveLoss(Objective):
             raise ValueError(f"{self.name}: same_label='positive' needs the objective's form with several positives "
                              "sharing one denominator (label_terms, SupCon's); a formula alone takes same_label='mask'")
 
-    # Subclasses define default_logit_scale and either formula (a user's own objective: "Your own objective" in
-    # the guide) or the forms written out below (stat_terms, logit_terms; stat_grad and label_terms optional).
+    # An objective is its per-anchor formula: ``formula`` alone (its partial derivatives by torch.func: an
+    # objective of one's own, docs/own-objective.md), or ``terms``, the formula with its partial derivatives
+    # written beside it (InfoNCE, DCL, EqCo). Every path and setting take it from there (stat_terms, logit_terms,
+    # stat_grad below); label_terms is the form with several positives sharing one denominator (same_label=
+    # "positive"). CACR, whose loss depends on the scale beside its logits, writes the three forms itself.
     def default_logit_scale(self) -> float:
         """The factor on cosines where no ``logit_scale=`` is given: 1 / temperature (CACR: 2 t_neg)."""
         raise NotImplementedError
 
-    def formula(self, p: torch.Tensor, l: torch.Tensor, k: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    def formula(self, p, l, k, m=None) -> torch.Tensor:
         """An objective's loss per (anchor, positive) from ``p``, the positive's logit (the scale times its
         cosine), ``l``, the log-sum-exp of the anchor's negatives' logits, ``k``, how many negatives it has, and
         (where ``needs_mean``) ``m``, their softmax-weighted mean logit: tensors of one shape, or broadcasting
         (several positives per anchor: p [M, P], the others [M, 1]; the loss averages over the positives). The
         one form an objective of one's own writes: every setting and path takes it, its partial derivatives
-        from autograd (_derived). InfoNCE's is softplus(l - p), DCL's l - p."""
-        raise NotImplementedError
+        by torch.func (_derived). InfoNCE's is softplus(l - p), DCL's l - p."""
+        if type(self).terms is ContrastiveLoss.terms:
+            raise NotImplementedError
+        return self.terms(p, l, k, m)[0]
+
+    def terms(self, p, l, k, m=None) -> tuple[torch.Tensor, Partial, Partial, Partial]:
+        """(the formula's loss, the positive's pull -d/dp, d/dl, d/dm) at (p, l, k, m), each derivative a tensor,
+        a number, or None for zero: written out by an objective that has them in closed form (k then as given:
+        a number, or [M] where labels leave out some negatives), else derived from ``formula``."""
+        return self._derived(p, l, _counts(k, l), m)
 
     @property
     def _has_formula(self) -> bool:
-        return type(self).formula is not ContrastiveLoss.formula
+        return type(self).formula is not ContrastiveLoss.formula or type(self).terms is not ContrastiveLoss.terms
 
-    def _formula(self, p, l, k, m):
-        return self.formula(p, l, k, m) if self.needs_mean else self.formula(p, l, k)
+    def _counts_for(self, k, like):
+        """k as ``formula`` takes it: a tensor for a formula alone (docs/own-objective.md), as given for terms."""
+        if type(self).terms is ContrastiveLoss.terms:
+            return _counts(k, like)
+        return k.view(like.shape) if isinstance(k, torch.Tensor) else k
+
+    def _weighted(self, p, cosines):
+        """p times the positives' weights (DCLW's, of their ``cosines``), and the weights (None: none)."""
+        if type(self).positive_weight is ContrastiveLoss.positive_weight:
+            return p, None
+        weight = self.positive_weight(cosines)
+        return p if weight is None else weight * p, weight
 
     def stat_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
                    scale) -> Terms:
         """Per-anchor terms from positive cosines [M, P] and the negatives' statistics: neg_lse [M], the
         logsumexp of their logits (cosines times ``scale``), and, where ``needs_mean``, neg_mean [M], their
-        softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor. From ``formula``
-        where the objective writes one: the loss and the diagnostics' generic forms (the positive's term -p,
-        the negatives' the rest, InfoNCE's q_B)."""
+        softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor. The loss from the
+        formula (through autograd), the diagnostics: the positive's term -p (weighted), the negatives' the rest,
+        and InfoNCE's q_B = sigmoid(l - p) (DCL paper, Prop. 1)."""
         if not self._has_formula:
             raise NotImplementedError
         p, l = pos * scale, neg_lse[:, None]
         m = None if neg_mean is None else neg_mean[:, None] * scale
-        loss = _over_positives(self._formula(p, l, _counts(num_neg, l), m))
-        pos_term = -_over_positives(p).detach()
+        weighted, _ = self._weighted(p, pos)
+        args = (weighted, l, self._counts_for(num_neg, l)) + (() if m is None else (m,))
+        loss = _over_positives(self.formula(*args))
+        pos_term = -_over_positives(weighted).detach()
         npc = _over_positives(torch.sigmoid(l - p)).detach()
         return Terms(loss, pos_term, loss.detach() - pos_term, npc)
 
     def stat_grad(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
                   scale) -> torch.Tensor:
-        """d loss_i / d neg_lse_i (and, where ``needs_mean``, d loss_i / d neg_mean_i) per anchor, [S, M],
-        where the objective has it in closed form (arguments as for stat_terms). With it the blockwise
-        kernel does backward's matrix products during forward, each block while it is in cache, and
-        keeps no block for backward; backward checks that its gradient is this one times a constant, and
-        recomputes otherwise. Subclasses without it: blocks kept or recomputed."""
-        raise NotImplementedError
+        """d loss_i / d neg_lse_i (and, where ``needs_mean``, d loss_i / d neg_mean_i) per anchor, [S, M]
+        (arguments as for stat_terms): the blockwise kernel then does backward's matrix products during forward,
+        each block while it is in cache, and keeps no block for backward; backward checks that its gradient is
+        this one times a constant, and recomputes otherwise. From ``terms``, averaged over the positives. Called
+        per block of anchors, so without the positives' weights (DCLW's, made over the whole batch and every
+        process: a collective), which scale the positive's term only and leave d/dl alone there (DCL's 1)."""
+        if not self._has_formula:
+            raise NotImplementedError
+        p, l = pos * scale, neg_lse[:, None]
+        m = None if neg_mean is None else neg_mean[:, None] * scale
+        _, _, d_l, d_m = self.terms(p, l, self._counts_for(num_neg, l), m)
+        rows = [_per_anchor(d_l, l)] + ([] if m is None else [_per_anchor(d_m, l) * scale])
+        return torch.stack(rows) if len(rows) > 1 else rows[0][None]
 
     def label_terms(self, pos_mean: torch.Tensor, pos_lse: torch.Tensor, neg_lse: torch.Tensor,
                     num_neg: torch.Tensor) -> Terms:
@@ -369,24 +405,26 @@ class ContrastiveLoss(Objective):
 
     def logit_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, scale,
                     num_neg: int) -> LogitTerms:
-        """The per-anchor loss [M] of one positive per anchor from its logit ``pos``, the negatives' lse and (CACR)
-        their softmax-weighted mean logit, with its partial derivatives in each, for the dense path's backward
-        written by hand (dense.py; functional.LogitTerms). From ``formula`` where the objective writes one, its
-        partial derivatives by autograd (_derived). Subclasses with neither take the other paths."""
+        """The per-anchor loss [M] of one positive per anchor from its logit ``pos``, the negatives' lse and their
+        softmax-weighted mean logit, with its partial derivatives in each, for the dense path's backward written
+        by hand (dense.py; functional.LogitTerms), from ``terms``."""
         if not self._has_formula:
             raise NotImplementedError
-        loss, d_p, d_l, d_m = self._derived(pos, neg_lse, neg_mean, _counts(num_neg, neg_lse))
-        return LogitTerms(loss, d_l, d_m, -d_p, None)
+        has_weight = type(self).positive_weight is not ContrastiveLoss.positive_weight
+        weighted, weight = self._weighted(pos, pos / scale if has_weight else pos)
+        loss, pull, d_l, d_m = self.terms(weighted, neg_lse, self._counts_for(num_neg, neg_lse), neg_mean)
+        if weight is not None:  # the pull on the unweighted positive's logit
+            pull = weight if isinstance(pull, float) and pull == 1.0 else pull * weight
+        return LogitTerms(loss, d_l, d_m, pull, None)
 
-    def _derived(self, p, l, m, k):
-        """``formula``'s value at (p, l, m, k) [M] and its partial derivatives in p, l and m (None without m),
-        by torch.func on these [M] vectors (which torch.compile traces, fullgraph): a few operators beside the
-        call's [M, K] passes."""
+    def _derived(self, p, l, k, m):
+        """(``formula`` at (p, l, k, m), the pull -d/dp, d/dl, d/dm (None without m)), the derivatives by
+        torch.func on these vectors (which torch.compile traces, fullgraph): a few operators beside the call's
+        [M, K] passes."""
         args = (p, l) if m is None else (p, l, m)
-        loss, pullback = torch.func.vjp(lambda *x: self._formula(x[0], x[1], k, x[2] if m is not None else None),
-                                        *args)
+        loss, pullback = torch.func.vjp(lambda *x: self.formula(x[0], x[1], k, *x[2:]), *args)
         grads = pullback(torch.ones_like(loss))
-        return loss, grads[0], grads[1], grads[2] if m is not None else None
+        return loss, -grads[0], grads[1], grads[2] if m is not None else None
 
     @property
     def _fuses(self) -> bool:
@@ -852,7 +890,7 @@ class ContrastiveLoss(Objective):
             return self._stat_terms(pos, self._stats(plan, anchors, candidates, scale, exclude, labels=labels),
                                     num_neg, scale)
         row_grad = None
-        if plan.path == "torch" and type(self).stat_grad is not ContrastiveLoss.stat_grad:
+        if plan.path == "torch" and (self._has_formula or type(self).stat_grad is not ContrastiveLoss.stat_grad):
             count = anchors.shape[0] if mean_over is None else mean_over
 
             def row_grad(stats, r0, r1, pos_rows=None):

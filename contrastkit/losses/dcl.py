@@ -6,8 +6,7 @@ import torch
 
 from contrastkit.distributed import gather_no_grad
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import (LogitTerms, Terms, _check_temperature, dclw_weights, softmax_logit_terms,
-                                           softmax_terms, supcon_terms)
+from contrastkit.losses.functional import Terms, _check_temperature, dclw_weights, supcon_terms
 
 
 class DCLLoss(ContrastiveLoss):
@@ -35,20 +34,12 @@ class DCLLoss(ContrastiveLoss):
     def default_logit_scale(self) -> float:
         return 1.0 / self.temperature
 
-    def positive_weight(self, pos: torch.Tensor) -> torch.Tensor | None:
-        return None
-
-    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
-        return softmax_terms(pos * scale, neg_lse, keep_positive=False, pos_weight=self.positive_weight(pos))
+    def terms(self, p, l, k, m=None):
+        """l - p (Eq. 6 per anchor, in logits): its derivative 1 in l, a pull of 1 on the positive."""
+        return l - p, 1.0, 1.0, None
 
     def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
         return supcon_terms(pos_mean, pos_lse, neg_lse, keep_positives=False)
-
-    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
-        return softmax_logit_terms(pos, neg_lse, keep_positive=False)
-
-    def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
-        return torch.ones_like(neg_lse)[None]  # -w s_p + lse: the positive's weight (DCLW) does not touch lse
 
 
 class DCLWLoss(DCLLoss):
@@ -74,7 +65,3 @@ class DCLWLoss(DCLLoss):
     def positive_weight(self, pos: torch.Tensor) -> torch.Tensor:
         all_pos = gather_no_grad(pos, uneven=self.uneven) if self.gather_distributed else None
         return dclw_weights(pos, self.sigma, all_pos)
-
-    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
-        weight = self.positive_weight(pos / scale)  # of the positives' cosines
-        return softmax_logit_terms(pos, neg_lse, keep_positive=False, pos_weight=weight)

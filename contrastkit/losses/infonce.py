@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from contrastkit.losses.base import Backend, ContrastiveLoss, Gather, Reduction, SameLabel
-from contrastkit.losses.functional import (LogitTerms, Terms, _check_temperature, eqco_negatives, softmax_logit_terms,
-                                           softmax_terms, supcon_terms)
+from contrastkit.losses.functional import Terms, _check_temperature, eqco_negatives, supcon_terms
 
 
 class InfoNCELoss(ContrastiveLoss):
@@ -33,22 +33,13 @@ class InfoNCELoss(ContrastiveLoss):
     def default_logit_scale(self) -> float:
         return 1.0 / self.temperature
 
-    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
-        return softmax_terms(pos * scale, neg_lse, keep_positive=True)
+    def terms(self, p, l, k, m=None):
+        """-p + log(e^p + e^l) = softplus(l - p), and its derivative in l, q_B = sigmoid(l - p), the NPC multiplier
+        (DCL paper, Prop. 1), which is the positive's pull too."""
+        return _infonce(l - p)
 
     def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
         return supcon_terms(pos_mean, pos_lse, neg_lse, keep_positives=True)
-
-    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
-        return softmax_logit_terms(pos, neg_lse, keep_positive=True)
-
-    def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
-        # sigmoid(lse - s_p), the NPC multiplier q_B (DCL paper, Prop. 1), as autograd computes it through
-        # the loss's softplus, to the bit, so that backward's check can be tight.
-        with torch.enable_grad():
-            lse = neg_lse.detach().requires_grad_()
-            loss = self.stat_terms(pos.detach(), lse, None, num_neg, scale).loss.sum()
-            return torch.autograd.grad(loss, lse)[0][None]
 
 
 class EqCoLoss(InfoNCELoss):
@@ -72,11 +63,18 @@ class EqCoLoss(InfoNCELoss):
         _check_temperature(self.name, alpha, "alpha")
         self.alpha = alpha
 
-    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
-        return softmax_terms(pos * scale, eqco_negatives(neg_lse, self.alpha, num_neg), keep_positive=True)
+    def terms(self, p, l, k, m=None):
+        """InfoNCE's with the negatives' lse moved by log(alpha / k) (Eq. 5: the margin on the positive)."""
+        shift = torch.log(self.alpha / k.to(l.dtype)) if isinstance(k, torch.Tensor) else math.log(self.alpha / k)
+        return _infonce((l - p).add_(shift))
 
     def label_terms(self, pos_mean, pos_lse, neg_lse, num_neg) -> Terms:
         return supcon_terms(pos_mean, pos_lse, eqco_negatives(neg_lse, self.alpha, num_neg), keep_positives=True)
 
-    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
-        return softmax_logit_terms(pos, neg_lse, keep_positive=True, shift=math.log(self.alpha / num_neg))
+
+def _infonce(gap):
+    """softplus(gap) and its derivative sigmoid(gap), twice: in the negatives' lse and as the positive's pull.
+    softplus past 40 returns gap itself, off by e^-40 = 4e-18: below float64's rounding there (F.softplus's
+    default threshold 20 would be off by 2e-9)."""
+    q = torch.sigmoid(gap)
+    return F.softplus(gap, threshold=40.0), q, q, None
