@@ -84,3 +84,23 @@ def test_no_import_in_the_source_climbs_a_floor():
             climbs += [f"{path.relative_to(ROOT)}:{node.lineno} -> {n}" for n in names
                        if FLOORS[n.split(".")[1]] > FLOORS[parts[0]]]
     assert not climbs, climbs
+
+
+def test_the_losses_import_without_dynamo():
+    """`import contrastkit.losses` leaves torch's compiler (Dynamo: 1.5-2 s) unimported, for every process that
+    never compiles; precision.constant_under_compile marks a function as torch.compiler.assume_constant_result
+    does, and torch.compile still takes its value as a constant (tests/losses/test_compile.py, test_tf32.py)."""
+    import torch
+
+    from contrastkit.losses.precision import constant_under_compile
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    assert constant_under_compile(ours).__dict__ == torch.compiler.assume_constant_result(theirs).__dict__
+    code = "import sys, contrastkit.losses; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"

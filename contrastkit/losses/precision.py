@@ -14,7 +14,16 @@ from __future__ import annotations
 import torch
 
 
-@torch.compiler.assume_constant_result
+def constant_under_compile(fn):
+    """torch.compiler.assume_constant_result (a value torch.compile reads once, while tracing, as a constant of
+    the graph) without importing Dynamo: that decorator imports it, some 1.5-2 s of every process that imports
+    the losses and never compiles (a recipe's evaluation, a benchmark, a test's worker). It sets this mark, and
+    Dynamo reads it where it traces the call (tests/test_imports.py checks both against torch's own)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_under_compile
 def tf32_matmul_allowed() -> bool:
     """Whether float32 matrix products on CUDA may use TF32 (1 + 10 mantissa bits), as the user set it
     through either API. Reads only: changes no global state, and never raises. Under torch.compile the
@@ -27,7 +36,7 @@ def tf32_matmul_allowed() -> bool:
     return precision == "tf32"  # "none": nothing set anywhere, the default (IEEE float32)
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def fp16_accumulation() -> bool:
     """Whether cuBLAS may accumulate float16 products in float16 (torch.backends.cuda.matmul.
     allow_fp16_accumulation, torch >= 2.7), where torch refuses to write a float16 product in float32."""
@@ -44,7 +53,7 @@ def ampere_or_later(device: torch.device) -> bool:
     return device.type != "cuda" or _major(device.index or 0) >= 8
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _major(index: int) -> int:
     """The CUDA device's compute capability's major number (a constant of a compiled graph)."""
     return torch.cuda.get_device_properties(index).major
