@@ -7,10 +7,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import os
+import runpy
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,18 +136,20 @@ def _pretrained(tmp_path, backend, fsc):
     return Path(cfg.out_dir)
 
 
-def test_eval_scripts_run_on_the_checkpoints(tmp_path):
+def test_eval_scripts_run_on_the_checkpoints(tmp_path, capsys):
+    """eval/speaker_id.py and eval/intent.py through their main(argv), in this process (their command lines and
+    reports; --help and the one-line errors through __main__ are tests/test_cli.py's), on a recipe run and on
+    its export; the intent task's feature cache gives the same result."""
     fsc, vox = _tiny_copies(tmp_path)
     run = _pretrained(tmp_path, "hf", fsc)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "eval" / "speaker_id.py"), "--upstream", str(run),
-                          "--data", str(vox), "--epochs", "3"], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "speaker_id test accuracy" in out.stdout
+    speaker_id = runpy.run_path(str(ROOT / "eval" / "speaker_id.py"))["main"]
+    speaker_id(["--upstream", str(run), "--data", str(vox), "--epochs", "3"])
+    assert "speaker_id test accuracy" in capsys.readouterr().out
     report = json.loads((run / "eval" / "speaker_id.json").read_text())
     assert report["classes"] == {"speaker": 3} and report["utterances"] == {"train": 12, "dev": 6, "test": 6}
     assert (run / "eval" / "speaker_id.png").is_file()
-    hf_intent = superb.intent(run / "upstream", fsc, superb.DownstreamConfig(epochs=2))
+    intent = runpy.run_path(str(ROOT / "eval" / "intent.py"))["main"]  # on the export, the upstream folder itself
+    hf_intent = intent(["--upstream", str(run / "upstream"), "--data", str(fsc), "--epochs", "2"])
     assert hf_intent["backend"] == "hf"
     # cache=True (the comparison's two tasks on one upstream): each file's features computed once, same result
     cached = superb.Upstream(run, cache=True)
