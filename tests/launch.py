@@ -74,10 +74,13 @@ def end_process_group() -> None:
 
 @contextlib.contextmanager
 def logging_kept():
-    """Puts back, after the block, the root logger's handlers and every logger's level as they were before it
-    (a script run in the test's process, as open_clip_train's setup_logging, adds handlers and sets levels)."""
-    loggers = [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
-    levels, handlers = [logger.level for logger in loggers], list(logging.root.handlers)
+    """Puts back, after the block, the root logger's handlers and every logger's level as they were before it,
+    a logger made in the block to NOTSET (a script run in the test's process, as open_clip_train's
+    setup_logging, adds handlers and sets every logger's level)."""
+    def loggers():
+        return [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+
+    levels, handlers = {id(logger): logger.level for logger in loggers()}, list(logging.root.handlers)
     try:
         yield
     finally:
@@ -85,8 +88,8 @@ def logging_kept():
             if handler not in handlers:
                 logging.root.removeHandler(handler)
                 handler.close()
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+        for logger in loggers():
+            logger.setLevel(levels.get(id(logger), logging.NOTSET))
 
 
 def reset_accelerate() -> None:

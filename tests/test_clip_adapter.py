@@ -1,6 +1,7 @@
 """The open_clip adapter: ClipLoss-compatible losses equal the core kernels (and open_clip's ClipLoss for
 infonce), reproduce ClipLoss's four distributed modes on 2 gloo processes, and the entry point trains
-open_clip_train with a contrastkit loss on 1 and 2 CPU processes."""
+open_clip_train with a contrastkit loss on 1 CPU process (in the test's own process, through its main(argv))
+and 2 (torchrun, `python -m contrastkit.adapters.open_clip`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import reference
-from launch import end_process_group, free_port
+from launch import end_process_group, free_port, logging_kept
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -247,15 +248,26 @@ def tiny_csv(tmp_path_factory):
 
 
 def _open_clip_train(launcher, tiny_csv, tmp, extra=()):
-    cmd = [*launcher, "-m", "contrastkit.adapters.open_clip", "--loss", "dcl",
-           "--train-data", str(tiny_csv), "--dataset-type", "csv", "--csv-separator", "\t",
-           "--model", "contrastkit-tiny", "--batch-size", "8", "--epochs", "1", "--workers", "0",
-           "--precision", "fp32", "--device", "cpu", "--lr", "1e-3", "--warmup", "1", "--log-every-n-steps", "1",
-           "--name", "run", "--report-to", "", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """``python -m contrastkit.adapters.open_clip --loss dcl <open_clip_train's arguments>``: under ``launcher``
+    (torchrun), or with none in this process, through the module's main(argv) as ``python -m`` calls it (its
+    imports paid once; the root logger's handlers and the loggers' levels, which open_clip_train sets, put back
+    after: logging_kept). The module's ``__main__`` line is the two-process run's."""
+    args = ["--loss", "dcl", "--train-data", str(tiny_csv), "--dataset-type", "csv", "--csv-separator", "\t",
+            "--model", "contrastkit-tiny", "--batch-size", "8", "--epochs", "1", "--workers", "0",
+            "--precision", "fp32", "--device", "cpu", "--lr", "1e-3", "--warmup", "1", "--log-every-n-steps", "1",
+            "--name", "run", "--report-to", "", *extra]
     # open_clip_train writes under ./logs (torchrun's parser would take "--logs" for its own --logs-specs)
-    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    if launcher is None:
+        from contrastkit.adapters.open_clip import main
+
+        with logging_kept(), pytest.MonkeyPatch.context() as m:
+            m.chdir(tmp)
+            assert main(args) in (0, None)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([*launcher, "-m", "contrastkit.adapters.open_clip", *args], cwd=tmp, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     logs = tmp / "logs" / "run"
     log = (logs / "out.log").read_text()
     assert "contrastkit loss dcl replaces open_clip's ClipLoss" in log
@@ -270,7 +282,7 @@ def _losses(log):
 
 
 def test_entry_point_trains_open_clip_train_one_process(tiny_csv, tmp_path):
-    log = _open_clip_train([sys.executable], tiny_csv, tmp_path)
+    log = _open_clip_train(None, tiny_csv, tmp_path)
     losses = _losses(log)
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
 
