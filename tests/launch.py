@@ -102,21 +102,25 @@ def reset_accelerate() -> None:
 def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGV...`` in this process rather than a process of its own, for the tests that are not
     about the process (its start-up, 3-7 s of imports, is paid once): the script run as __main__ with ``argv``
-    in sys.argv, in ``cwd``, with ``env`` on top of the environment, its output captured; the accelerate state
-    reset before and after, the logging as it was (logging_kept). Returns a CompletedProcess (returncode: the
-    SystemExit code, 0 without one); an exception other than SystemExit propagates with the script's output
-    added to it, so a traceback fails the test with its stack."""
+    in sys.argv, in ``cwd``, with ``env`` on top of the environment, its output captured, on one intra-op
+    thread (the processes' OMP_NUM_THREADS=1: a run compared bit for bit with a process's computes alike); the
+    accelerate state reset before and after, the logging and the thread count as they were. Returns a
+    CompletedProcess (returncode: the SystemExit code, 0 without one); an exception other than SystemExit
+    propagates with the script's output added to it, so a traceback fails the test with its stack."""
     import pytest
+    import torch
 
     argv = [str(script), *map(str, argv)]
     out, err, code = io.StringIO(), io.StringIO(), 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     reset_accelerate()
     try:
         with logging_kept(), pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err):
             if cwd is not None:
                 m.chdir(cwd)
-            for key, value in env.items():
+            for key, value in {"OMP_NUM_THREADS": "1", **env}.items():
                 m.setenv(key, str(value))
             m.setattr(sys, "argv", argv)
             try:
@@ -130,4 +134,5 @@ def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
         raise
     finally:
         reset_accelerate()
+        torch.set_num_threads(threads)
     return subprocess.CompletedProcess([sys.executable, *argv], code, out.getvalue(), err.getvalue())

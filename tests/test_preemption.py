@@ -2,7 +2,8 @@
 one, stops every process at the same step boundary with a complete checkpoint of that step, one line naming it
 and exit status 75; the same command with --resume auto then ends with the uninterrupted run's weights and
 optimizer state bit for bit. A signal during a checkpoint write lets the write finish; more signals while
-stopping change nothing. Real processes and real signals, on the CPU (the main job: the CLIP recipe)."""
+stopping change nothing. Real processes and real signals, on the CPU (the main job: the CLIP recipe); the
+one-process runs that no signal reaches (the uninterrupted run, the resumes) run in the test's process."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.training import STOPPED, latest_checkpoint
-from launch import accelerate_launch, rank_environments
+from launch import accelerate_launch, rank_environments, run_here
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALLED = str(ROOT / "tests/scripts/signalled_run.py")
@@ -46,6 +47,11 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
 
 
 def run(argv, **env) -> tuple[int, str]:
+    """The main job's command: signalled (``env``: SIGNAL_AT, ...), a process of its own; an uninterrupted run or
+    a resume, which no signal reaches, in this process (launch.run_here, no start-up paid)."""
+    if not env:
+        done = run_here(CLIP, argv, cwd=ROOT)
+        return done.returncode, done.stdout + done.stderr
     return finish(start(argv, **env))
 
 
