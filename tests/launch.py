@@ -11,6 +11,7 @@ import runpy
 import socket
 import subprocess
 import sys
+import warnings
 
 
 def free_port() -> int:
@@ -103,8 +104,10 @@ def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGV...`` in this process rather than a process of its own, for the tests that are not
     about the process (its start-up, 3-7 s of imports, is paid once): the script run as __main__ with ``argv``
     in sys.argv, in ``cwd``, with ``env`` on top of the environment, its output captured, on one intra-op
-    thread (the processes' OMP_NUM_THREADS=1: a run compared bit for bit with a process's computes alike); the
-    accelerate state reset before and after, the logging and the thread count as they were. Returns a
+    thread (the processes' OMP_NUM_THREADS=1: a run compared bit for bit with a process's computes alike), under
+    Python's default warning filters (a library's DeprecationWarning hidden, as in a process: pytest would
+    collect thousands); the accelerate state reset before and after, the logging and the thread count as they
+    were. Returns a
     CompletedProcess (returncode: the SystemExit code, 0 without one); an exception other than SystemExit
     propagates with the script's output added to it, so a traceback fails the test with its stack."""
     import pytest
@@ -117,7 +120,11 @@ def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
     reset_accelerate()
     try:
         with logging_kept(), pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
+                contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()  # then Python's defaults (sys.warnoptions empty), what a process starts with
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
             if cwd is not None:
                 m.chdir(cwd)
             for key, value in {"OMP_NUM_THREADS": "1", **env}.items():
