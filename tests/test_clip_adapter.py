@@ -180,8 +180,24 @@ def test_patch_makes_create_loss_return_the_loss():
 MODES = [(False, False), (False, True), (True, False), (True, True)]  # (local_loss, gather_with_grad)
 
 
-def _run(rank, world, init_file, out_dir):
+def _worker(rank, world, init_file, out_dir):
+    """One of the two gloo processes that both two-process tests read (one spawn for the two: each spawned
+    process's start-up, torch and open_clip, paid once): the four modes' results, then the sample ids'."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {"modes": _modes(rank, world), "ids": _ids(rank, world)}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    end_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Each rank's results (_worker), spawned once for the module."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    mp.start_processes(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, start_method="spawn", join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+def _modes(rank, world):
     image, text = _features(n=8, d=5, seed=3)
     n = image.shape[0] // world
     results = {}
@@ -197,15 +213,12 @@ def _run(rank, world, init_file, out_dir):
                 loss = build_clip_loss(name, **opts)(a, b, scale)
             loss.backward()
             results[(local_loss, gwg, name)] = (loss.item(), a.grad, b.grad, scale.grad)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_process_group()
+    return results
 
 
-def test_two_processes_reproduce_open_clip_modes_and_equal_one_process(tmp_path):
+def test_two_processes_reproduce_open_clip_modes_and_equal_one_process(two_processes):
     world = 2
-    mp.start_processes(_run, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ranks = [r["modes"] for r in two_processes]
     image, text = _features(n=8, d=5, seed=3)
 
     def gathered(key):
@@ -300,8 +313,7 @@ def test_entry_point_trains_open_clip_train_two_processes(tiny_csv, tmp_path):
 IDS = torch.tensor([0, 1, 0, 2, 3, 1, 4, 5])  # pairs 0 and 2, 1 and 5: one image with two captions
 
 
-def _run_ids(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _ids(rank, world):
     image, text = _features(n=8, d=5, seed=4)
     n = image.shape[0] // world
     results = {}
@@ -314,19 +326,16 @@ def _run_ids(rank, world, init_file, out_dir):
             loss = loss_fn(a, b, scale, sample_ids=IDS[rank * n:(rank + 1) * n])
             loss.backward()
             results[(local_loss, gwg, name)] = (loss.item(), a.grad, b.grad)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_process_group()
+    return results
 
 
-def test_sample_ids_in_every_open_clip_mode(tmp_path):
+def test_sample_ids_in_every_open_clip_mode(two_processes):
     """sample_ids: one process equals the core's cross_modal with the ids as labels (against the float64
     reference); on 2 processes every mode (local_loss x gather_with_grad) gathers them with the features: the
     loss equals one process's on the whole batch, and with gradients through the gather the gradients too."""
     image, text = _features(n=8, d=5, seed=4)
     world = 2
-    mp.start_processes(_run_ids, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ranks = [r["ids"] for r in two_processes]
     for name, mode in (("dcl", "mask"), ("infonce", "positive")):
         a, b = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(6.0, dtype=torch.float64)
