@@ -5,7 +5,12 @@ SUPERB-style (weighted layer sum, linear, mean pooling, linear; Adam); writes <o
     python eval/intent.py --upstream /models/wav2vec2-base --data /data/fluent_speech_commands_dataset
 """
 
-from contrastkit.evaluation.superb import main
+from contrastkit.evaluation import superb
+
+
+def main(argv=None):
+    return superb.main("intent", __doc__, argv)
+
 
 if __name__ == "__main__":
-    main("intent", __doc__)
+    main()

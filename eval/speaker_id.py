@@ -5,7 +5,12 @@ SUPERB-style (weighted layer sum, linear, mean pooling, linear; Adam); writes <o
     python eval/speaker_id.py --upstream /models/wav2vec2-base --data /data/VoxCeleb1
 """
 
-from contrastkit.evaluation.superb import main
+from contrastkit.evaluation import superb
+
+
+def main(argv=None):
+    return superb.main("speaker_id", __doc__, argv)
+
 
 if __name__ == "__main__":
-    main("speaker_id", __doc__)
+    main()

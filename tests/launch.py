@@ -1,10 +1,17 @@
-"""`accelerate launch` of a script on N CPU processes, for the tests that run real launches."""
+"""`accelerate launch` of a script on N CPU processes, for the tests that run real launches; run_here, a
+script's command run in the test's own process, for the tests that are not about the launch."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import runpy
 import socket
+import subprocess
 import sys
+import warnings
 
 
 def free_port() -> int:
@@ -63,3 +70,76 @@ def end_process_group() -> None:
 
     dist.destroy_process_group()
     gc.collect()
+
+
+
+@contextlib.contextmanager
+def logging_kept():
+    """Puts back, after the block, the root logger's handlers and every logger's level as they were before it,
+    a logger made in the block to NOTSET (a script run in the test's process, as open_clip_train's
+    setup_logging, adds handlers and sets every logger's level)."""
+    def loggers():
+        return [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+
+    levels, handlers = {id(logger): logger.level for logger in loggers()}, list(logging.root.handlers)
+    try:
+        yield
+    finally:
+        for handler in logging.root.handlers[:]:
+            if handler not in handlers:
+                logging.root.removeHandler(handler)
+                handler.close()
+        for logger in loggers():
+            logger.setLevel(levels.get(id(logger), logging.NOTSET))
+
+
+def reset_accelerate() -> None:
+    """accelerate keeps one state per process: reset it between two runs in this process."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV...`` in this process rather than a process of its own, for the tests that are not
+    about the process (its start-up, 3-7 s of imports, is paid once): the script run as __main__ with ``argv``
+    in sys.argv, in ``cwd``, with ``env`` on top of the environment, its output captured, on one intra-op
+    thread (the processes' OMP_NUM_THREADS=1: a run compared bit for bit with a process's computes alike), under
+    Python's default warning filters (a library's DeprecationWarning hidden, as in a process: pytest would
+    collect thousands); the accelerate state reset before and after, the logging and the thread count as they
+    were. Returns a
+    CompletedProcess (returncode: the SystemExit code, 0 without one); an exception other than SystemExit
+    propagates with the script's output added to it, so a traceback fails the test with its stack."""
+    import pytest
+    import torch
+
+    argv = [str(script), *map(str, argv)]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reset_accelerate()
+    try:
+        with logging_kept(), pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()  # then Python's defaults (sys.warnoptions empty), what a process starts with
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            if cwd is not None:
+                m.chdir(cwd)
+            for key, value in {"OMP_NUM_THREADS": "1", **env}.items():
+                m.setenv(key, str(value))
+            m.setattr(sys, "argv", argv)
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+                if not isinstance(stop.code, (int, type(None))):  # sys.exit("message"): printed, status 1
+                    print(stop.code, file=sys.stderr)
+    except Exception as error:
+        error.add_note(f"stdout (end): {out.getvalue()[-3000:]}\nstderr (end): {err.getvalue()[-3000:]}")
+        raise
+    finally:
+        reset_accelerate()
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([sys.executable, *argv], code, out.getvalue(), err.getvalue())

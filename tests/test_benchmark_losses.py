@@ -81,10 +81,13 @@ def test_cuda_only_peer_is_skipped_on_cpu(tmp_path):
 
 def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
     """tools/perf/triton_kernels.py (the per-kernel timings a device run makes) under the interpreter at a
-    tiny size: a line per kernel and entry, its JSON; a misspelt kernel is one error line, exit 2."""
+    tiny size, a process with TRITON_INTERPRET=1: a line per kernel and entry, its JSON; a misspelt kernel is one
+    error line, exit 2 (its command line in this process: launch.run_here)."""
     import os
     import subprocess
     import sys
+
+    from launch import run_here
 
     root = Path(__file__).parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
@@ -95,8 +98,7 @@ def test_triton_kernels_runs_every_kernel_and_refuses_a_misspelt_one(tmp_path):
     lines = json.loads((tmp_path / "k.json").read_text())["lines"]
     kernels = [line["kernel"] for line in lines]
     assert kernels == ["stats_fwd"] * 2 + ["two_view_backward"] * 2 + ["dlogits"] * 2 + ["band_products"], kernels
-    bad = subprocess.run([*script, "--kernels", "stats_fwd,band_matmul"], env=env, capture_output=True, text=True,
-                         timeout=300)
+    bad = run_here(script[1], ["--kernels", "stats_fwd,band_matmul"])
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("triton_kernels.py: error: ")
     assert "band_matmul" in bad.stderr and "Traceback" not in bad.stderr
 

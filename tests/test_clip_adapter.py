@@ -1,6 +1,7 @@
 """The open_clip adapter: ClipLoss-compatible losses equal the core kernels (and open_clip's ClipLoss for
 infonce), reproduce ClipLoss's four distributed modes on 2 gloo processes, and the entry point trains
-open_clip_train with a contrastkit loss on 1 and 2 CPU processes."""
+open_clip_train with a contrastkit loss on 1 CPU process (in the test's own process, through its main(argv))
+and 2 (torchrun, `python -m contrastkit.adapters.open_clip`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import reference
-from launch import end_process_group, free_port
+from launch import end_process_group, free_port, logging_kept
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -179,8 +180,24 @@ def test_patch_makes_create_loss_return_the_loss():
 MODES = [(False, False), (False, True), (True, False), (True, True)]  # (local_loss, gather_with_grad)
 
 
-def _run(rank, world, init_file, out_dir):
+def _worker(rank, world, init_file, out_dir):
+    """One of the two gloo processes that both two-process tests read (one spawn for the two: each spawned
+    process's start-up, torch and open_clip, paid once): the four modes' results, then the sample ids'."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {"modes": _modes(rank, world), "ids": _ids(rank, world)}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    end_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Each rank's results (_worker), spawned once for the module."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    mp.start_processes(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, start_method="spawn", join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+def _modes(rank, world):
     image, text = _features(n=8, d=5, seed=3)
     n = image.shape[0] // world
     results = {}
@@ -196,15 +213,12 @@ def _run(rank, world, init_file, out_dir):
                 loss = build_clip_loss(name, **opts)(a, b, scale)
             loss.backward()
             results[(local_loss, gwg, name)] = (loss.item(), a.grad, b.grad, scale.grad)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_process_group()
+    return results
 
 
-def test_two_processes_reproduce_open_clip_modes_and_equal_one_process(tmp_path):
+def test_two_processes_reproduce_open_clip_modes_and_equal_one_process(two_processes):
     world = 2
-    mp.start_processes(_run, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ranks = [r["modes"] for r in two_processes]
     image, text = _features(n=8, d=5, seed=3)
 
     def gathered(key):
@@ -247,15 +261,26 @@ def tiny_csv(tmp_path_factory):
 
 
 def _open_clip_train(launcher, tiny_csv, tmp, extra=()):
-    cmd = [*launcher, "-m", "contrastkit.adapters.open_clip", "--loss", "dcl",
-           "--train-data", str(tiny_csv), "--dataset-type", "csv", "--csv-separator", "\t",
-           "--model", "contrastkit-tiny", "--batch-size", "8", "--epochs", "1", "--workers", "0",
-           "--precision", "fp32", "--device", "cpu", "--lr", "1e-3", "--warmup", "1", "--log-every-n-steps", "1",
-           "--name", "run", "--report-to", "", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """``python -m contrastkit.adapters.open_clip --loss dcl <open_clip_train's arguments>``: under ``launcher``
+    (torchrun), or with none in this process, through the module's main(argv) as ``python -m`` calls it (its
+    imports paid once; the root logger's handlers and the loggers' levels, which open_clip_train sets, put back
+    after: logging_kept). The module's ``__main__`` line is the two-process run's."""
+    args = ["--loss", "dcl", "--train-data", str(tiny_csv), "--dataset-type", "csv", "--csv-separator", "\t",
+            "--model", "contrastkit-tiny", "--batch-size", "8", "--epochs", "1", "--workers", "0",
+            "--precision", "fp32", "--device", "cpu", "--lr", "1e-3", "--warmup", "1", "--log-every-n-steps", "1",
+            "--name", "run", "--report-to", "", *extra]
     # open_clip_train writes under ./logs (torchrun's parser would take "--logs" for its own --logs-specs)
-    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    if launcher is None:
+        from contrastkit.adapters.open_clip import main
+
+        with logging_kept(), pytest.MonkeyPatch.context() as m:
+            m.chdir(tmp)
+            assert main(args) in (0, None)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([*launcher, "-m", "contrastkit.adapters.open_clip", *args], cwd=tmp, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     logs = tmp / "logs" / "run"
     log = (logs / "out.log").read_text()
     assert "contrastkit loss dcl replaces open_clip's ClipLoss" in log
@@ -270,7 +295,7 @@ def _losses(log):
 
 
 def test_entry_point_trains_open_clip_train_one_process(tiny_csv, tmp_path):
-    log = _open_clip_train([sys.executable], tiny_csv, tmp_path)
+    log = _open_clip_train(None, tiny_csv, tmp_path)
     losses = _losses(log)
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
 
@@ -288,8 +313,7 @@ def test_entry_point_trains_open_clip_train_two_processes(tiny_csv, tmp_path):
 IDS = torch.tensor([0, 1, 0, 2, 3, 1, 4, 5])  # pairs 0 and 2, 1 and 5: one image with two captions
 
 
-def _run_ids(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _ids(rank, world):
     image, text = _features(n=8, d=5, seed=4)
     n = image.shape[0] // world
     results = {}
@@ -302,19 +326,16 @@ def _run_ids(rank, world, init_file, out_dir):
             loss = loss_fn(a, b, scale, sample_ids=IDS[rank * n:(rank + 1) * n])
             loss.backward()
             results[(local_loss, gwg, name)] = (loss.item(), a.grad, b.grad)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_process_group()
+    return results
 
 
-def test_sample_ids_in_every_open_clip_mode(tmp_path):
+def test_sample_ids_in_every_open_clip_mode(two_processes):
     """sample_ids: one process equals the core's cross_modal with the ids as labels (against the float64
     reference); on 2 processes every mode (local_loss x gather_with_grad) gathers them with the features: the
     loss equals one process's on the whole batch, and with gradients through the gather the gradients too."""
     image, text = _features(n=8, d=5, seed=4)
     world = 2
-    mp.start_processes(_run_ids, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ranks = [r["ids"] for r in two_processes]
     for name, mode in (("dcl", "mask"), ("infonce", "positive")):
         a, b = image.clone().requires_grad_(), text.clone().requires_grad_()
         scale = torch.tensor(6.0, dtype=torch.float64)

@@ -1,13 +1,17 @@
 """transformers' own example scripts, unchanged (tests/clients/, where they come from is in its README),
-trained with DCL after contrastkit's one import, under `accelerate launch` on 1 and 2 CPU processes (gloo):
+trained with DCL after contrastkit's one import on 1 CPU process and under `accelerate launch` on 2 (gloo):
 run_clip.py (the Trainer) on a tiny dual encoder and run_wav2vec2_pretraining_no_trainer.py (an accelerate
-loop) on a tiny wav2vec 2.0, each on tiny local data made here. Nothing is downloaded."""
+loop) on a tiny wav2vec 2.0, each on tiny local data made here. Nothing is downloaded. The one-process runs
+run the same runner (the one import, then the script as __main__) in the test's own process, in the
+environment `accelerate launch --cpu` gives it: a process's start-up (torch, transformers, accelerate) spared
+per run; the launcher is the two-process tests'."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +19,7 @@ import pytest
 import torch
 
 import hf_tiny
-from launch import accelerate_launch
+from launch import accelerate_launch, run_here
 from contrastkit.adapters import hf_clip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +29,12 @@ RUN_WAV2VEC2 = CLIENTS / "run_wav2vec2_pretraining_no_trainer.py"
 
 
 def _launch(tmp_path, script, args, processes, one_import, **env):
-    """`accelerate launch` of a runner that makes the one import (``contrastkit.adapters.<one_import>``,
-    none if None) and then runs the unchanged script as __main__; after it, each process writes its
-    accelerate state and the objective in force to a file of its own (printed lines of two processes can
-    interleave). Returns (stdout + stderr, the processes' states)."""
+    """A runner that makes the one import (``contrastkit.adapters.<one_import>``, none if None) and then runs
+    the unchanged script as __main__; after it, each process writes its accelerate state and the objective in
+    force to a file of its own (printed lines of two processes can interleave). Several processes: `accelerate
+    launch` of the runner. One: the runner in this process (launch.run_here) with the variables that
+    `accelerate launch --cpu` sets, the one import made afresh and its patch undone after, transformers' and
+    datasets' log levels (which the scripts set) put back. Returns (stdout + stderr, the processes' states)."""
     runner = tmp_path / f"runner_{one_import}_{processes}.py"
     state_file = f"state_{one_import}_{processes}_{{}}.json"
     lines = ["import json", "import runpy", ""]
@@ -47,10 +53,14 @@ def _launch(tmp_path, script, args, processes, one_import, **env):
               # active exception", after its state file); our recipes end with accelerator.end_training()
               "state.destroy_process_group()"]
     runner.write_text("\n".join(lines) + "\n")
-    command, env = accelerate_launch(processes, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                                     TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", **env)
-    proc = subprocess.run([*command, str(runner), *args], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+    if processes == 1:
+        proc = _here(tmp_path, runner, args, one_import, **env)
+    else:
+        command, env = accelerate_launch(processes, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+                                         HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
+                                         **env)
+        proc = subprocess.run([*command, str(runner), *args], env=env, capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     states = [json.loads(path.read_text()) for path in sorted(tmp_path.glob(state_file.format("*")))]
@@ -59,6 +69,26 @@ def _launch(tmp_path, script, args, processes, one_import, **env):
     if processes > 1:
         assert all(s["backend"] == "gloo" for s in states), states
     return log, states
+
+
+def _here(tmp_path, runner, args, one_import, **env):
+    """The runner in this process, as `accelerate launch --cpu` would start it (its variables, the offline ones
+    conftest sets)."""
+    import datasets
+    import transformers
+
+    name = f"contrastkit.adapters.{one_import}"
+    levels = transformers.utils.logging.get_verbosity(), datasets.utils.logging.get_verbosity()
+    sys.modules.pop(name, None)  # the runner's import makes the patch, as in a process of its own
+    try:
+        return run_here(runner, args, cwd=tmp_path, ACCELERATE_USE_CPU="True", ACCELERATE_MIXED_PRECISION="no",
+                        ACCELERATE_DYNAMO_BACKEND="NO", WANDB_MODE="disabled", **env)
+    finally:
+        module = sys.modules.pop(name, None)
+        if module is not None:
+            module.PATCH.undo()
+        transformers.utils.logging.set_verbosity(levels[0])
+        datasets.utils.logging.set_verbosity(levels[1])
 
 
 # ----------------------------------------------------------------------------- run_clip.py (Trainer)

@@ -4,7 +4,7 @@ pair, each with its address and its own --out-dir (no shared disk), the CLIP rec
 
 A host's worker SIGKILLed: the other host ends with one error line, and the same ``--resume auto`` command run
 again resumes on both (each from its own disk, --save-on-each-node) to the uninterrupted run's weights bit for
-bit. The link cut: both hosts end within --ddp-timeout (30 s) plus a little, with the error line, and --resume
+bit. The link cut: both hosts end within --ddp-timeout (CUT_TIMEOUT) plus a little, with the error line, and --resume
 once it is back ends bit-identical. An --out-dir that is not shared without --save-on-each-node is one error
 line. Without namespaces (not root, no ``ip``): those tests are skipped with the reason. Beside them, on one
 host: a torchrun restart (TORCHELASTIC_RESTART_COUNT) resumes by itself, --resume auto starts fresh where there
@@ -36,6 +36,10 @@ CLIP = ["--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8", "
         "--log-every", "1", "--eval-every", "0", "--save-every", "2", "--no-progress", "--save-on-each-node"]
 ADDRESSES = ("10.30.0.1", "10.30.0.2")
 LINK = "veth0"  # each host's end of the pair (inside its own namespace)
+# The cut-link run's --ddp-timeout, which the test waits out: far above what one host waits for the other in a
+# sound run (a step, a checkpoint write, the start-up's skew: a few seconds on a loaded 2-core machine), far
+# below the default 1800 s. It was 30 s; each second of it is a second the test waits.
+CUT_TIMEOUT = 20
 
 
 def ip(*args: str) -> None:
@@ -185,7 +189,8 @@ def test_a_cut_link_ends_both_hosts_within_the_timeout_and_resume_is_exact(hosts
     outs = (tmp_path / "a", tmp_path / "b")
     hold = tmp_path / "cut"  # host A stalls in step 5 until the link is cut
     stall = {"KILL_AT": "hold:5", "KILL_RANK": "0", "HOLD_FILE": str(hold)}  # host A's worker
-    procs = hosts.launch(outs, data_dir, "--ddp-timeout", "30", script="killed", env_a=stall, env_b=stall)
+    procs = hosts.launch(outs, data_dir, "--ddp-timeout", str(CUT_TIMEOUT), script="killed", env_a=stall,
+                         env_b=stall)
     deadline = time.time() + 240
     while not all((out / "checkpoints/checkpoint_4/COMPLETE").exists() for out in outs):
         if time.time() > deadline or any(p.poll() is not None for p in procs):
@@ -204,10 +209,11 @@ def test_a_cut_link_ends_both_hosts_within_the_timeout_and_resume_is_exact(hosts
         hosts.mend()
         stop(procs)
     print(f"seconds from the cut to each host's exit: {ended[0]:.1f} {ended[1]:.1f}")
-    assert max(ended) < 90, ended
+    assert max(ended) < CUT_TIMEOUT + 60, ended
     for out, proc in zip(outs, procs):
         line = recipe_line(proc)
-        assert proc.returncode != 0 and line.startswith("error: lost ") and "--ddp-timeout 30 s" in line, line
+        assert proc.returncode != 0 and line.startswith("error: lost "), line
+        assert f"--ddp-timeout {CUT_TIMEOUT} s" in line, line
         assert f"newest complete checkpoint here is {out / 'checkpoints' / 'checkpoint_4'}" in line, line
 
     again = hosts.launch(outs, data_dir, "--resume")

@@ -1,20 +1,22 @@
-"""Latent recovery (Zimmermann et al., ICML 2021): the generative process, the metrics, and a short run that learns."""
+"""Latent recovery (Zimmermann et al., ICML 2021): the generative process, the metrics, and a short run that learns;
+benchmarks/latent_recovery.py's command lines run in this process (launch.run_here: the script as __main__)."""
 
 import itertools
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch import run_here
 
 from contrastkit.evaluation.latent_recovery import (RecoveryConfig, cached_result, cell_name, hungarian, invertible_mlp, linear_r2, mcc,
                                                     run_grid, sample_sphere, sample_vmf, summarize, table,
                                                     train_recovery)
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/latent_recovery.py"
 
 
 @pytest.mark.parametrize("kappa", [1.0, 10.0, 50.0])
@@ -133,10 +135,10 @@ def test_summary_table_and_verdicts():
 
 def test_benchmark_script_writes_table_and_plot(tmp_path, one_thread):
     out = tmp_path / "grid"
-    cmd = [sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(out), "--losses",
-           "infonce,dcl", "--forms", "two_view,queue", "--batch-sizes", "4", "--queue-batch-sizes", "4",
-           "--seeds", "0,1", "--steps", "3", "--hidden", "8", "--queue-sizes", "16"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    args = ["--out-dir", str(out), "--losses", "infonce,dcl", "--forms", "two_view,queue", "--batch-sizes", "4",
+            "--queue-batch-sizes", "4", "--seeds", "0,1", "--steps", "3", "--hidden", "8", "--queue-sizes", "16"]
+    done = run_here(SCRIPT, args, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
     report = (out / "results.md").read_text()
     assert "| dcl | queue |" in report and "- dcl (queue, B=4) - infonce (queue, B=4) = " in report
     assert len(json.loads((out / "results.json").read_text())["runs"]) == 8
@@ -145,8 +147,7 @@ def test_benchmark_script_writes_table_and_plot(tmp_path, one_thread):
 
 
 def test_benchmark_script_rejects_bad_input(tmp_path):
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(tmp_path),
-                          "--losses", "infonce,nope"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = run_here(SCRIPT, ["--out-dir", str(tmp_path), "--losses", "infonce,nope"], cwd=ROOT)
     assert bad.returncode == 2 and "error: unknown losses ['nope']" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -154,10 +155,10 @@ def test_queue_size_sweep_tabulates_over_k(tmp_path, one_thread):
     """EqCo's claim is about K at a fixed batch: --sweep queue_size runs the queue form over the queue sizes,
     with K as the table's columns and each objective's smallest-K against largest-K verdict."""
     out = tmp_path / "negatives"
-    cmd = [sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(out), "--sweep",
-           "queue_size", "--losses", "infonce,eqco,unigrad", "--batch-sizes", "4", "--queue-sizes", "8,32",
-           "--seeds", "0,1", "--steps", "3", "--hidden", "8"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    args = ["--out-dir", str(out), "--sweep", "queue_size", "--losses", "infonce,eqco,unigrad", "--batch-sizes", "4",
+            "--queue-sizes", "8,32", "--seeds", "0,1", "--steps", "3", "--hidden", "8"]
+    done = run_here(SCRIPT, args, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
     report = (out / "results.md").read_text()
     assert "| objective | form | K = 8 | K = 32 |" in report and "| eqco | queue |" in report
     assert "unigrad" not in report.split("Paired verdicts")[0].split("| objective")[1]  # no queue form: left out
@@ -168,8 +169,7 @@ def test_queue_size_sweep_tabulates_over_k(tmp_path, one_thread):
 
 
 def test_sweep_errors_are_one_line(tmp_path):
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/latent_recovery.py"), "--out-dir", str(tmp_path),
-                          "--queue-sizes", "16,64"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = run_here(SCRIPT, ["--out-dir", str(tmp_path), "--queue-sizes", "16,64"], cwd=ROOT)
     assert bad.returncode == 2 and "error: several --queue-sizes need --sweep queue_size" in bad.stderr
     assert "Traceback" not in bad.stderr
 

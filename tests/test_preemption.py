@@ -2,7 +2,8 @@
 one, stops every process at the same step boundary with a complete checkpoint of that step, one line naming it
 and exit status 75; the same command with --resume auto then ends with the uninterrupted run's weights and
 optimizer state bit for bit. A signal during a checkpoint write lets the write finish; more signals while
-stopping change nothing. Real processes and real signals, on the CPU (the main job: the CLIP recipe)."""
+stopping change nothing. Real processes and real signals, on the CPU (the main job: the CLIP recipe); the
+one-process runs that no signal reaches (the uninterrupted run, the resumes) run in the test's process."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from contrastkit.training import STOPPED, latest_checkpoint
-from launch import accelerate_launch, rank_environments
+from contrastkit.training import COMPLETE, RUN_CONFIG, STOPPED, latest_checkpoint
+from launch import accelerate_launch, rank_environments, run_here
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALLED = str(ROOT / "tests/scripts/signalled_run.py")
@@ -46,6 +47,11 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
 
 
 def run(argv, **env) -> tuple[int, str]:
+    """The main job's command: signalled (``env``: SIGNAL_AT, ...), a process of its own; an uninterrupted run or
+    a resume, which no signal reaches, in this process (launch.run_here, no start-up paid)."""
+    if not env:
+        done = run_here(CLIP, argv, cwd=ROOT)
+        return done.returncode, done.stdout + done.stderr
     return finish(start(argv, **env))
 
 
@@ -165,26 +171,66 @@ def straight_two(data_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("targets", [(0, 1), (1,)], ids=["every-process", "one-process"])
-def test_two_processes_stop_at_the_same_step_and_carry_on(straight_two, data_dir, tmp_path, targets):
-    """Two processes started as srun starts a job's tasks; SIGTERM while both stall in step 4, sent to both (as
-    SLURM signals a job) or to process 1 alone (a lost task): both stop after step 5 (the agreement is read one
-    boundary after it starts) with checkpoint_5 and exit status 75, and --resume auto on two processes ends
-    bit-identical to the uninterrupted two-process run."""
-    out, hold = tmp_path / "run", tmp_path / "hold"
-    argv = clip_argv(data_dir, out, "--resume", "auto")
-    processes = [start(argv, env) for env in rank_environments(2, HOLD_AT="step:4", HOLD_FILE=str(hold))]
-    signal_when_held(processes, hold, targets)
-    results = [finish(p) for p in processes]
-    assert [code for code, _ in results] == [STOPPED, STOPPED], [text[-3000:] for _, text in results]
-    assert LINE.format(signal="SIGTERM", step=5, path=out / "checkpoints" / "checkpoint_5") in results[0][1]
-    assert complete(out) == ["checkpoint_3", "checkpoint_5"]
+def _loaded(path: Path):
+    """A checkpoint file's content: safetensors' tensors, or what torch.save wrote (accelerate's optimizer,
+    scheduler, RNG states and registered objects; two saves of one state differ in their bytes, as torch.save
+    writes a serialization id of its own each time)."""
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    return torch.load(path, weights_only=False)
 
-    processes = [start(argv, env) for env in rank_environments(2)]
+
+def _equal(a, b) -> bool:
+    """Equal to the bit: tensors and arrays by value and dtype, containers item by item."""
+    import numpy as np
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Two checkpoints hold one state: the same files, each one's content equal (weights, optimizer, scheduler,
+    every process's RNG states, the run's step), but the run's config, which names its folder, and the COMPLETE
+    marker, which gives that file's size."""
+    names = sorted(f.name for f in a.iterdir())
+    assert names == sorted(f.name for f in b.iterdir()), (names, sorted(f.name for f in b.iterdir()))
+    for name in names:
+        if name not in (RUN_CONFIG, COMPLETE):
+            assert _equal(_loaded(a / name), _loaded(b / name)), name
+
+
+def test_two_processes_stop_at_the_same_step_and_carry_on(straight_two, data_dir, tmp_path):
+    """Two processes started as srun starts a job's tasks; SIGTERM while both stall in step 4, sent to both (as
+    SLURM signals a job) and, in a second run, to process 1 alone (a lost task): in each both stop after step 5
+    (the agreement is read one boundary after it starts) with checkpoint_5 and exit status 75, the two runs'
+    checkpoint_5 the same state; --resume auto on two processes (from the lost task's run) ends bit-identical to
+    the uninterrupted two-process run. One resume for the two stops: each is two processes' start-up."""
+    outs = {}
+    for name, targets in (("every-process", (0, 1)), ("one-process", (1,))):
+        out, hold = tmp_path / name, tmp_path / f"{name}.hold"
+        argv = clip_argv(data_dir, out, "--resume", "auto")
+        processes = [start(argv, env) for env in rank_environments(2, HOLD_AT="step:4", HOLD_FILE=str(hold))]
+        signal_when_held(processes, hold, targets)
+        results = [finish(p) for p in processes]
+        assert [code for code, _ in results] == [STOPPED, STOPPED], (name, [text[-3000:] for _, text in results])
+        assert LINE.format(signal="SIGTERM", step=5, path=out / "checkpoints" / "checkpoint_5") in results[0][1]
+        assert complete(out) == ["checkpoint_3", "checkpoint_5"], name
+        outs[name] = out
+    assert_same_checkpoint(*(out / "checkpoints" / "checkpoint_5" for out in outs.values()))
+
+    processes = [start(clip_argv(data_dir, outs["one-process"], "--resume", "auto"), env)
+                 for env in rank_environments(2)]
     for p in processes:
         code, text = finish(p)
         assert code == 0, text[-3000:]
-    assert_same_state(straight_two, out)
+    assert_same_state(straight_two, outs["one-process"])
 
 
 def test_under_accelerate_launch_the_launcher_forwards_the_signal(data_dir, tmp_path):

@@ -1,5 +1,7 @@
 """Recipes as a user runs them: killed by SIGKILL (during a step, during a checkpoint write) and resumed,
-they end with the parameters of an uninterrupted run; --report-to tensorboard writes event files."""
+they end with the parameters of an uninterrupted run; --report-to tensorboard writes event files. The killed
+runs are processes of their own, the two-process runs accelerate launch; the other one-process runs (the
+uninterrupted one, the resumes, tensorboard's) run the same command in the test's process."""
 
 import json
 import os
@@ -13,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.training import latest_checkpoint
+from launch import run_here
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--train-images", "64", "--test-images", "32", "--batch-size", "8", "--width", "8", "--proj-hidden", "32",
@@ -21,11 +24,14 @@ TINY = ["--train-images", "64", "--test-images", "32", "--batch-size", "8", "--w
 
 
 def run(out_dir, *extra, kill_at=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    """The vision recipe's command; with kill_at, a process of its own that is SIGKILLed there
+    (tests/scripts/killed_run.py); without, in this process (launch.run_here: the uninterrupted and the resumed
+    runs, whose process is not what they test, pay no start-up)."""
     argv = [str(ROOT / "recipes/vision/train.py"), *TINY, "--out-dir", str(out_dir), *extra]
-    if kill_at:
-        env["KILL_AT"] = kill_at
-        argv = [str(ROOT / "tests/scripts/killed_run.py"), *argv]
+    if not kill_at:
+        return run_here(argv[0], argv[1:], cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KILL_AT": kill_at}
+    argv = [str(ROOT / "tests/scripts/killed_run.py"), *argv]
     return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 

@@ -28,25 +28,17 @@ def _config(tmp_path, **extra):
     return config
 
 
-@pytest.fixture(scope="module")
-def tiny_suite(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("suite")
-    config = _config(tmp_path)
-    return config, run_suite(config, progress=False)
-
-
-@pytest.fixture
-def cells_in_process(monkeypatch):
+def _commands_in_process(monkeypatch, real=lambda argv: False):
     """The suite's commands run in this process (each script as __main__ with its argv, its output in the cell's
-    log) rather than as processes: the tests of the suite's bookkeeping pay no interpreter start-up per command.
-    The commands as real processes run in tiny_suite (vision) and the fairseq2 column (the second environment's
-    interpreter, which stays a process here too)."""
+    log) rather than as processes, but those for which ``real(argv)`` holds and those of another interpreter
+    (the fairseq2 column's second environment): the tests of the suite's bookkeeping pay no interpreter
+    start-up per command."""
     from contrastkit import suite
 
     process = suite._run
 
     def run(argv, log_path):
-        if argv[0] != sys.executable:
+        if argv[0] != sys.executable or real(argv):
             return process(argv, log_path)
         with log_path.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), \
                 monkeypatch.context() as m:
@@ -60,6 +52,25 @@ def cells_in_process(monkeypatch):
                     raise RuntimeError(f"command failed ({stop.code}): {shlex.join(argv)}") from None
 
     monkeypatch.setattr(suite, "_run", run)
+
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory):
+    """The tiny vision suite (an untrained and a DCL cell: training, kNN, linear probe), its DCL training
+    command a real process (the suite's own way to run a command, suite._run, as a user's run takes it), the
+    other five in this process."""
+    tmp_path = tmp_path_factory.mktemp("suite")
+    config = _config(tmp_path)
+    with pytest.MonkeyPatch.context() as m:
+        _commands_in_process(m, real=lambda argv: argv[1].endswith("train.py") and "--steps 0" not in shlex.join(argv))
+        return config, run_suite(config, progress=False)
+
+
+@pytest.fixture
+def cells_in_process(monkeypatch):
+    """The suite's commands in this process (_commands_in_process); commands as real processes run in tiny_suite
+    (one) and the fairseq2 column (the second environment's interpreter, which stays a process here too)."""
+    _commands_in_process(monkeypatch)
 
 
 def test_report_has_every_number_and_its_settings(tiny_suite):

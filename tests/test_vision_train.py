@@ -1,7 +1,6 @@
 """The vision recipe: every method with every objective trains; 2 processes equal 1; resume is exact; bad setups fail."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import rank_environments
 from contrastkit.losses import available_losses
 from contrastkit.training import StepBatches
 from contrastkit.vision.augment import MultiViewDataset, simclr_augment
@@ -60,12 +60,24 @@ def test_every_method_trains_with_every_objective(tmp_path, method, loss):
 
 
 def launch(args, out_dir, processes=2):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(29600 + os.getpid() % 300), str(ROOT / "recipes/vision/train.py"), *args, "--out-dir", str(out_dir)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """The vision recipe on ``processes`` CPU processes (gloo), started directly, one per rank, as srun starts a
+    job's tasks (launch.rank_environments: torch's variables and ACCELERATE_USE_CPU), each one's output in a file
+    beside out_dir. No launcher process between: the launcher's own start-up spared (accelerate launch of this
+    recipe is test_recipe_runs.py's two-process test's)."""
+    logs = [Path(f"{out_dir}.rank{rank}.log") for rank in range(processes)]
+    procs = []
+    for env, log in zip(rank_environments(processes), logs):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes/vision/train.py"), *args, "--out-dir",
+                                           str(out_dir)], env=env, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert codes == [0] * processes, "\n".join(log.read_text()[-3000:] for log in logs)
 
 
 def as_flags(cfg: VisionConfig):
