@@ -351,6 +351,14 @@ class ContrastiveLoss(Objective):
             return _counts(k, like)
         return k.view(like.shape) if isinstance(k, torch.Tensor) else k
 
+    def _at_logits(self, pos, neg_lse, neg_mean, scale):
+        """(p [M, P], l [M, 1], m [M, 1] or None) of the formula from the positives' cosines [M, P] and the
+        negatives' lse [M] and mean cosine [M] (stat_terms' and stat_grad's arguments)."""
+        if not self._has_formula:
+            raise NotImplementedError
+        m = None if neg_mean is None else neg_mean[:, None] * scale
+        return pos * scale, neg_lse[:, None], m
+
     def _weighted(self, p, cosines):
         """p times the positives' weights (DCLW's, of their ``cosines``), and the weights (None: none)."""
         if type(self).positive_weight is ContrastiveLoss.positive_weight:
@@ -365,10 +373,7 @@ class ContrastiveLoss(Objective):
         softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor. The loss from the
         formula (through autograd), the diagnostics: the positive's term -p (weighted), the negatives' the rest,
         and InfoNCE's q_B = sigmoid(l - p) (DCL paper, Prop. 1)."""
-        if not self._has_formula:
-            raise NotImplementedError
-        p, l = pos * scale, neg_lse[:, None]
-        m = None if neg_mean is None else neg_mean[:, None] * scale
+        p, l, m = self._at_logits(pos, neg_lse, neg_mean, scale)
         weighted, _ = self._weighted(p, pos)
         args = (weighted, l, self._counts_for(num_neg, l)) + (() if m is None else (m,))
         loss = _over_positives(self.formula(*args))
@@ -384,10 +389,7 @@ class ContrastiveLoss(Objective):
         this one times a constant, and recomputes otherwise. From ``terms``, averaged over the positives. Called
         per block of anchors, so without the positives' weights (DCLW's, made over the whole batch and every
         process: a collective), which scale the positive's term only and leave d/dl alone there (DCL's 1)."""
-        if not self._has_formula:
-            raise NotImplementedError
-        p, l = pos * scale, neg_lse[:, None]
-        m = None if neg_mean is None else neg_mean[:, None] * scale
+        p, l, m = self._at_logits(pos, neg_lse, neg_mean, scale)
         _, _, d_l, d_m = self.terms(p, l, self._counts_for(num_neg, l), m)
         rows = [_per_anchor(d_l, l)] + ([] if m is None else [_per_anchor(d_m, l) * scale])
         return torch.stack(rows) if len(rows) > 1 else rows[0][None]
