@@ -143,3 +143,100 @@ def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
         reset_accelerate()
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess([sys.executable, *argv], code, out.getvalue(), err.getvalue())
+
+
+def _one_thread(rank, fn, *args):
+    import torch
+
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def fork_ranks(fn, args, processes: int = 2) -> None:
+    """``fn(rank, *args)`` on ``processes`` ranks forked from this process by torch.multiprocessing, each on one
+    intra-op thread: a spawned rank is a fresh interpreter that imports torch and the test's module again (2-4
+    CPU-s each), a forked one has them already. An exception in a rank fails the call with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_one_thread, args=(fn, *args), nprocs=processes, start_method="fork", join=True)
+
+
+def run_ranks(script, argv, processes: int = 2, cwd=None, timeout: float = 300, **env) -> list[subprocess.CompletedProcess]:
+    """``python SCRIPT ARGV...`` on ``processes`` gloo ranks, each a child forked from this process rather than a
+    fresh interpreter, for the multi-process tests that are not about the launcher: each rank is a real process
+    with its own process group (torch's variables and ACCELERATE_USE_CPU as rank_environments gives them, as srun
+    starts a job's tasks), but the 3-7 CPU-s of imports (torch, transformers, accelerate, open_clip) that a fresh
+    interpreter pays are already paid here. A rank runs the script as run_here does (its __main__, argv, cwd, one
+    intra-op thread, the accelerate state reset), its output to a file, and ends with os._exit (none of this
+    process's exit handlers). Returns each rank's CompletedProcess (returncode: the SystemExit code, 1 on an
+    exception, whose traceback ends its stderr; -N for a signal), in rank order; ranks still running after
+    ``timeout`` seconds are killed (returncode -9)."""
+    import tempfile
+    import time
+    import traceback
+
+    argv = [str(script), *map(str, argv)]
+    logs, pids = [], []
+    for rank_env in rank_environments(processes, **env):
+        log = tempfile.TemporaryFile()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: nothing of the parent's test machinery runs here, not even its exit handlers
+            code = 1
+            try:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
+                sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+                os.environ.clear()
+                os.environ.update(rank_env)
+                os.chdir(cwd or os.getcwd())
+                import torch
+
+                torch.set_num_threads(1)
+                reset_accelerate()
+                logging.root.handlers.clear()
+                sys.argv = argv
+                warnings.resetwarnings()
+                for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                    warnings.simplefilter("ignore", category)
+                try:
+                    runpy.run_path(argv[0], run_name="__main__")
+                    code = 0
+                except SystemExit as stop:
+                    code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+                    if not isinstance(stop.code, (int, type(None))):
+                        print(stop.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(code)
+        logs.append(log)
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        if len(codes) < len(pids):
+            if time.monotonic() > deadline:
+                for pid in pids:
+                    if pid not in codes:
+                        os.kill(pid, 9)
+                        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                break
+            time.sleep(0.05)
+    results = []
+    for pid, log in zip(pids, logs):
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+        log.close()
+        results.append(subprocess.CompletedProcess([sys.executable, *argv], codes[pid], text, ""))
+    return results
