@@ -143,3 +143,162 @@ def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
         reset_accelerate()
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess([sys.executable, *argv], code, out.getvalue(), err.getvalue())
+
+
+def _one_thread(rank, fn, *args):
+    import torch
+
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def fork_ranks(fn, args, processes: int = 2) -> None:
+    """``fn(rank, *args)`` on ``processes`` ranks forked from this process by torch.multiprocessing, each on one
+    intra-op thread: a spawned rank is a fresh interpreter that imports torch and the test's module again (2-4
+    CPU-s each), a forked one has them already. An exception in a rank fails the call with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_one_thread, args=(fn, *args), nprocs=processes, start_method="fork", join=True)
+
+
+class Forked:
+    """``python SCRIPT ARGV...`` in a child forked from this process rather than a fresh interpreter, for the tests
+    that need a process of its own (a signal, a SIGKILL, a rank of a process group) but are not about its start-up:
+    the 3-7 CPU-s of imports (torch, transformers, accelerate, open_clip) a fresh interpreter pays are already paid
+    here. The child starts as an interpreter would for the script: ``env`` as its whole environment, ``cwd``, the
+    script's folder first on sys.path, sys.argv, Python's signal dispositions (a handler this process installed is
+    not inherited), Python's default warning filters, one intra-op thread, the accelerate state and the root
+    logger's handlers reset; with ``new_session``, a session and process group of its own. It runs the script as
+    __main__ (runpy), its stdout and stderr to one file, and ends with os._exit: none of this process's exit
+    handlers run there. Popen's poll, wait, send_signal, kill and communicate (the output once it has ended;
+    ``timeout`` kills it, then raises subprocess.TimeoutExpired)."""
+
+    def __init__(self, script, argv=(), env=None, cwd=None, new_session: bool = False):
+        import tempfile
+
+        self.args = [str(script), *map(str, argv)]
+        self.returncode: int | None = None
+        self._log = tempfile.TemporaryFile()
+        env = {key: str(value) for key, value in (os.environ if env is None else env).items()}
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            self._child(env, cwd, new_session)
+
+    def _child(self, env, cwd, new_session) -> None:  # never returns
+        import signal
+        import traceback
+
+        code = 1
+        try:
+            if new_session:
+                os.setsid()
+            for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
+                           signal.SIGCHLD):
+                signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            os.dup2(self._log.fileno(), 1)
+            os.dup2(self._log.fileno(), 2)
+            sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
+            sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+            os.environ.clear()
+            os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
+            import torch
+
+            torch.set_num_threads(int(env.get("OMP_NUM_THREADS", 1)))
+            reset_accelerate()
+            logging.root.handlers.clear()
+            warnings.resetwarnings()
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            sys.argv = self.args
+            sys.path.insert(0, os.path.dirname(os.path.abspath(self.args[0])))
+            try:
+                runpy.run_path(self.args[0], run_name="__main__")
+                code = 0
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    @property
+    def output(self) -> str:
+        """stdout and stderr as written so far."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        return self.output, ""
+
+
+def run_forked(script, argv, cwd=None, timeout: float = 600, **env) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV...`` run to its end in a child forked from this process (Forked), this process's
+    environment with one intra-op thread and ``env`` on top; its output in stdout (returncode -N for a signal).
+    A run past ``timeout`` is killed (subprocess.TimeoutExpired)."""
+    child = Forked(script, argv, {**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd)
+    out, _ = child.communicate(timeout)
+    return subprocess.CompletedProcess([sys.executable, *child.args], child.returncode, out, "")
+
+
+def run_ranks(script, argv, processes: int = 2, cwd=None, timeout: float = 300,
+              **env) -> list[subprocess.CompletedProcess]:
+    """``python SCRIPT ARGV...`` on ``processes`` gloo ranks forked from this process (Forked), for the
+    multi-process tests that are not about the launcher: each rank a real process with its own process group,
+    torch's variables and ACCELERATE_USE_CPU as rank_environments gives them (as srun starts a job's tasks).
+    Returns each rank's CompletedProcess (its output in stdout; returncode -N for a signal), in rank order; the
+    ranks still running after ``timeout`` seconds are killed (-9)."""
+    import time
+
+    ranks = [Forked(script, argv, rank_env, cwd) for rank_env in rank_environments(processes, **env)]
+    deadline = time.monotonic() + timeout
+    for rank in ranks:
+        try:
+            rank.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            for other in ranks:
+                other.wait()
+    return [subprocess.CompletedProcess([sys.executable, *rank.args], rank.returncode, rank.output, "")
+            for rank in ranks]

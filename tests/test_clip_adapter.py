@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import reference
-from launch import end_process_group, free_port, logging_kept
+from launch import end_process_group, fork_ranks, free_port, logging_kept
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -193,7 +192,7 @@ def _worker(rank, world, init_file, out_dir):
 def two_processes(tmp_path_factory):
     """Each rank's results (_worker), spawned once for the module."""
     tmp = tmp_path_factory.mktemp("two_processes")
-    mp.start_processes(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, start_method="spawn", join=True)
+    fork_ranks(_worker, (2, str(tmp / "init"), str(tmp)))
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("open_clip")
 pytest.importorskip("accelerate")
@@ -26,7 +25,7 @@ from contrastkit.data.image_text import load_image_text, make_shapes_clip  # noq
 from contrastkit.evaluation.zeroshot import evaluate_zeroshot  # noqa: E402
 from contrastkit.cli import RunError  # noqa: E402
 from contrastkit.training import check_launch  # noqa: E402
-from launch import accelerate_launch, end_process_group  # noqa: E402
+from launch import accelerate_launch, end_process_group, fork_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--loss", "dclw", "--num-train", "64", "--zeroshot-per-class", "4", "--batch-size", "8", "--steps", "3",
@@ -131,7 +130,7 @@ def test_fully_shard_equals_unsharded(shapes, tmp_path):
     processes by fully_shard, 4 pairs each, with the recipe's loss (local, gathered with gradient): each
     process's loss is the one-process loss of all 8 pairs, the gradients (reduced by FSDP2, gathered back)
     are the one-process gradients, and the zero-shot evaluation of the unsharded model is the same."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(shapes), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_worker, (2, str(tmp_path / "init"), str(shapes), str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     torch.manual_seed(0)
     model = create_clip(DEFAULT_MODEL, nonscalar_logit_scale=True)[0]

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("open_clip")
 pytest.importorskip("webdataset")
 
-from launch import accelerate_launch  # noqa: E402
+from launch import run_ranks  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from contrastkit.cli import parse  # noqa: E402
@@ -130,12 +130,11 @@ def test_shard_errors_are_one_line(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------- the recipe
 
 
-def _recipe(*args, processes=1):
-    argv = ["recipes/clip/train.py", "--no-progress", "--log-every", "1", "--eval-every", "0", *map(str, args)]
-    if processes == 1:
-        return subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
-    launch, env = accelerate_launch(processes, PYTHONPATH=ENV["PYTHONPATH"])  # that many processes indeed
-    return subprocess.run([*launch, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def _recipe(*args, processes=2):
+    """The CLIP recipe on ``processes`` gloo ranks forked from this process (launch.run_ranks), each ending 0."""
+    ranks = run_ranks(ROOT / "recipes/clip/train.py", ["--no-progress", "--log-every", "1", "--eval-every", "0",
+                                                       *args], processes, cwd=ROOT, timeout=600)
+    assert [r.returncode for r in ranks] == [0] * processes, "\n".join(r.stdout[-3000:] for r in ranks)
 
 
 def test_resume_after_a_checkpoint_ends_bit_identical_and_bad_samples_are_counted(tmp_path):
@@ -199,10 +198,8 @@ def test_two_processes_two_workers_learn(tmp_path):
     rows = list(csv.DictReader(open(root / "train.csv"), delimiter="\t"))
     pairs = [(Image.open(r["filepath"]), r["title"]) for r in rows]
     write_img2dataset_shards(tmp_path / "train", pairs[:512], per_shard=32)
-    done = _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "80", "--warmup", "8", "--workers",
-                   "2", "--save-every", "80", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run",
-                   processes=2)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "80", "--warmup", "8", "--workers", "2",
+            "--save-every", "80", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run")
     assert json.loads((tmp_path / "run/summary.json").read_text())["processes"] == 2
 
     set_seed(0)  # the recipe's initialisation, untrained

@@ -7,7 +7,6 @@ import json
 import math
 import runpy
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from contrastkit.adapters.open_clip import create_clip  # noqa: E402
 from contrastkit.clip.train import ClipTrainConfig, train  # noqa: E402
 from contrastkit.training import StepBatches  # noqa: E402
 from contrastkit.data.image_text import make_shapes_clip  # noqa: E402
-from launch import accelerate_launch  # noqa: E402
+from launch import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,17 +86,17 @@ def test_resume_continues_to_the_same_state(data_dir, tmp_path, loss):
 
 
 @pytest.mark.parametrize("loss", ["dclw", "siglip"])
-def test_two_accelerate_processes_equal_one(data_dir, tmp_path, loss):
+def test_two_processes_equal_one(data_dir, tmp_path, loss):
     """siglip: open_clip's SigLipLoss exchanges the texts between neighbouring processes (its default 'bidir').
-    3 steps: the warm-up's first update has lr 0, so step 3's loss is the first that follows a real update."""
+    3 steps: the warm-up's first update has lr 0, so step 3's loss is the first that follows a real update. The
+    two gloo ranks are forked from this process (launch.run_ranks); `accelerate launch` itself is
+    test_recipe_runs.py's and test_first_run.py's."""
     args = ["--loss", loss, "--data-dir", str(data_dir), "--num-train", "64", "--zeroshot-per-class", "4",
             "--batch-size", "8", "--steps", "3",
             "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--save-every", "0", "--no-progress"]
-    launch, env = accelerate_launch(2)  # 2 processes indeed (`--cpu --num_processes 2` starts one)
-    cmd = [*launch, "recipes/clip/train.py", *args, "--out-dir", str(tmp_path / "two")]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "zero-shot top-1" in done.stdout
+    ranks = run_ranks(ROOT / "recipes/clip/train.py", [*args, "--out-dir", tmp_path / "two"], cwd=ROOT)
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stdout[-3000:] + ranks[1].stdout[-3000:]
+    assert "zero-shot top-1" in ranks[0].stdout
     train(_cfg(tmp_path / "one", data_dir, loss=loss, steps=3, warmup=1, eval_every=0, save_every=0))
     two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     assert len(two) == len(one) == 3

@@ -1,10 +1,11 @@
 """transformers' own example scripts, unchanged (tests/clients/, where they come from is in its README),
-trained with DCL after contrastkit's one import on 1 CPU process and under `accelerate launch` on 2 (gloo):
+trained with DCL after contrastkit's one import on 1 CPU process and on 2 (gloo; run_clip.py under `accelerate
+launch`, the wav2vec 2.0 script on ranks forked from the test's process):
 run_clip.py (the Trainer) on a tiny dual encoder and run_wav2vec2_pretraining_no_trainer.py (an accelerate
 loop) on a tiny wav2vec 2.0, each on tiny local data made here. Nothing is downloaded. The one-process runs
 run the same runner (the one import, then the script as __main__) in the test's own process, in the
 environment `accelerate launch --cpu` gives it: a process's start-up (torch, transformers, accelerate) spared
-per run; the launcher is the two-process tests'."""
+per run; `accelerate launch` is run_clip.py's two-process test's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import hf_tiny
-from launch import accelerate_launch, run_here
+from launch import accelerate_launch, run_here, run_ranks
 from contrastkit.adapters import hf_clip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,11 +29,11 @@ RUN_CLIP = CLIENTS / "run_clip.py"
 RUN_WAV2VEC2 = CLIENTS / "run_wav2vec2_pretraining_no_trainer.py"
 
 
-def _launch(tmp_path, script, args, processes, one_import, **env):
+def _launch(tmp_path, script, args, processes, one_import, forked=False, **env):
     """A runner that makes the one import (``contrastkit.adapters.<one_import>``, none if None) and then runs
     the unchanged script as __main__; after it, each process writes its accelerate state and the objective in
     force to a file of its own (printed lines of two processes can interleave). Several processes: `accelerate
-    launch` of the runner. One: the runner in this process (launch.run_here) with the variables that
+    launch` of the runner, or with ``forked`` gloo ranks forked from this process (launch.run_ranks). One: the runner in this process (launch.run_here) with the variables that
     `accelerate launch --cpu` sets, the one import made afresh and its patch undone after, transformers' and
     datasets' log levels (which the scripts set) put back. Returns (stdout + stderr, the processes' states)."""
     runner = tmp_path / f"runner_{one_import}_{processes}.py"
@@ -53,12 +54,15 @@ def _launch(tmp_path, script, args, processes, one_import, **env):
               # active exception", after its state file); our recipes end with accelerator.end_training()
               "state.destroy_process_group()"]
     runner.write_text("\n".join(lines) + "\n")
+    offline = dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
     if processes == 1:
         proc = _here(tmp_path, runner, args, one_import, **env)
+    elif forked:
+        ranks = run_ranks(runner, args, processes, cwd=tmp_path, timeout=600, **offline, **env)
+        proc = subprocess.CompletedProcess(runner, max(abs(r.returncode) for r in ranks),
+                                          "\n".join(r.stdout for r in ranks), "")
     else:
-        command, env = accelerate_launch(processes, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
-                                         HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
-                                         **env)
+        command, env = accelerate_launch(processes, PYTHONPATH=str(ROOT), **offline, **env)
         proc = subprocess.run([*command, str(runner), *args], env=env, capture_output=True, text=True, timeout=600,
                               cwd=tmp_path)
     log = proc.stdout + proc.stderr
@@ -218,7 +222,7 @@ def _run_wav2vec2(tmp_path, data, processes, steps, one_import="hf_wav2vec2_dcl"
             "--min_duration_in_seconds", "0.5", "--max_duration_in_seconds", "1.0",
             "--per_device_train_batch_size", str(4 // processes), "--max_train_steps", str(steps),
             "--learning_rate", "1e-3", "--logging_steps", "1", "--seed", "0"]
-    log, states = _launch(tmp_path, RUN_WAV2VEC2, args, processes, one_import)
+    log, states = _launch(tmp_path, RUN_WAV2VEC2, args, processes, one_import, forked=True)
     assert all(s["loss"] == ("dcl" if one_import else None) for s in states)
     logs = [{k.strip(): float(v) for k, v in re.findall(r"\| ([^:|]+): ([-+.e0-9]+)", line)}
             for line in log.splitlines() if "| constrast_loss:" in line]

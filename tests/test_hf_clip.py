@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import hf_tiny
 import reference as reference_labelled
-from launch import end_process_group
+from launch import end_process_group, fork_ranks
 from contrastkit.adapters import hf_clip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -346,7 +345,7 @@ def _worker(rank, world, init_file, out_dir):
 
 
 def test_two_processes_with_gathering_equal_one(tmp_path, float64):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, kind in GATHERED:
         total, grads = _loss_and_grads(name, kind, 8, 0, False)

@@ -2,8 +2,10 @@
 one, stops every process at the same step boundary with a complete checkpoint of that step, one line naming it
 and exit status 75; the same command with --resume auto then ends with the uninterrupted run's weights and
 optimizer state bit for bit. A signal during a checkpoint write lets the write finish; more signals while
-stopping change nothing. Real processes and real signals, on the CPU (the main job: the CLIP recipe); the
-one-process runs that no signal reaches (the uninterrupted run, the resumes) run in the test's process."""
+stopping change nothing. Real processes and real signals, on the CPU (the main job: the CLIP recipe), forked from
+the test's process (launch.Forked: their imports paid once) but under `accelerate launch`, whose launcher's part is
+the subject; the one-process runs that no signal reaches (the uninterrupted run, the resumes) run in the test's
+process."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.training import COMPLETE, RUN_CONFIG, STOPPED, latest_checkpoint
-from launch import accelerate_launch, rank_environments, run_here
+from launch import Forked, accelerate_launch, rank_environments, run_here
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALLED = str(ROOT / "tests/scripts/signalled_run.py")
@@ -35,13 +36,14 @@ def clip_argv(data_dir, out, *extra) -> list[str]:
             "--no-progress", "--ddp-timeout", "120", "--out-dir", str(out), *extra]
 
 
-def start(argv, env=None, **extra_env) -> subprocess.Popen:
+def start(argv, env=None, **extra_env) -> Forked:
+    """The signalled main job in a process of its own, forked from this one (launch.Forked: real signals, the
+    imports already paid)."""
     env = {**(env or {**os.environ, "OMP_NUM_THREADS": "1"}), "PYTHONPATH": str(ROOT), **extra_env}
-    return subprocess.Popen([sys.executable, SIGNALLED, CLIP, *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return Forked(SIGNALLED, [CLIP, *argv], env, cwd=ROOT)
 
 
-def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+def finish(process, timeout: float = 300) -> tuple[int, str]:
     out, err = process.communicate(timeout=timeout)
     return process.returncode, out + err
 
@@ -325,9 +327,8 @@ def test_sigterm_to_the_whole_process_group_spares_the_dataloader_workers(tmp_pa
 
     out, hold = tmp_path / "run", tmp_path / "hold"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HOLD_AT": "step:3", "HOLD_FILE": str(hold)}
-    process = subprocess.Popen([sys.executable, SIGNALLED, str(ROOT / "recipes/vision/train.py"), *TINY, "--workers",
-                                "2", "--out-dir", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = Forked(SIGNALLED, [ROOT / "recipes/vision/train.py", *TINY, "--workers", "2", "--out-dir", out], env,
+                     cwd=ROOT, new_session=True)
     deadline = time.time() + 240
     while not Path(f"{hold}.held.0").exists():
         assert process.poll() is None and time.time() < deadline, finish(process)[1][-3000:]

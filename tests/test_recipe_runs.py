@@ -1,13 +1,12 @@
 """Recipes as a user runs them: killed by SIGKILL (during a step, during a checkpoint write) and resumed,
 they end with the parameters of an uninterrupted run; --report-to tensorboard writes event files. The killed
-runs are processes of their own, the two-process runs accelerate launch; the other one-process runs (the
-uninterrupted one, the resumes, tensorboard's) run the same command in the test's process."""
+one-process runs are processes of their own (forked from the test's), the killed two-process run `accelerate
+launch`; the other one-process runs (the uninterrupted one, the resumes, tensorboard's) run the same command in the test's
+process."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.training import latest_checkpoint
-from launch import run_here
+from launch import accelerate_launch, run_forked, run_here, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--train-images", "64", "--test-images", "32", "--batch-size", "8", "--width", "8", "--proj-hidden", "32",
@@ -24,15 +23,13 @@ TINY = ["--train-images", "64", "--test-images", "32", "--batch-size", "8", "--w
 
 
 def run(out_dir, *extra, kill_at=None):
-    """The vision recipe's command; with kill_at, a process of its own that is SIGKILLed there
-    (tests/scripts/killed_run.py); without, in this process (launch.run_here: the uninterrupted and the resumed
-    runs, whose process is not what they test, pay no start-up)."""
+    """The vision recipe's command; with kill_at, a process of its own (forked from this one: launch.run_forked)
+    that is SIGKILLed there (tests/scripts/killed_run.py); without, in this process (launch.run_here: the
+    uninterrupted and the resumed runs, whose process is not what they test)."""
     argv = [str(ROOT / "recipes/vision/train.py"), *TINY, "--out-dir", str(out_dir), *extra]
     if not kill_at:
         return run_here(argv[0], argv[1:], cwd=ROOT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KILL_AT": kill_at}
-    argv = [str(ROOT / "tests/scripts/killed_run.py"), *argv]
-    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return run_forked(ROOT / "tests/scripts/killed_run.py", argv, cwd=ROOT, PYTHONPATH=ROOT, KILL_AT=kill_at)
 
 
 def final_weights(out_dir):
@@ -83,31 +80,29 @@ def test_keep_one_killed_during_the_second_save_resumes_from_the_first(straight,
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
-def launch(out_dir, *extra, kill_rank=None, port=29700):
-    """The vision recipe on 2 CPU processes (gloo) under accelerate launch; with kill_rank that process is
-    SIGKILLed inside optimizer step 4."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    script = [str(ROOT / "recipes/vision/train.py")]
-    if kill_rank is not None:
-        env.update(KILL_AT="step:4", KILL_RANK=str(kill_rank))
-        script = [str(ROOT / "tests/scripts/killed_run.py"), *script]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(port + os.getpid() % 200), *script, *TINY, "--out-dir", str(out_dir), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+def launch_killed(out_dir, rank: int) -> subprocess.CompletedProcess:
+    """The vision recipe on 2 CPU processes (gloo) under accelerate launch, process ``rank`` SIGKILLed inside
+    optimizer step 4."""
+    command, env = accelerate_launch(2, PYTHONPATH=str(ROOT), KILL_AT="step:4", KILL_RANK=str(rank))
+    return subprocess.run([*command, str(ROOT / "tests/scripts/killed_run.py"), str(ROOT / "recipes/vision/train.py"),
+                           *TINY, "--out-dir", str(out_dir)], env=env, capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
 
 
 @pytest.mark.slow
 def test_two_processes_one_killed_end_by_themselves_and_resume_exactly(tmp_path):
-    """Rank 1 SIGKILLed mid-step: the launcher ends the run (no hang: the timeout would fail the test), and
-    --resume on 2 processes reaches the uninterrupted 2-process run's weights bit for bit."""
-    straight = launch(tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = launch(tmp_path / "killed", kill_rank=1)
+    """Rank 1 SIGKILLed mid-step under accelerate launch: the launcher ends the run (no hang: the timeout would
+    fail the test), and --resume on 2 processes reaches the uninterrupted 2-process run's weights bit for bit (the
+    uninterrupted run and the resume, which are not about the launcher, on ranks forked from this process)."""
+    def ranks(out_dir, *extra):
+        done = run_ranks(ROOT / "recipes/vision/train.py", [*TINY, "--out-dir", out_dir, *extra], cwd=ROOT)
+        assert [r.returncode for r in done] == [0, 0], done[0].stdout[-3000:] + done[1].stdout[-3000:]
+
+    ranks(tmp_path / "straight")
+    killed = launch_killed(tmp_path / "killed", 1)
     assert killed.returncode != 0
     assert latest_checkpoint(tmp_path / "killed").name == "checkpoint_3"
-    resumed = launch(tmp_path / "killed", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ranks(tmp_path / "killed", "--resume")
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
     assert a.keys() == b.keys()
     for name in a:

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.cli import RunError
+from launch import Forked
 from test_cli import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,14 +197,13 @@ def write_lock(out_dir: Path, **holder) -> Path:
 
 
 def test_a_second_run_into_a_locked_out_dir_is_one_line_and_touches_nothing(tmp_path, capsys, monkeypatch):
-    """Run A (its own process) stalls in step 2, holding out_dir/LOCK; run B into the same out_dir ends in one
+    """Run A (a process of its own, forked from this one: launch.Forked) stalls in step 2, holding out_dir/LOCK; run B into the same out_dir ends in one
     error line naming A (this host, its pid, its start), exit status 2, with --resume auto too (A is alive);
     A then finishes with its checkpoints, and its lock goes with it."""
     hold = tmp_path / "hold"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOLD_AT": "step:2", "HOLD_FILE": str(hold)}
     script = [str(ROOT / "tests/scripts/signalled_run.py"), str(ROOT / "recipes/vision/train.py")]
-    a = subprocess.Popen([sys.executable, *script, *VISION, "--steps", "4", "--out-dir", str(tmp_path / "run")],
-                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    a = Forked(script[0], [*script[1:], *VISION, "--steps", "4", "--out-dir", tmp_path / "run"], env, cwd=ROOT)
     deadline = time.time() + 240
     while not Path(f"{hold}.held.0").exists():
         assert a.poll() is None and time.time() < deadline, a.communicate()
@@ -218,8 +218,8 @@ def test_a_second_run_into_a_locked_out_dir_is_one_line_and_touches_nothing(tmp_
                                              f"{tmp_path / 'run' / 'LOCK'}"), line
         assert "let that run finish, stop it, or give another --out-dir" in line
     hold.write_text("go")
-    out, err = a.communicate(timeout=240)
-    assert a.returncode == 0, err[-3000:]
+    out, _ = a.communicate(timeout=240)
+    assert a.returncode == 0, out[-3000:]
     assert finite_checkpoints(tmp_path / "run") == ["checkpoint_3", "checkpoint_4"]
     assert not (tmp_path / "run" / "LOCK").exists()
 

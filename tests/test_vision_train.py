@@ -2,15 +2,13 @@
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import rank_environments
+from launch import run_ranks
 from contrastkit.losses import available_losses
 from contrastkit.training import StepBatches
 from contrastkit.vision.augment import MultiViewDataset, simclr_augment
@@ -60,24 +58,11 @@ def test_every_method_trains_with_every_objective(tmp_path, method, loss):
 
 
 def launch(args, out_dir, processes=2):
-    """The vision recipe on ``processes`` CPU processes (gloo), started directly, one per rank, as srun starts a
-    job's tasks (launch.rank_environments: torch's variables and ACCELERATE_USE_CPU), each one's output in a file
-    beside out_dir. No launcher process between: the launcher's own start-up spared (accelerate launch of this
-    recipe is test_recipe_runs.py's two-process test's)."""
-    logs = [Path(f"{out_dir}.rank{rank}.log") for rank in range(processes)]
-    procs = []
-    for env, log in zip(rank_environments(processes), logs):
-        with log.open("w") as f:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "recipes/vision/train.py"), *args, "--out-dir",
-                                           str(out_dir)], env=env, stdout=f, stderr=subprocess.STDOUT))
-    try:
-        codes = [proc.wait(timeout=300) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert codes == [0] * processes, "\n".join(log.read_text()[-3000:] for log in logs)
+    """The vision recipe on ``processes`` gloo ranks forked from this process (launch.run_ranks: each a real
+    process with its process group, torch's variables as srun gives a job's tasks, the imports already paid).
+    `accelerate launch` of this recipe is test_recipe_runs.py's two-process test's."""
+    ranks = run_ranks(ROOT / "recipes/vision/train.py", [*args, "--out-dir", out_dir], processes)
+    assert [r.returncode for r in ranks] == [0] * processes, "\n".join(r.stdout[-3000:] for r in ranks)
 
 
 def as_flags(cfg: VisionConfig):

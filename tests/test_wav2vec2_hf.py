@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from launch import end_process_group
+from launch import end_process_group, fork_ranks
 
 from contrastkit.adapters import hf_wav2vec2
 from contrastkit.losses import functional as K
@@ -305,7 +304,7 @@ def _worker(rank, world, init_file, out_dir):
 
 
 def test_two_processes_match_one(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_worker, (2, str(tmp_path / "init"), str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     model = hf_model().eval()
     x, mask, neg = _batch(model, batch=4)

@@ -9,13 +9,12 @@ import dataclasses
 import json
 import runpy
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from environments import needs_fairseq2, skip_without_fairseq2
-from launch import accelerate_launch
+from launch import run_ranks
 
 from contrastkit.data import speech
 from contrastkit.evaluation import superb
@@ -176,14 +175,12 @@ def test_intent_runs_on_a_fairseq2_checkpoint(tmp_path):
 
 
 def test_recipe_on_two_processes(tmp_path):
-    """accelerate launch with 2 CPU processes (gloo): trains, checkpoints and exports."""
+    """2 gloo ranks forked from this process (launch.run_ranks): trains, checkpoints and exports."""
     out = tmp_path / "ddp"
-    launch, env = accelerate_launch(2)  # gloo processes on the CPU
-    cmd = [*launch, str(ROOT / "recipes" / "wav2vec2" / "train.py"), "--steps", "2", "--batch-size", "2",
-           "--save-every", "2", "--log-every", "1", "--out", str(out),
-           "--data", str(speech.default_speech_data(small=True) / "fsc")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = run_ranks(ROOT / "recipes" / "wav2vec2" / "train.py",
+                      ["--steps", "2", "--batch-size", "2", "--save-every", "2", "--log-every", "1", "--out", out,
+                       "--data", speech.default_speech_data(small=True) / "fsc"])
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stdout[-3000:] + ranks[1].stdout[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["final_loss_per_frame"] > 0
     assert (out / "checkpoints" / "checkpoint_2").is_dir() and (out / "upstream" / "model.safetensors").is_file()

@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from launch import end_process_group
+from launch import end_process_group, fork_ranks
 from settings import SCORE_LOSSES, fresh, fresh_call, inputs, shard
 
 from contrastkit.losses import build_loss
@@ -235,8 +234,7 @@ def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
     dense process on the 7: the gathered features' gradient is summed across processes. The gradient
     guessed in forward is taken on both (each image-text direction's mean is over both directions)."""
     sizes = [3, 4]
-    mp.start_processes(_run, args=(2, sizes, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+    fork_ranks(_run, (2, sizes, str(tmp_path / "init"), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for (name, setting), _ in ranks[0].items():
         want, leaves = _loss(name, setting, 0, _inputs(5, setting, sum(sizes), 6, torch.float64))

@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from launch import end_process_group
+from launch import end_process_group, fork_ranks
 from settings import SCORE_LOSSES, SETTINGS, call, fresh, fresh_call, inputs, labels, shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,8 +73,7 @@ def _single(sizes):
 @pytest.mark.parametrize("sizes", [(4, 4), (3, 3, 3), (2, 5, 3)], ids=["2proc", "3proc", "3proc-uneven"])
 def test_gathered_processes_equal_one_process(sizes, tmp_path):
     world = len(sizes)
-    mp.start_processes(_run, args=(world, list(sizes), str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
+    fork_ranks(_run, (world, list(sizes), str(tmp_path / "init"), str(tmp_path)), world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     expected = _single(sizes)
     bounds = [sum(sizes[:r]) for r in range(world + 1)]
@@ -145,8 +143,7 @@ def test_compiled_gather_on_two_processes_equals_one_process(tmp_path):
     'uneven' stop with an error that says so; bf16 features are gathered, and their gradient reduce-scattered,
     in bf16."""
     n, world = 5, 2
-    mp.start_processes(_run_compiled, args=(world, n, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn", join=True)
+    fork_ranks(_run_compiled, (world, n, str(tmp_path / "init"), str(tmp_path)), world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name, setting in COMPILED:
         loss, leaves = _compiled_call(name, setting, _inputs(setting, world * n, 7, scale=10.0), None)
@@ -179,8 +176,7 @@ def test_gather_uses_the_collectives_current_names(tmp_path):
     """Two processes gathering with and without gradient, equal and uneven sizes: no FutureWarning or
     DeprecationWarning from contrastkit's collectives (torch 2.13 renamed all_gather_tensor to
     all_gather_single; the old name warns twice a process a step)."""
-    mp.start_processes(_gather_without_warnings, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn",
-                       join=True)
+    fork_ranks(_gather_without_warnings, (2, str(tmp_path / "init")))
 
 
 LABELLED = [("infonce", "positive", "two_views"), ("dcl", "mask", "three_views"), ("eqco", "positive", "image_text"),
@@ -221,8 +217,7 @@ def test_labels_are_gathered_with_the_features(sizes, tmp_path):
     """Labels gathered as the features are (equal sizes and 'uneven'): 2 processes give the loss and gradients
     of one process on the concatenated batch, for both same_label modes and every setting."""
     world = len(sizes)
-    mp.start_processes(_run_labelled, args=(world, list(sizes), str(tmp_path / "init"), str(tmp_path)),
-                       nprocs=world, start_method="spawn", join=True)
+    fork_ranks(_run_labelled, (world, list(sizes), str(tmp_path / "init"), str(tmp_path)), world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for case in LABELLED:
         loss, leaves = _labelled_call(*case, *_labelled_inputs(case[2], sum(sizes)))

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from launch import end_process_group
+from launch import end_process_group, fork_ranks
 from settings import call, fresh, inputs, plan, shard
 
 import contrastkit.losses.registry as registry
@@ -159,7 +158,7 @@ def _rank(rank, world, init_file, out_dir):
 
 
 def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    fork_ranks(_rank, (2, str(tmp_path / "init"), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     fn = DebiasedLoss(temperature=0.5, tau_plus=0.1)
     for setting in ("two_views", "image_text"):
