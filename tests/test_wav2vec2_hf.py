@@ -128,6 +128,7 @@ def test_frames_left_out_in_place(loss):
     distractor, and the rows outside ``frames``, give exactly what leaving them out gives (loss, gradients:
     0 for theirs), DCLW's weights over the other frames only; ``dropped`` is a 0-dim tensor counting the first
     kind alone. Every frame left out: 0, with zero gradients."""
+    from contrastkit.losses import functional
     from contrastkit.losses.frames import FrameObjective
 
     g = torch.Generator().manual_seed(5)
@@ -146,7 +147,7 @@ def test_frames_left_out_in_place(loss):
         grads = torch.autograd.grad(total, leaves)
         keep = valid.any(1) & (True if rows is None else rows)
         want_leaves = [pos[keep].requires_grad_(), neg[keep].requires_grad_()]
-        kernel, options = objective.kernel, dict(objective.options)
+        kernel, options = getattr(functional, loss), dict(objective.options)  # functional's own score kernel
         if loss != "cacr":
             options["temperature"] = 0.2
         want = kernel(*want_leaves, neg_mask=valid[keep], **options).sum()  # DCLW: weights over kept frames

@@ -406,14 +406,18 @@ class ContrastiveLoss(Objective):
         return None
 
     def logit_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, scale,
-                    num_neg: int) -> LogitTerms:
+                    num_neg: int, weight: torch.Tensor | None = None) -> LogitTerms:
         """The per-anchor loss [M] of one positive per anchor from its logit ``pos``, the negatives' lse and their
         softmax-weighted mean logit, with its partial derivatives in each, for the dense path's backward written
-        by hand (dense.py; functional.LogitTerms), from ``terms``."""
+        by hand (dense.py; functional.LogitTerms), from ``terms``. ``weight``: the positives' weights where the
+        caller made them (wav2vec 2.0's frames: DCLW's over the kept frames), else positive_weight's."""
         if not self._has_formula:
             raise NotImplementedError
-        has_weight = type(self).positive_weight is not ContrastiveLoss.positive_weight
-        weighted, weight = self._weighted(pos, pos / scale if has_weight else pos)
+        if weight is not None:
+            weighted = weight * pos
+        else:
+            has_weight = type(self).positive_weight is not ContrastiveLoss.positive_weight
+            weighted, weight = self._weighted(pos, pos / scale if has_weight else pos)
         loss, pull, d_l, d_m = self.terms(weighted, neg_lse, self._counts_for(num_neg, neg_lse), neg_mean)
         if weight is not None:  # the pull on the unweighted positive's logit
             pull = weight if isinstance(pull, float) and pull == 1.0 else pull * weight

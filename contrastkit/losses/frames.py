@@ -1,5 +1,6 @@
-"""The wav2vec 2.0 contrastive term (wav2vec 2.0 paper, Eq. 3) computed by the score-level kernels
-(functional.py): each masked frame against its own sampled distractors.
+"""The wav2vec 2.0 contrastive term (wav2vec 2.0 paper, Eq. 3) with any objective's per-anchor formula (its
+``logit_terms``, the form every setting of the loss core takes): each masked frame against its own sampled
+distractors.
 
 Both adapters (Hugging Face and fairseq2) reduce the model's own scores to the same inputs: for each
 masked frame m, the cosine of the context vector with its quantised target (``pos`` [M]), with its
@@ -16,46 +17,76 @@ tensor: reading it would wait for the device).
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
 
 import torch
 
 from contrastkit.distributed import gather_no_grad
-from contrastkit.losses import functional as K
+from contrastkit.losses.base import ContrastiveLoss
+from contrastkit.losses.dcl import DCLWLoss
 from contrastkit.losses.dense import score_loss
+from contrastkit.losses.functional import _compute_dtype
+from contrastkit.losses.registry import LOSSES, _key
 
-# name -> (kernel, options it takes besides pos/neg/neg_mask)
-KERNELS: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
-    "infonce": (K.infonce, ("temperature",)),
-    "dcl": (K.dcl, ("temperature",)),
-    "dclw": (K.dclw, ("temperature", "sigma")),
-    "eqco": (K.eqco, ("temperature", "alpha")),
-    "cacr": (K.cacr, ("t_pos", "t_neg")),
-}
+
+def frame_losses() -> list[str]:
+    """The objectives that score frames: every registered one written as a per-anchor formula (a ``formula``,
+    ``terms`` or ``logit_terms``: not UniGrad, which needs whole features), whose positives carry no weight or
+    DCLW's (taken over the kept frames: frame_weights)."""
+    base = ContrastiveLoss
+    return [name for name, cls in LOSSES.items() if issubclass(cls, base)
+            and (cls.formula, cls.terms, cls.logit_terms) != (base.formula, base.terms, base.logit_terms)
+            and (cls.positive_weight is base.positive_weight or issubclass(cls, DCLWLoss))]
+
+
+def _options(name: str) -> list[str]:
+    """The objective's own options (temperature, sigma, alpha, t_pos, ...), not the settings every objective
+    takes (gather_distributed, backend, ...: frames have none of them)."""
+    shared = inspect.signature(ContrastiveLoss).parameters
+    return [k for k, p in inspect.signature(LOSSES[name]).parameters.items()
+            if k not in shared and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 class FrameObjective:
-    """One objective with its options, applied to wav2vec 2.0 frame scores.
+    """One objective with its options, applied to wav2vec 2.0 frame scores: the objective's own per-anchor
+    formula (its ``logit_terms``, as every other setting takes it), so an objective registered with
+    register_loss scores frames too.
 
-    temperature=None means the model's own (HF ``contrastive_logits_temperature``, fairseq2
+    temperature=None (the default) means the model's own (HF ``contrastive_logits_temperature``, fairseq2
     ``logit_temp``), so that ``infonce`` reproduces the model's loss.
     """
 
     def __init__(self, loss: str = "dcl", **options):
-        name = loss.lower()
-        if name not in KERNELS:
+        try:
+            name = _key(loss)
+        except ValueError:
+            name = None
+        if name is None or name not in frame_losses():
             hint = (" (UniGrad has no distractor form: it needs whole-feature targets, not frame scores)"
-                    if name == "unigrad" else "")
-            raise ValueError(f"wav2vec 2.0 adapter: unsupported loss {loss!r}{hint}; choose one of {', '.join(KERNELS)}")
-        kernel, allowed = KERNELS[name]
-        unknown = sorted(set(options) - set(allowed))
+                    if str(loss).lower() == "unigrad" else "")
+            raise ValueError(f"wav2vec 2.0 adapter: unsupported loss {loss!r}{hint}; choose one of "
+                             f"{', '.join(frame_losses())}")
+        unknown = sorted(set(options) - set(_options(name)))
         if unknown:
-            raise ValueError(f"wav2vec 2.0 adapter: loss {name!r} takes options {list(allowed)}, got unknown {unknown}")
-        self.name, self.kernel, self.options = name, kernel, dict(options)
+            raise ValueError(f"wav2vec 2.0 adapter: loss {name!r} takes options {_options(name)}, got unknown {unknown}")
+        self.name, self.options = name, dict(options)
+        self._objectives: dict[float, ContrastiveLoss] = {}
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
         return f"FrameObjective({self.name!r}{', ' + opts if opts else ''})"
+
+    def objective(self, model_temperature: float) -> ContrastiveLoss:
+        """The objective, at the model's temperature where it takes one and none was given (one per temperature:
+        a Module built once, not per step)."""
+        found = self._objectives.get(model_temperature)
+        if found is None:
+            options = dict(self.options)
+            takes = "temperature" in inspect.signature(LOSSES[self.name]).parameters
+            if takes and options.get("temperature") is None:
+                options["temperature"] = model_temperature
+            found = self._objectives[model_temperature] = LOSSES[self.name](**options)
+        return found
 
     def summed(self, pos: torch.Tensor, neg: torch.Tensor, valid: torch.Tensor, *, model_temperature: float,
                frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,35 +104,25 @@ class FrameObjective:
         dropped = (~has_negative if frames is None else frames & ~has_negative).sum()
         if pos.shape[0] == 0:  # nothing to contrast: a zero that stays connected to the graph
             return neg.sum() * 0.0, dropped
-        scale, terms, num_neg = self._formula(pos, valid, keep, model_temperature)
-        per_frame = score_loss(pos, neg, valid, scale, terms=terms, num_neg=num_neg, with_mean=self.name == "cacr")
+        objective = self.objective(model_temperature)
+        scale, terms, num_neg = self._formula(objective, pos, valid, keep)
+        per_frame = score_loss(pos, neg, valid, scale, terms=terms, num_neg=num_neg, with_mean=objective.needs_mean)
         return torch.where(keep, per_frame, 0.0).sum(), dropped
 
-    def _formula(self, pos, valid, keep, model_temperature):
-        """(the logits' scale, the per-frame formula with its partial derivatives, the negatives' count) of this
-        objective (functional.softmax_logit_terms, cacr_logit_terms: one positive per frame)."""
-        options = self.options
-        if self.name == "cacr":  # one positive: its attraction weight is 1, t_pos has nothing to weigh
-            return 2.0 * options.get("t_neg", 2.0), _cacr_terms, None
-        temperature = options.get("temperature", model_temperature)
-        K._check_temperature(self.name, temperature)
-        weight, num_neg = None, None
-        if self.name == "dclw":  # a collective: called on every process, also one with no frame left
-            weight = frame_weights(pos, keep, options.get("sigma", 0.5))
-        if self.name == "eqco":
-            num_neg = valid.sum(dim=1, dtype=K._compute_dtype(pos)).clamp_min_(1.0)
-        keep_positive = self.name in ("infonce", "eqco")
-        alpha = options.get("alpha", 256.0)
+    def _formula(self, objective, pos, valid, keep):
+        """(the logits' scale, the objective's per-frame formula with its partial derivatives, the negatives'
+        count per frame): the objective's logit_terms, DCLW's positives' weights over the kept frames of every
+        process (frame_weights)."""
+        num_neg = valid.sum(dim=1, dtype=_compute_dtype(pos)).clamp_min_(1.0)
+        if type(objective).positive_weight is ContrastiveLoss.positive_weight:
+            return objective.default_logit_scale(), objective.logit_terms, num_neg
+        # a collective: every process calls it, one with no frame left too
+        weight = frame_weights(pos, keep, objective.sigma)
 
         def terms(p, lse, mean, scale, k):
-            shift = torch.log(alpha / k) if k is not None else 0.0
-            return K.softmax_logit_terms(p, lse, keep_positive=keep_positive, shift=shift, pos_weight=weight)
+            return objective.logit_terms(p, lse, mean, scale, k, weight=weight)
 
-        return 1.0 / temperature, terms, num_neg
-
-
-def _cacr_terms(pos, lse, mean, scale, num_neg):
-    return K.cacr_logit_terms(pos, mean, scale)
+        return objective.default_logit_scale(), terms, num_neg
 
 
 def frame_weights(pos: torch.Tensor, keep: torch.Tensor, sigma: float) -> torch.Tensor:

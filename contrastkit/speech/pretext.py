@@ -34,7 +34,8 @@ from contrastkit.adapters import patching
 from contrastkit.data import speech as data
 from contrastkit.losses import functional
 from contrastkit.speech import models
-from contrastkit.losses.frames import KERNELS, FrameObjective
+from contrastkit.losses.dense import score_loss
+from contrastkit.losses.frames import FrameObjective
 
 
 def _crop(wave: torch.Tensor, max_seconds: float) -> torch.Tensor:
@@ -119,10 +120,10 @@ def evaluate_pretext(model, waves: list[torch.Tensor], cfg, *, seed: int | None 
                   infonce_per_frame=float(infonce.mean()),
                   mean_valid_distractors=float(n_valid.mean()))
     if objective is not None:
-        options = dict(objective.options)
-        if "temperature" in KERNELS[objective.name][1]:
-            options.setdefault("temperature", temperature)
-        # the kernel on this process's frames only (no collective: DCLW's weights are local here)
+        # the objective's formula on this process's frames only (no collective: DCLW's weights are over these)
+        loss_fn = objective.objective(temperature)
+        per_frame = score_loss(pos, neg, valid, loss_fn.default_logit_scale(), terms=loss_fn.logit_terms,
+                               num_neg=n_valid.clamp_min(1.0), with_mean=loss_fn.needs_mean)
         report["loss"] = objective.name
-        report["loss_per_frame"] = float(objective.kernel(pos, neg, neg_mask=valid, **options).mean())
+        report["loss_per_frame"] = float(per_frame.mean())
     return report

@@ -30,7 +30,8 @@ from settings import SCORE_LOSSES, SETTINGS, call, inputs, labels
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastkit.losses import build_loss
-from contrastkit.losses.frames import KERNELS, FrameObjective
+from contrastkit.losses import functional
+from contrastkit.losses.frames import FrameObjective, frame_losses
 
 pytestmark = pytest.mark.quick
 
@@ -219,7 +220,7 @@ def test_unigrad(device_path):
         _backward(loss_fn(z1, z2))
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("name", frame_losses())
 def test_frame_objective(name, device_path):
     """wav2vec 2.0's frames, some with no valid distractor, some not frames at all (the Hugging Face adapter
     scores every frame and passes the mask), through the adapter's own scores."""
@@ -239,11 +240,16 @@ def test_frame_objective(name, device_path):
         _backward(objective.summed(*scores, model_temperature=0.1, frames=frames))
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
+# functional.py's score kernels and the options each takes
+SCORE_KERNELS = {"infonce": ("temperature",), "dcl": ("temperature",), "dclw": ("temperature", "sigma"),
+                 "eqco": ("temperature", "alpha"), "cacr": ("t_pos", "t_neg")}
+
+
+@pytest.mark.parametrize("name", list(SCORE_KERNELS))
 def test_kernels_take_tensor_options(name, device_path):
     """The score kernels with their options (temperature, sigma, alpha, t_pos, t_neg) given as 0-dim tensors:
     their values are checked only where host reads are free."""
-    kernel, allowed = KERNELS[name]
+    kernel, allowed = getattr(functional, name), SCORE_KERNELS[name]
     options = {key: torch.tensor(value) for key, value in dict(temperature=0.1, sigma=0.5, alpha=64.0, t_pos=1.0,
                                                                   t_neg=2.0).items() if key in allowed}
     pos, neg = _leaves((8,), (8, 5))

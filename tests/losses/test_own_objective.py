@@ -168,3 +168,27 @@ def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
         for i, grad in enumerate(torch.autograd.grad(want, x)):
             torch.testing.assert_close(torch.cat([r[setting][1][i] for r in ranks]), grad, rtol=1e-9, atol=1e-12)
     assert math.isfinite(float(want))
+
+
+def test_wav2vec2_frames_take_it_by_name(monkeypatch):
+    """wav2vec 2.0's frames (the adapters' FrameObjective) with the objective registered: each kept frame's loss
+    the formula of its positive against its valid distractors, summed, equal to a float64 autograd frame by
+    frame (a frame without a valid distractor counts 0); an option it does not take is one clear error."""
+    from contrastkit.losses.frames import FrameObjective, frame_losses
+
+    monkeypatch.setitem(registry.LOSSES, "debiased", DebiasedLoss)
+    assert "debiased" in frame_losses() and "unigrad" not in frame_losses()
+    g = torch.Generator().manual_seed(11)
+    pos, neg = torch.rand(6, generator=g, dtype=torch.float64), torch.rand(6, 5, generator=g, dtype=torch.float64)
+    valid = torch.rand(6, 5, generator=g) > 0.3
+    valid[:, 0], valid[4] = True, False  # frame 4: no valid distractor
+    leaves = [pos.clone().requires_grad_(), neg.clone().requires_grad_()]
+    total, dropped = FrameObjective("debiased", tau_plus=0.1).summed(*leaves, valid, model_temperature=0.5)
+    fn, plain = DebiasedLoss(temperature=0.5, tau_plus=0.1), [pos.clone().requires_grad_(), neg.clone().requires_grad_()]
+    want = sum(fn.formula(2.0 * plain[0][i].reshape(1), torch.logsumexp(2.0 * plain[1][i][valid[i]], 0).reshape(1),
+                          valid[i].sum().double().reshape(1)).sum() for i in range(6) if i != 4)
+    assert float(total) == pytest.approx(float(want), rel=1e-12) and int(dropped) == 1
+    for got, expected in zip(torch.autograd.grad(total, leaves), torch.autograd.grad(want, plain)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"loss 'debiased' takes options \['temperature', 'tau_plus'\]"):
+        FrameObjective("debiased", sigma=0.5)
