@@ -1,17 +1,20 @@
 """The GPU scripts (tools/gpu/), proven on the CPU before a GPU machine is lent.
 
-- The harness, once: tools/gpu/e2e.sh's --dry-run on the runs that take every path of it (HARNESS): a recipe
-  stage with its untrained baseline and its --resume check (bit-identical), the main job on two processes (the
-  shared-device launch, equal to one process), a client stage (SentenceTransformerTrainer) with DCL and with the
-  ecosystem's own loss; the report judges each by its criterion (tools/gpu/e2e_report.py, checked here on
-  made-up runs too) and has the harness's timings.
+- The harness, once, as the GPU runs it: tools/gpu/plan.sh's two calls at --dry-run, their e2e steps narrowed
+  to the runs that take every path of e2e.sh (HARNESS; its comment says where the others are checked) and
+  check.sh's benchmark to JOBS. Call 1: the CUDA tests (collected, skipped) beside the baselines (here
+  sentence-transformers on its own loss), then the DCL stages (the main job, with the ecosystem's InfoNCE
+  replayed beside, and on two processes, the shared-device launch, equal to one process); the report judges
+  each by its criterion (tools/gpu/e2e_report.py, checked here on made-up runs too) and has the harness's
+  timings. Call 2, on the same work folder: nothing run again, the same report, the profile, the model's rates
+  and the benchmark's tables (every job's command read by the benchmark's own parser: every method it names
+  known). A later e2e.sh call on that folder adds the main job's resume check (bit-identical).
 - Every run's wiring, without training: E2E_LIST=1 writes each of the 23 runs' environment and command, and
   each is run here up to its entry point's real argument parser, through the harness's probe (its watch and
   E2E_IMPORT installed), and the accelerate launcher's options through accelerate's parser; the entry points
   themselves train in their own tests (tests/test_clip_train.py, test_vision_train.py, test_wav2vec2_recipe.py,
-  test_clap.py, test_hf_clients.py, test_sentence_transformers.py, test_clip_adapter.py).
-- tools/gpu/check.sh's --dry-run runs its quick plan's jobs at N = 64 (every method it names is known);
-  tools/gpu/plan.sh's two calls pack their results (the e2e and check steps narrowed to a run and a job).
+  test_clap.py, test_hf_clients.py, test_sentence_transformers.py, test_clip_adapter.py), and the probe sees
+  each one's objective in test_probe_sees_each_objective_and_replays_each_reference.
 """
 
 from __future__ import annotations
@@ -36,9 +39,19 @@ import e2e_report  # noqa: E402
 OWN = [name for name, stage in e2e_report.STAGES.items() if stage.own]
 RUNS = [*e2e_report.STAGES, *e2e_report.UNTRAINED_RUNS, *(f"{name}-own" for name in OWN)]
 PROBE = "tools/gpu/e2e_probe.py"
-# every path of the harness: the resume check and the untrained baseline (clip), the two-process launch and its
-# comparison with one process (clip_2proc), a client without accelerate, with DCL and with its own loss (st)
-HARNESS = ("clip", "clip_2proc", "clip-untrained", "st", "st-own")
+# every path of the harness, run once through plan.sh's two calls: a recipe's DCL stage replayed beside its
+# ecosystem's InfoNCE, with its half-way checkpoint for the resume check (clip), a baseline (untimed, side by side
+# with the CUDA tests): a client without accelerate on its ecosystem's own loss (st-own), the two-process launch
+# and its comparison with one process (clip_2proc). Where the other paths are checked: the untrained baselines
+# (--steps 0): their commands in test_every_run_is_wired, the recipe's --steps 0 summary in tests/test_clip_train.py,
+# the report's reading of it in test_recipe_evaluations_are_read_where_the_recipes_write_them, the probe around a
+# run without a training call in test_probe_without_a_call_writes_its_record; st's DCL watch and replay (mnrl):
+# test_probe_sees_each_objective_and_replays_each_reference.
+HARNESS = ("clip", "clip_2proc", "st-own")
+# check.sh's quick job run at N = 64 (the tables' machinery is one for every job): every job's command, its methods,
+# dtype and --tf32, is read by benchmarks/losses.py's parser in test_every_benchmark_job_is_wired; the methods that
+# run on the CPU, in float32 too, run in tests/test_benchmark_losses.py
+JOBS = ("bfloat16-small",)
 
 
 def _env(**extra) -> dict:
@@ -54,11 +67,19 @@ def _script(name: str, *args, env=None, timeout=600):
 
 @pytest.fixture(scope="module")
 def e2e_data(tmp_path_factory) -> Path:
-    """--dry-run's inputs (tools/gpu/e2e_data.py --small), made once for this module's runs of the scripts."""
+    """--dry-run's inputs (tools/gpu/e2e_data.py --small), made once for this module's runs of the scripts, in
+    this process (its models' libraries are the probe test's); the speech set is the tests' shared copy (the same
+    set, generated once for the suite), which e2e_data.py finds made."""
+    import e2e_data as data
+    from contrastkit.data.speech import default_speech_data
+
     out = tmp_path_factory.mktemp("e2e-data")
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "e2e_data.py"), str(out), "--small"],
-                          env=_env(PYTHONPATH=str(ROOT)), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    speech = default_speech_data(small=True)
+    (out / "speech").mkdir()
+    (out / "speech" / speech.name).symlink_to(speech)
+    with torch.random.fork_rng():  # it seeds the models it makes
+        data.main([str(out), "--small"])
+    assert (out / "made.json").is_file()
     return out
 
 
@@ -73,46 +94,6 @@ def _work(data: Path, folder: Path) -> Path:
     for part in data.iterdir():
         (folder / part.name).symlink_to(part)
     return folder
-
-
-def test_dry_run_tests_the_harness_once(e2e_data, tmp_path):
-    """HARNESS's runs exit 0 with the objective seen in training: DCL's calls (one or more a step) with the step
-    and replay timings and the ecosystem's InfoNCE timed beside (one process), the ecosystem's own loss watched
-    in its own run (calls, top-1 and chance each), the recipe's evaluation in its summary and its untrained run's;
-    the main job's resume from its half-way checkpoint bit-identical, and on two CPU processes (gloo, the
-    harness's shared-device launch) its first steps' loss equal to one process's; the report says both."""
-    work = _work(e2e_data, tmp_path / "e2e")
-    done = _script("e2e.sh", "--dry-run", env={"E2E_WORK": str(work), "STAGES": " ".join(HARNESS)}, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads((work / "report" / "e2e.json").read_text())
-    rows = {r["stage"]: r for r in report["rows"]}
-    assert list(rows) == ["clip", "clip_2proc", "st"], list(rows)
-    for name, r in rows.items():
-        dcl = r["dcl"]["probe"]
-        assert r["dcl"]["rc"] == 0 and dcl["calls"] >= dcl["steps"] > 0, (name, r["dcl"])
-        assert len(dcl["top1"]) == len(dcl["chance"]) == dcl["calls"], name
-        if name != "clip_2proc":  # its objective gathers: no replay on one process
-            assert dcl["step_ms"] > 0 and dcl["objective_ms"] > 0 and dcl["infonce_ms"] > 0, (name, dcl)
-    own = rows["st"]["own"]["probe"]
-    assert rows["st"]["own"]["rc"] == 0 and own["calls"] >= own["steps"] > 0, rows["st"]["own"]
-    assert len(own["top1"]) == own["calls"] and "objective_ms" not in own
-    assert rows["clip"]["own"] is None  # not selected
-    for name in ("clip", "clip_2proc"):  # the recipe's evaluation, and its baseline's (clip-untrained)
-        assert None not in (rows[name]["dcl_judged"]["untrained"], rows[name]["dcl_judged"]["trained"]), rows[name]
-    assert report["untrained"]["clip-untrained"]["rc"] == 0 and report["untrained"]["clip-untrained"]["summary"]
-    assert report["untrained"]["vision-untrained"] is None
-    assert report["resume"]["bit_identical"], report["resume"]
-    pair = report["two_processes"]
-    assert pair["processes"] == 2 and pair["equal"], pair
-    md = (work / "report" / "e2e.md").read_text()
-    assert "Resume (main job)" in md and "bit-identical" in md and "Two processes (main job, 2 processes" in md, md
-    assert sorted(p.stem for p in (work / "report" / "e2e-runs").glob("*.status")) == sorted(HARNESS)
-    # a second device call on the same work folder (E2E_KEEP, E2E_SKIP_DONE): nothing run again, the same report
-    again = _script("e2e.sh", "--dry-run", env={"E2E_WORK": str(work), "STAGES": " ".join(HARNESS), "E2E_KEEP": "1",
-                                                "E2E_SKIP_DONE": "1"}, timeout=120)
-    assert again.returncode == 0 and _started(again.stdout) == [], again.stdout[-3000:]
-    kept = json.loads((work / "report" / "e2e.json").read_text())
-    assert [r["stage"] for r in kept["rows"]] == list(rows) and kept["resume"] == report["resume"], kept
 
 
 # ---------------------------------------------------------------------- every run's wiring, without training
@@ -185,6 +166,16 @@ def parse_runs(run: Path) -> dict:
     return found
 
 
+def _in_a_child(fn, *args, timeout: float = 300):
+    """fn(*args) in a forked child of this process: what it installs (the probe's watches, the one-import
+    adapters' patches) and imports ends with it, and what this process has imported (the libraries e2e_data
+    made its models with) it need not import again."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply_async(fn, args).get(timeout)
+
+
 def _arg(argv: list[str], flag: str):
     """The value of the last ``flag`` in argv (as argparse reads it), or None."""
     at = [i for i, a in enumerate(argv) if a == flag]
@@ -201,12 +192,7 @@ def test_every_run_is_wired(e2e_data, tmp_path):
     done = _script("e2e.sh", "--dry-run", env={"E2E_WORK": str(work), "E2E_LIST": "1"}, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not (work / "report" / "e2e.md").exists() and not list((work / "run").glob("*.status"))  # nothing ran
-    check = subprocess.run([sys.executable, __file__, "--parse", str(work / "run")], cwd=ROOT,
-                           env=_env(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                                    TRANSFORMERS_OFFLINE="1"),
-                           capture_output=True, text=True, timeout=300)
-    assert check.returncode == 0, check.stderr[-3000:]
-    runs = json.loads(check.stdout.splitlines()[-1])
+    runs = _in_a_child(parse_runs, work / "run")
     assert sorted(runs) == sorted([*RUNS, "clip_resume"]), sorted(runs)
     errors = {name: r["error"] for name, r in runs.items() if r["error"]}
     assert not errors, errors
@@ -386,8 +372,8 @@ def _steps(probe: e2e_probe.Probe, call, steps: int = 2) -> dict:
 def test_probe_sees_each_objective_and_replays_each_reference(monkeypatch, tmp_path):
     """What the harness's runs beyond HARNESS's depend on, at the call each entry point makes: contrastkit's
     objective seen (two views, MoCo's query/key, image-text, wav2vec 2.0's frames, the Hugging Face dual encoders'
-    objective) and replayed beside the ecosystem's InfoNCE (REFERENCES but mnrl, which HARNESS's st replays);
-    the ecosystems' own losses seen where
+    objective, sentence-transformers' columns under E2E_WATCH=mnrl) and replayed beside the ecosystem's InfoNCE
+    (each of REFERENCES; HARNESS's clip replays open_clip's in training); the ecosystems' own losses seen where
     they are computed (open_clip's ClipLoss called with keywords as open_clip_train calls it, transformers'
     CLIP loss inside CLIPModel's forward, Wav2Vec2ForPreTraining's forward with its masked frames)."""
     from contrastkit.losses import build_loss
@@ -415,6 +401,14 @@ def test_probe_sees_each_objective_and_replays_each_reference(monkeypatch, tmp_p
                 result = _steps(_watched(patch, tmp_path, "core", reference), call)
             assert result["calls"] == result["steps"] == 2 and len(result["top1"]) == 2, (reference, result)
             assert result["objective_ms"] > 0 and result["infonce_ms"] > 0, (reference, result)
+
+    from contrastkit.adapters.sentence_transformers import MultipleNegativesLoss
+
+    st = MultipleNegativesLoss(torch.nn.Module(), loss="dcl")  # st_train.py's; its forward calls this on the columns
+    with monkeypatch.context() as patch:  # E2E_WATCH=mnrl, replayed beside sentence-transformers' MNRL
+        result = _steps(_watched(patch, tmp_path, "mnrl", "mnrl"), lambda: st.compute_loss_from_embeddings([z1, z2]))
+    assert result["calls"] == result["steps"] == 2 and len(result["top1"]) == 2, result
+    assert result["objective_ms"] > 0 and result["infonce_ms"] > 0, result
 
     from open_clip.loss import ClipLoss
 
@@ -450,6 +444,13 @@ def test_probe_sees_each_objective_and_replays_each_reference(monkeypatch, tmp_p
     assert result["calls"] == 2 and len(result["top1"]) == 2 and 0 < result["chance"][0] < 1, result
 
 
+def test_probe_without_a_call_writes_its_record(tmp_path):
+    """The untrained baselines (--steps 0) train nothing under the probe: its record says so, and is written."""
+    e2e_probe.Probe(tmp_path / "run.json", "none", warmup_calls=3).write()
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["calls"] == record["steps"] == 0 and record["top1"] == [] and "objective_ms" not in record, record
+
+
 # ---------------------------------------------------------------------- the harness's top-1
 
 def test_top1_of_pairs_logits_and_frames():
@@ -474,59 +475,152 @@ def test_top1_of_pairs_logits_and_frames():
 
 # ---------------------------------------------------------------------- check.sh and the plan
 
-def test_check_dry_run_runs_each_quick_job(tmp_path):
-    """check.sh's benchmark on the CPU: the model's rates measured and its predictions from them, then each job
-    of its quick plan (bf16 at the issue's sizes, float32 with TF32, image-text at a million pairs, here all at
-    N = 64; bf16 at the small sizes in the plan's test) writes its table, and the CUDA-only methods are named
-    and skipped, so a misspelt one fails here, not in a lease; JOBS outside the quick plan's is one error line."""
-    out = tmp_path / "dry-run"
-    jobs = "bfloat16 float32-tf32 image-text-1m"  # and bfloat16-small: the plan's test below
-    done = _script("check.sh", "--dry-run", env={"GPU_OUT": str(out), "TESTS": "0", "JOBS": jobs}, timeout=300)
+def _names(tgz: Path) -> set[str]:
+    with tarfile.open(tgz) as tar:
+        return set(tar.getnames())
+
+
+def _results(plan: dict, call: str, done) -> dict:
+    """What a call of plan.sh left, read at once (the next call rewrites the report): its archive's names, the
+    report and the logs."""
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    tables = sorted(p.parent.name for p in out.rglob("losses.json"))
-    assert tables == sorted(jobs.split()), tables
-    assert (done.stdout + done.stderr).count("skipped CUDA only") >= 10, done.stdout
-    model = (out / "perf_model.md").read_text()  # the model from the rates measured (on the CPU)
+    res = plan["results"]
+    logs = {p.name: p.read_text() for p in [*res.glob("*.log"), *res.glob("*.xml")]}
+    return {"names": _names(plan["out"] / f"gpu-call{call}.tgz"), "logs": logs,
+            "report": json.loads((res / "e2e.json").read_text()), "md": (res / "e2e.md").read_text(),
+            "statuses": sorted(p.stem for p in (res / "e2e-runs").glob("*.status"))}
+
+
+@pytest.fixture(scope="module")
+def plan(e2e_data, tmp_path_factory) -> dict:
+    """plan.sh's environment for this module's dry run: its e2e steps narrowed to HARNESS (STAGES), its
+    benchmark to JOBS, its work folder (E2E_WORK) kept between the calls as the GPU machine keeps .e2e/."""
+    root = tmp_path_factory.mktemp("plan")
+    (root / "out").mkdir()
+    env = {"OUT": str(root / "out"), "E2E_WORK": str(_work(e2e_data, root / "e2e")), "STAGES": " ".join(HARNESS),
+           "JOBS": " ".join(JOBS)}
+    return {"env": env, "out": root / "out", "results": root / "out" / "results" / "dry-run", "work": root / "e2e"}
+
+
+@pytest.fixture(scope="module")
+def call1(plan) -> dict:
+    """plan.sh 1 --dry-run: the CUDA tests (collected, skipped) beside the baselines, then the DCL stages."""
+    return _results(plan, "1", _script("plan.sh", "1", "--dry-run", env=plan["env"], timeout=900))
+
+
+@pytest.fixture(scope="module")
+def call2(plan, call1) -> dict:
+    """plan.sh 2 --dry-run on call 1's work folder: the DCL stages left (none), the profile, the benchmark."""
+    return _results(plan, "2", _script("plan.sh", "2", "--dry-run", env=plan["env"], timeout=600))
+
+
+def test_plan_call_1_runs_each_path_of_the_harness(call1):
+    """Call 1 packs the CUDA tests' results (junit, the log) and the e2e report and runs. HARNESS's runs exit 0
+    with the objective seen in training: the main job's DCL calls (one or more a step) with the step and replay
+    timings and open_clip's ClipLoss timed beside, and the recipe's evaluation from its summary; the ecosystem's
+    own loss watched in its own run, a baseline run beside the CUDA tests (sentence-transformers' MNRL: calls,
+    top-1 and chance each, no replay); on two CPU processes (gloo, the harness's shared-device launch) the main
+    job's first steps' loss equal to one process's, as the report says.
+    No resume check in the plan (E2E_RESUME=0: test_a_later_call_adds_the_resume_check)."""
+    assert {"dry-run/e2e.md", "dry-run/e2e.json", "dry-run/e2e-runs/st-own.json", "dry-run/e2e-runs/clip.json",
+            "dry-run/plan-call1.log", "dry-run/tests-cuda.xml", "dry-run/tests-cuda.log"} <= call1["names"]
+    logs = call1["logs"]
+    assert "<testsuite" in logs["tests-cuda.xml"] and "skipped" in logs["tests-cuda.log"], logs["tests-cuda.log"]
+    assert _started(logs["e2e-baselines.log"]) == ["st-own"], logs["e2e-baselines.log"]
+    assert _started(logs["e2e-dcl.log"]) == ["clip", "clip_2proc"], logs["e2e-dcl.log"][-3000:]  # no resume
+    report = call1["report"]
+    rows = {r["stage"]: r for r in report["rows"]}
+    assert list(rows) == ["clip", "clip_2proc", "st"], list(rows)
+    for name in ("clip", "clip_2proc"):
+        dcl = rows[name]["dcl"]["probe"]
+        assert rows[name]["dcl"]["rc"] == 0 and dcl["calls"] >= dcl["steps"] > 0, (name, rows[name]["dcl"])
+        assert len(dcl["top1"]) == len(dcl["chance"]) == dcl["calls"], name
+        assert rows[name]["dcl_judged"]["trained"] is not None, rows[name]  # the recipe's evaluation, its summary's
+    clip = rows["clip"]["dcl"]["probe"]  # clip_2proc's objective gathers: no replay on one process
+    assert clip["step_ms"] > 0 and clip["objective_ms"] > 0 and clip["infonce_ms"] > 0, clip
+    own = rows["st"]["own"]["probe"]
+    assert rows["st"]["dcl"] is None and rows["st"]["own"]["rc"] == 0 and own["calls"] >= own["steps"] > 0, rows["st"]
+    assert len(own["top1"]) == len(own["chance"]) == own["calls"] and "objective_ms" not in own, own
+    assert rows["clip"]["own"] is None  # not selected
+    assert report["untrained"] == {"clip-untrained": None, "vision-untrained": None} and report["resume"] is None
+    pair = report["two_processes"]
+    assert pair["processes"] == 2 and pair["equal"], pair
+    assert "Two processes (main job, 2 processes" in call1["md"], call1["md"]
+    assert call1["statuses"] == sorted(HARNESS), call1["statuses"]
+
+
+def test_plan_call_2_keeps_call_1s_runs_and_runs_the_benchmark(plan, call1, call2):
+    """Call 2 on the same work folder (E2E_KEEP, E2E_SKIP_DONE): no run started again and the same report; then
+    the profile, the model's rates and predictions (measured on the CPU), and check.sh's quick plan narrowed to
+    JOBS at N = 64, each writing its table, the CUDA-only methods named and skipped (a misspelt one fails here,
+    not in a lease); the archive holds call 1's results too, as on a machine that stayed warm."""
+    logs = call2["logs"]
+    assert "== e2e.sh (dry)" in logs["e2e-call2.log"] and _started(logs["e2e-call2.log"]) == [], logs["e2e-call2.log"]
+    assert call2["report"] == call1["report"], (call2["report"], call1["report"])
+    assert {"dry-run/e2e.json", "dry-run/plan-call1.log", "dry-run/plan-call2.log", "dry-run/tests-cuda.xml",
+            "dry-run/profile/profile.md", "dry-run/perf_model.md",
+            *(f"dry-run/{job}/losses.json" for job in JOBS)} <= call2["names"], sorted(call2["names"])
+    tables = sorted(p.parent.name for p in plan["results"].rglob("losses.json"))
+    assert tables == sorted(JOBS), tables
+    assert "skipped CUDA only" in logs["bench.log"], logs["bench.log"]
+    model = (plan["results"] / "perf_model.md").read_text()  # the model from the rates measured (on the CPU)
     assert "Rates, measured on cpu" in model and "### Predicted: image-text" in model
+
+
+def test_a_later_call_adds_the_resume_check(plan, call2):
+    """e2e.sh on the plan's kept work folder with the main job selected (E2E_KEEP, E2E_SKIP_DONE): the main
+    job, done, is not run again; its resume from the half-way checkpoint is, bit-identical, and the report says
+    so beside the runs before."""
+    env = {"E2E_WORK": str(plan["work"]), "STAGES": "clip", "E2E_KEEP": "1", "E2E_SKIP_DONE": "1"}
+    done = _script("e2e.sh", "--dry-run", env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "== clip --resume from checkpoint_" in done.stdout and _started(done.stdout) == ["clip"], done.stdout
+    report = json.loads((plan["work"] / "report" / "e2e.json").read_text())
+    assert report["resume"]["bit_identical"], report["resume"]
+    assert report["rows"] == call2["report"]["rows"] and report["two_processes"] == call2["report"]["two_processes"]
+    md = (plan["work"] / "report" / "e2e.md").read_text()
+    assert "Resume (main job)" in md and "bit-identical" in md, md
+
+
+def test_every_benchmark_job_is_wired(tmp_path):
+    """Each job of check.sh's quick plan (JOBS unset), as check.sh --dry-run starts it, recorded by a stand-in
+    for python and read by benchmarks/losses.py's own parser: every method it names is known (a misspelt one fails
+    here, not in a lease) and --tf32 only with float32; the rates step first. The jobs run in the plan's test."""
+    import argparse
+    import importlib.util
+    from unittest import mock
+
+    calls, shim = tmp_path / "calls", tmp_path / "python"
+    shim.write_text('#!/usr/bin/env bash\nprintf "%s\\t" "$@" >> "$CALLS"; echo >> "$CALLS"\n')
+    shim.chmod(0o755)
+    done = _script("check.sh", "--dry-run", env={"GPU_OUT": str(tmp_path / "out"), "TESTS": "0", "PYTHON": str(shim),
+                                                 "CALLS": str(calls)}, timeout=60)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    argvs = [line.split("\t")[:-1] for line in calls.read_text().splitlines()]
+    assert argvs[0][:2] == ["tools/perf/perf_model.py", "--measure-rates"], argvs[0]
+    jobs = [a for a in argvs if a[0] == "benchmarks/losses.py"]
+    assert [Path(_arg(a, "--out")).name for a in jobs] == ["bfloat16-small", "bfloat16", "float32-tf32",
+                                                           "image-text-1m"], jobs
+    spec = importlib.util.spec_from_file_location("bench_losses", ROOT / "benchmarks" / "losses.py")
+    losses = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(losses)
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        raise _Parsed(real_parse(self, args, namespace))
+
+    for argv in jobs:
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args), pytest.raises(_Parsed) as parsed:
+            losses.main(argv[1:])
+        ns = parsed.value.args[0]
+        assert set(ns.methods) <= {*losses.METHODS, *losses.GPU_METHODS}, (argv, set(ns.methods) - {
+            *losses.METHODS, *losses.GPU_METHODS})
+        assert ns.device == "cpu" and ns.sizes == [64] and (ns.dtype == "float32" or not ns.tf32), argv
+
+
+@pytest.mark.quick
+def test_unknown_job_is_one_error_line(tmp_path):
+    """check.sh's JOBS outside its quick plan's: one error line, before anything runs."""
     bad = _script("check.sh", "--dry-run", env={"GPU_OUT": str(tmp_path / "bad"), "JOBS": "bfloat16 bf16"},
                   timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown job 'bf16' in JOBS"), bad.stderr
-
-
-def test_plan_dry_run_packs_each_calls_results(e2e_data, tmp_path):
-    """plan.sh's two calls on the CPU, the e2e step narrowed to one run (STAGES: a baseline; the harness's own
-    paths, E2E_KEEP and E2E_SKIP_DONE among them, are the test above's) and the benchmark to one job (JOBS; the
-    others: the test above): call 1 packs the CUDA tests' results and the report and runs of the baselines and
-    the DCL stages; call 2, on the same work folder, the report over both calls, the profile, the model's rates
-    and the benchmark's table."""
-    env = {"OUT": str(tmp_path / "out"), "E2E_WORK": str(_work(e2e_data, tmp_path / "e2e")), "STAGES": "st-own",
-           "JOBS": "bfloat16-small"}
-    (tmp_path / "out").mkdir()
-    for call in ("1", "2"):
-        done = _script("plan.sh", call, "--dry-run", env=env, timeout=600)
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-        with tarfile.open(tmp_path / "out" / f"gpu-call{call}.tgz") as tar:
-            names = set(tar.getnames())
-        assert {"dry-run/e2e.md", "dry-run/e2e.json", "dry-run/e2e-runs/st-own.json", f"dry-run/plan-call{call}.log",
-                "dry-run/tests-cuda.xml", "dry-run/tests-cuda.log"} <= names, sorted(names)
-    assert "dry-run/bfloat16-small/losses.json" in names, sorted(names)
-    results = tmp_path / "out" / "results" / "dry-run"
-    assert _started((results / "e2e-baselines.log").read_text()) == ["st-own"]  # call 1's baselines step
-    for log in ("e2e-dcl.log", "e2e-call2.log"):  # the DCL steps: run, nothing selected
-        text = (results / log).read_text()
-        assert "== e2e.sh (dry)" in text and _started(text) == [], text[-2000:]
-    report = json.loads((results / "e2e.json").read_text())
-    assert [r["stage"] for r in report["rows"]] == ["st"] and report["rows"][0]["dcl"] is None
-    assert report["rows"][0]["own"]["rc"] == 0
-    tables = sorted(p.parent.name for p in results.rglob("losses.json"))
-    assert tables == ["bfloat16-small"], tables
-    assert "skipped CUDA only" in (results / "bench.log").read_text()
-    model = (results / "perf_model.md").read_text()  # the model from the rates measured (on the CPU)
-    assert "Rates, measured on cpu" in model and "### Predicted: image-text" in model
-    assert "<testsuite" in (results / "tests-cuda.xml").read_text()
-    assert "skipped" in (results / "tests-cuda.log").read_text()
-    assert (results / "profile" / "profile.md").exists()
-
-
-if __name__ == "__main__":  # test_every_run_is_wired's subprocess: --parse RUN_DIR
-    print(json.dumps(parse_runs(Path(sys.argv[sys.argv.index("--parse") + 1]))))

@@ -6,7 +6,8 @@ data and the small models that the third-party scripts load from a folder.
     python tools/gpu/e2e_data.py .e2e                 # on the GPU machine: the rest (absolute paths there)
     python tools/gpu/e2e_data.py DIR --small          # --dry-run's sizes
 
-Writes into DIR (each part skipped where it is already there):
+Writes into DIR (each part skipped where it is already there; made.json, written last, lists the parts, so that
+a later call, one per run of e2e.sh, finds them all without importing the libraries that make them):
   speech/      the embedded speech set (contrastkit.data.speech, its tests' subset of 360 clips: fsc/ and
                voxceleb1/ layouts), for the wav2vec 2.0 and CLAP recipes and, as an audio folder, for
                transformers' wav2vec 2.0 pre-training script
@@ -129,7 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speech-only", action="store_true", help="the speech set alone (it needs espeak-ng)")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    print(f"speech set: {speech(a.out)}")
+    made = a.out / "made.json"
+    if not a.speech_only and made.is_file():
+        record = json.loads(made.read_text())
+        if record["small"] == a.small and all(Path(part).exists() for part in record["parts"]):
+            print(f"made: {', '.join(record['parts'])} ({made})")
+            return
+    speech_dir = speech(a.out)
+    print(f"speech set: {speech_dir}")
     if a.speech_only:
         return
     shapes_dir = shapes(a.out, a.small)
@@ -138,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     wav2vec2(a.out)
     sentence_model(a.out, a.small)
     print(f"models: {a.out}/run_clip/model, {a.out}/wav2vec2, {a.out}/st")
+    parts = [speech_dir, shapes_dir, a.out / "run_clip" / "model", a.out / "wav2vec2", a.out / "st"]
+    made.write_text(json.dumps({"small": a.small, "parts": [str(part) for part in parts]}) + "\n")
 
 
 if __name__ == "__main__":
