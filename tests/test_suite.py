@@ -265,12 +265,14 @@ def test_missing_interpreter_skips_the_domain_with_a_clear_line(tmp_path):
 
 
 def _speech_suite(tmp_path, domain):
-    from contrastkit.data.speech import default_speech_data
+    """On tiny copies of the FSC and VoxCeleb1 layouts (speech_copies: 40 utterances, not the tests' subset's 360,
+    whose features through each cell's upstream were most of the test's time)."""
+    from speech_copies import tiny_copies
 
-    small = default_speech_data(small=True)
+    fsc, vox = tiny_copies(tmp_path / "data")
     config = _config(tmp_path)
-    config["domains"] = {domain: {**load_config(None)["domains"][domain], "fsc": str(small / "fsc"),
-                                  "voxceleb": str(small / "voxceleb1"), "evals": ["intent"],
+    config["domains"] = {domain: {**load_config(None)["domains"][domain], "fsc": str(fsc),
+                                  "voxceleb": str(vox), "evals": ["intent"],
                                   "eval_options": {"intent": {"epochs": 2}}}}
     config["domains"][domain]["train"] = {**config["domains"][domain]["train"], "steps": 2, "batch-size": 4,
                                           "max-seconds": 1.0, "no-pretext-eval": True}

@@ -1,10 +1,9 @@
 """The wav2vec 2.0 recipe trains both backends for a few steps on the embedded default, resumes exactly,
-runs on 2 processes under accelerate, and the evaluations run on its checkpoints (on tiny copies of
+runs on 2 processes (gloo ranks), and the evaluations run on its checkpoints (on tiny copies of
 the FSC and VoxCeleb1 layouts built from the embedded data)."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import runpy
@@ -15,6 +14,7 @@ import pytest
 import torch
 from environments import needs_fairseq2, skip_without_fairseq2
 from launch import run_ranks
+from speech_copies import tiny_copies
 
 from contrastkit.data import speech
 from contrastkit.evaluation import superb
@@ -98,38 +98,6 @@ def test_pretraining_beats_untrained_on_heldout_pretext(tmp_path):
     assert last["step"] == cfg.steps and last["heldout_accuracy"] == trained["accuracy"]
 
 
-def _tiny_copies(tmp_path) -> tuple[Path, Path]:
-    """FSC and VoxCeleb1 copies in their own layouts: 4 speakers, a few utterances each."""
-    src = speech.default_speech_data(small=True)
-    fsc = tmp_path / "fsc"
-    (fsc / "data").mkdir(parents=True)
-    for split, n in (("train", 24), ("valid", 8), ("test", 8)):
-        rows = speech.read_fsc(src / "fsc", split)
-        speakers = sorted({r["speaker"] for r in rows})[:2]
-        picked = [r for r in rows if r["speaker"] in speakers and r["intent"].startswith(("activate", "deactivate"))][:n]
-        with (fsc / "data" / f"{split}_data.csv").open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["", *speech.FSC_COLUMNS])
-            for i, r in enumerate(picked):
-                rel = Path(r["path"]).relative_to(src / "fsc")
-                (fsc / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(r["path"], fsc / rel)
-                w.writerow([i, rel, r["speaker"], r["transcription"], r["action"], r["object"], r["location"]])
-    vox = tmp_path / "vox"
-    lines = []
-    for split, code in speech.VOX_SPLITS.items():
-        rows = speech.read_voxceleb_iden(src / "voxceleb1", split)
-        per_speaker = 4 if split == "train" else 2
-        picked = [r for spk in ("id10001", "id10002", "id10003") for r in [r for r in rows if r["speaker"] == spk][:per_speaker]]
-        for r in picked:
-            rel = Path(r["path"]).relative_to(src / "voxceleb1" / "wav")
-            (vox / "wav" / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(r["path"], vox / "wav" / rel)
-            lines.append(f"{code} {rel}")
-    (vox / "iden_split.txt").write_text("\n".join(lines) + "\n")
-    return fsc, vox
-
-
 def _pretrained(tmp_path, backend, fsc):
     cfg = _cfg(tmp_path, backend, data=str(fsc))
     cfg.steps, cfg.save_every = 2, 2
@@ -141,7 +109,7 @@ def test_eval_scripts_run_on_the_checkpoints(tmp_path, capsys):
     """eval/speaker_id.py and eval/intent.py through their main(argv), in this process (their command lines and
     reports; --help and the one-line errors through __main__ are tests/test_cli.py's), on a recipe run and on
     its export; the intent task's feature cache gives the same result."""
-    fsc, vox = _tiny_copies(tmp_path)
+    fsc, vox = tiny_copies(tmp_path)
     run = _pretrained(tmp_path, "hf", fsc)
     speaker_id = runpy.run_path(str(ROOT / "eval" / "speaker_id.py"))["main"]
     speaker_id(["--upstream", str(run), "--data", str(vox), "--epochs", "3"])
@@ -168,7 +136,7 @@ def test_eval_scripts_run_on_the_checkpoints(tmp_path, capsys):
 @skip_without_fairseq2
 def test_intent_runs_on_a_fairseq2_checkpoint(tmp_path):
     """The evaluations take the fairseq2 backend's export too (in-process: the script is a thin wrapper)."""
-    fsc, _ = _tiny_copies(tmp_path)
+    fsc, _ = tiny_copies(tmp_path)
     result = superb.intent(_pretrained(tmp_path, "fairseq2", fsc), fsc, superb.DownstreamConfig(epochs=3))
     assert result["backend"] == "fairseq2" and set(result["classes"]) == {"action", "object", "location"}
     assert 0.0 <= result["test_accuracy"] <= 1.0 and len(result["layer_weights"]) == 3
