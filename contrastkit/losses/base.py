@@ -419,7 +419,7 @@ class ContrastiveLoss(Objective):
             has_weight = type(self).positive_weight is not ContrastiveLoss.positive_weight
             weighted, weight = self._weighted(pos, pos / scale if has_weight else pos)
         loss, pull, d_l, d_m = self.terms(weighted, neg_lse, self._counts_for(num_neg, neg_lse), neg_mean)
-        if weight is not None:  # the pull on the unweighted positive's logit
+        if weight is not None and pull is not None:  # the pull on the unweighted positive's logit
             pull = weight if isinstance(pull, float) and pull == 1.0 else pull * weight
         return LogitTerms(loss, d_l, d_m, pull, None)
 

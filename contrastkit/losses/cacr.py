@@ -54,7 +54,7 @@ class CACRLoss(ContrastiveLoss):
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.stack([torch.zeros_like(neg_mean), torch.full_like(neg_mean, 2.0)])  # repulsion 2 mean - 2
 
-    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg) -> LogitTerms:
+    def logit_terms(self, pos, neg_lse, neg_mean, scale, num_neg, weight=None) -> LogitTerms:
         return cacr_logit_terms(pos, neg_mean, scale)
 
     def _label_positive_terms(self, plan, stats, pos, anchors, candidates, exclude, num_neg, same, scale,

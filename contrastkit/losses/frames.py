@@ -85,7 +85,9 @@ class FrameObjective:
             takes = "temperature" in inspect.signature(LOSSES[self.name]).parameters
             if takes and options.get("temperature") is None:
                 options["temperature"] = model_temperature
-            found = self._objectives[model_temperature] = LOSSES[self.name](**options)
+            made = LOSSES[self.name](**options)
+            assert isinstance(made, ContrastiveLoss)  # frame_losses() holds ContrastiveLoss's subclasses only
+            found = self._objectives[model_temperature] = made
         return found
 
     def summed(self, pos: torch.Tensor, neg: torch.Tensor, valid: torch.Tensor, *, model_temperature: float,
