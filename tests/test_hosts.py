@@ -4,7 +4,7 @@ pair, each with its address and its own --out-dir (no shared disk), the CLIP rec
 
 A host's worker SIGKILLed: the other host ends with one error line, and the same ``--resume auto`` command run
 again resumes on both (each from its own disk, --save-on-each-node) to the uninterrupted run's weights bit for
-bit. The link cut: both hosts end within --ddp-timeout (CUT_TIMEOUT) plus a little, with the error line, and --resume
+bit (that run: the same command on two ranks of one host, whose sums do not depend on the link). The link cut: both hosts end within --ddp-timeout (CUT_TIMEOUT) plus a little, with the error line, and --resume
 once it is back ends bit-identical. An --out-dir that is not shared without --save-on-each-node is one error
 line. Without namespaces (not root, no ``ip``): those tests are skipped with the reason. Beside them, on one
 host: a torchrun restart (TORCHELASTIC_RESTART_COUNT) resumes by itself, --resume auto starts fresh where there
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from contrastkit.training import latest_checkpoint
-from launch import accelerate_launch
+from launch import accelerate_launch, run_ranks
 from test_cli import run_script
 from test_run_faults import VISION, one_line
 
@@ -146,17 +146,16 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def straight(hosts, data_dir, tmp_path_factory):
-    """The uninterrupted 2-host run: complete checkpoints on each host's own disk, the same weights."""
-    root = tmp_path_factory.mktemp("straight")
-    outs = (root / "a", root / "b")
-    procs = hosts.launch(outs, data_dir)
-    assert finish(procs) == [0, 0], log_of(procs[0])[-3000:] + log_of(procs[1])[-3000:]
-    for out in outs:
-        assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["checkpoint_4", "checkpoint_6"]
-        assert {"model.safetensors", "optimizer.bin", "COMPLETE"} <= {p.name for p in latest_checkpoint(out).iterdir()}
-    assert_same(weights(outs[0]), weights(outs[1]))
-    return weights(outs[0])
+def straight(data_dir, tmp_path_factory):
+    """The uninterrupted run's final weights, the reference the two-host runs must reach bit for bit: the same
+    command on two gloo ranks of this host, forked from the test's process (launch.run_ranks; the two-host launch
+    is the tests' subject, not this reference's). Two ranks compute the same sums over a veth link as over the
+    loopback, so the weights are those of the uninterrupted two-host run."""
+    out = tmp_path_factory.mktemp("straight")
+    ranks = run_ranks(ROOT / "recipes/clip/train.py", [*CLIP, "--data-dir", data_dir, "--out-dir", out], cwd=ROOT)
+    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stdout[-3000:] + ranks[1].stdout[-3000:]
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["checkpoint_4", "checkpoint_6"]
+    return weights(out)
 
 
 @pytest.mark.slow
