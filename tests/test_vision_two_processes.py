@@ -2,8 +2,8 @@
 
 tests/test_vision_train.py's two-process runs train with AdamW, which divides a constant factor on the gradients
 out (up to its eps): they pass with every gradient halved, e.g. a loss divided by the number of processes on top
-of DDP's own averaging (tools/bugs.py: two-process-loss-averaged-twice). Not in the quick tier: it launches two
-processes (about half a minute on 2 cores)."""
+of DDP's own averaging (tools/bugs.py: two-process-loss-averaged-twice). In the quick tier: its two ranks are
+forked from the test's process (launch.run_ranks), a few seconds in all."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from contrastkit.vision.train import build_model, train
 from test_vision_train import as_flags, final_model, launch, records, tiny
 
 
+@pytest.mark.quick
 def test_two_processes_match_one_with_sgd(tmp_path):
     # One update, small enough that the two runs' rounding stays far below the tolerances (1 against 2 processes:
     # losses within 1e-6, weights within 1e-6 here; a 2x larger lr already parts them by 2e-4 after two steps).
