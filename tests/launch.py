@@ -100,6 +100,28 @@ def reset_accelerate() -> None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def python_warning_defaults() -> None:
+    """Python's default warning filters (sys.warnoptions empty), what a fresh process starts with: pytest's would
+    collect a library's DeprecationWarnings by the thousand."""
+    warnings.resetwarnings()
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+
+
+def run_as_main(script) -> int:
+    """The script run as __main__ (runpy), and the exit status a process running it would have: SystemExit's
+    code, 0 without one; sys.exit("message") prints the message, status 1. Another exception propagates."""
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stop:
+        if isinstance(stop.code, (int, type(None))):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGV...`` in this process rather than a process of its own, for the tests that are not
     about the process (its start-up, 3-7 s of imports, is paid once): the script run as __main__ with ``argv``
@@ -121,21 +143,13 @@ def run_here(script, argv, cwd=None, **env) -> subprocess.CompletedProcess:
     try:
         with logging_kept(), pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.resetwarnings()  # then Python's defaults (sys.warnoptions empty), what a process starts with
-            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                warnings.simplefilter("ignore", category)
-            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            python_warning_defaults()
             if cwd is not None:
                 m.chdir(cwd)
             for key, value in {"OMP_NUM_THREADS": "1", **env}.items():
                 m.setenv(key, str(value))
             m.setattr(sys, "argv", argv)
-            try:
-                runpy.run_path(str(script), run_name="__main__")
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-                if not isinstance(stop.code, (int, type(None))):  # sys.exit("message"): printed, status 1
-                    print(stop.code, file=sys.stderr)
+            code = run_as_main(script)
     except Exception as error:
         error.add_note(f"stdout (end): {out.getvalue()[-3000:]}\nstderr (end): {err.getvalue()[-3000:]}")
         raise
@@ -212,18 +226,10 @@ class Forked:
             torch.set_num_threads(int(env.get("OMP_NUM_THREADS", 1)))
             reset_accelerate()
             logging.root.handlers.clear()
-            warnings.resetwarnings()
-            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                warnings.simplefilter("ignore", category)
+            python_warning_defaults()
             sys.argv = self.args
             sys.path.insert(0, os.path.dirname(os.path.abspath(self.args[0])))
-            try:
-                runpy.run_path(self.args[0], run_name="__main__")
-                code = 0
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-                if not isinstance(stop.code, (int, type(None))):
-                    print(stop.code, file=sys.stderr)
+            code = run_as_main(self.args[0])
         except BaseException:
             traceback.print_exc()
         finally:
