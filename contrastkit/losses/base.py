@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
 from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
-from contrastkit.losses.dense import dense_loss, layout
+from contrastkit.losses.dense import dense_loss, layout, per_shape
 from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Partial, Terms, _over_positives,
                                            normalize_rows, row_cosines, softmax_mean)
 from contrastkit.losses.plan import Plan, make_plan
@@ -150,6 +150,66 @@ def _is_default(value, default) -> bool:
         return type(value) is type(default) and bool(value == default)
     except (TypeError, ValueError, RuntimeError):
         return False
+
+
+class Problem(NamedTuple):
+    """One block of a call's matrix as its setting lays it out, the same for every path: this process's anchors
+    [M, D] against candidates [K, D] (every process's where gathered), both as given (each path normalises them
+    its own way), and where each anchor's own sample and positives are."""
+
+    layout: str  # its dense.layout ("two_views", "image_text", "rows", "queue"; "views" beyond two)
+    anchors: torch.Tensor
+    candidates: torch.Tensor | None  # None: the anchors themselves (two views on one process)
+    own: torch.Tensor | None  # [M, E] each anchor's own sample's columns, left out of its negatives (a queue: None)
+    positives: torch.Tensor  # [M, P] where its positives' cosines are among the setting's pairs' (Setting)
+    num_neg: int  # each anchor's negatives
+    labels: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, column ids) of label_ids
+    itself: torch.Tensor | None  # [M, 1] each anchor's own column, where it is a candidate (same_label="positive")
+    columns: bool  # square, the columns anchors too (image-text on one process): rows' terms, then columns'
+    shape: tuple[int, int, int, int]  # (n, total, start, per_sample): dense.layout's arguments
+    mean_over: int | None  # how many anchors the loss averages over, where more than this block's M
+
+
+class Setting(NamedTuple):
+    """A call's matrix: the pairs of local rows whose cosines are its positives (each pair's n cosines, one
+    after the other, are what Problem.positives index), and its blocks (two for image-text's directions apart)."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    problems: list[Problem]
+
+
+class Positions(NamedTuple):
+    own: torch.Tensor | None
+    positives: torch.Tensor
+    itself: torch.Tensor | None
+
+
+def positions(kind: str, p: int, n: int, total: int, start: int, device: torch.device,
+              per_sample: int = 1) -> Positions:
+    """The index tensors of a Problem (made once per shape, dense.per_shape), for n local samples at ``start`` of
+    ``total``: "views", p views view-major (anchor (a, i)'s positives the pairs (a, w), w != a, of the pairs
+    a < b in order); "image_text", one square matrix, its rows' anchors then its columns'; "keys", p keys per
+    sample among ``per_sample`` candidates (its first p) and the pairs (query, key j) in order; "queue", the same
+    with no key among the candidates."""
+
+    def make() -> Positions:
+        i = torch.arange(n, device=device)
+        if kind == "views":
+            view = torch.arange(p, device=device)
+            own = view[None] * total + (start + i)[:, None]  # [n, V]: sample start + i's column in each view
+            others = view[None, : p - 1] + (view[None, : p - 1] >= view[:, None]).long()  # [V, V-1]: w != a
+            low, high = torch.minimum(view[:, None], others), torch.maximum(view[:, None], others)
+            pair = low * (2 * p - low - 1) // 2 + high - low - 1  # the pair (low, high)'s place among a < b
+            positives = (pair[:, None] * n + i[None, :, None]).reshape(p * n, p - 1)
+            return Positions(own.repeat(p, 1), positives, own.T.reshape(p * n, 1))
+        if kind == "image_text":
+            return Positions(i[:, None], i.repeat(2)[:, None], None)
+        positives = torch.arange(p, device=device)[None] * n + i[:, None]  # sample i's key j: pair j's row i
+        if kind == "queue":
+            return Positions(None, positives, None)
+        return Positions(((start + i) * per_sample)[:, None] + torch.arange(p, device=device), positives, None)
+
+    return per_shape(("positions", kind, p, n, total, start, device, per_sample), make)
 
 
 class Objective(nn.Module):
@@ -488,7 +548,7 @@ class ContrastiveLoss(Objective):
         n = image.shape[0]
         return self._plan("image_text", n, n * self._processes(), [image, text], fused=labels is None and one_scale)
 
-    # ------------------------------------------------------------------ settings
+    # ------------------------------------------------------------------ settings: each lays out its matrix once
 
     def forward(self, z1: torch.Tensor, z2: torch.Tensor, *more_views: torch.Tensor,
                 labels: torch.Tensor | None = None, output_dict: bool = False):
@@ -496,61 +556,9 @@ class ContrastiveLoss(Objective):
         check_features(self.name, views, values=False)  # values: see _reduce
         if labels is not None:
             check_labels(self.name, labels, z1.shape[0], z1.device)
-        plan = self._views_plan(list(views.values()), labels)
-        v, n, d = len(views), z1.shape[0], z1.shape[1]
-        dtype, backend = plan.compute, plan.path
-        if plan.route == "fused":
-            return self._dense_two_views(z1, z2, dtype, output_dict, views)
-        with no_autocast(z1.device.type):
-            zs = list(views.values())
-            x = torch.stack(zs if len({z.dtype for z in zs}) == 1 else [z.to(dtype) for z in zs])  # [V, n, D]
-            # The torch backend takes the raw features and normalises them per block (chunked.py: nothing of
-            # their size kept for backward); the others take unit vectors, one copy normalised once.
-            raw = backend == "torch"
-            u = x if raw else self._units(x, plan)
-            anchors = u.reshape(v * n, d)
-            if self.gather_distributed:  # samples gathered whole (all their views), then view-major again
-                all_x, start = self._gather(x.transpose(0, 1).reshape(n, v * d))
-                total = all_x.shape[0]
-                all_u = all_x.reshape(total, v, d).transpose(0, 1).reshape(v * total, d)
-                all_u = all_u if raw else self._units(all_u, plan)
-            else:  # the very same tensor as the anchors: the kernel then returns one gradient for both
-                all_u, start, total = anchors, 0, n
-            if total < 2:
-                raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
-                                 "the views of the other samples); use a batch of at least 2")
-
-            # Positives: the other views of the same sample; negatives: every view of every sample but the
-            # anchor's own sample's views. own[s, w]: the row of sample s's view w among the candidates.
-            idx = torch.arange(v, device=u.device)
-            others = idx[None, : v - 1] + (idx[None, : v - 1] >= idx[:, None]).long()  # [V, V-1]: w != a
-            own = idx[None] * total + (start + torch.arange(n, device=u.device))[:, None]
-            ids = None
-            if labels is not None:  # anchors and candidates view-major, as the features
-                ids = label_ids(labels.repeat(v), self._gather_labels(labels).repeat(v))
-            itself = own.T.reshape(v * n, 1)  # each anchor's own column among the candidates
-            if raw:  # the kernel computes the positives too, as the candidates at partners
-                partners = own[:, others].transpose(0, 1).reshape(v * n, v - 1)
-                terms = self.negative_terms(None, anchors, all_u, own.repeat(v, 1), v * (total - 1), plan=plan,
-                                            partners=partners, labels=ids, itself=itself)
-                return self._reduce(terms, output_dict, views)
-            if backend == "triton":  # the positives' cosines in float32 of the rows the kernels take
-                # Each view's own rows (a slice of the stack would make backward fill a stack-sized gradient).
-                cos, rows = {}, [self._units(z, plan) for z in zs]
-                for a in range(v):
-                    for b in range(a + 1, v):
-                        cos[a, b] = cos[b, a] = self._positive_cosines(rows[a], rows[b], plan)
-                pos = torch.stack([torch.stack([cos[a, w] for w in range(v) if w != a], dim=1) for a in range(v)])
-                pos = pos.reshape(v * n, v - 1)
-            else:
-                # [n, V, V]: u_a . u_b, with u in one operand only, so that backward makes one [V, n, D]
-                # gradient (not two summed): the transpose gives the other operand's half of it.
-                half = torch.einsum("and,bnd->nab", u, u.detach())
-                gram = half + half.transpose(1, 2) - half.detach()
-                pos = gram.gather(2, others[None].expand(n, -1, -1)).transpose(0, 1).reshape(v * n, v - 1)
-            terms = self.negative_terms(pos, anchors, all_u, own.repeat(v, 1), v * (total - 1), plan=plan, labels=ids,
-                                        itself=itself)
-            return self._reduce(terms, output_dict, views)
+        zs = list(views.values())
+        plan = self._views_plan(zs, labels)
+        return self._run(self._views(zs, labels, plan), plan, self.default_logit_scale(), output_dict, views)
 
     def query_key(self, query: torch.Tensor, key: torch.Tensor, queue: torch.Tensor | None = None, *,
                   negatives: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -589,44 +597,8 @@ class ContrastiveLoss(Objective):
         elif queue_labels is not None:
             raise ValueError(f"{self.name}: queue_labels without labels: give the batch's labels too")
         plan = self._query_key_plan(features, keys, queue, negatives, labels)
-        dtype = plan.compute
-        if plan.route == "fused":
-            return self._dense_query_key(query, keys[:, 0], queue, negatives, dtype, output_dict, features)
-        with no_autocast(query.device.type):
-            q, k = self._units(query, plan), self._units(keys, plan)
-            if plan.path == "triton":  # float32 cosines of the rows the kernels take
-                pos = torch.stack([self._positive_cosines(q, k[:, j], plan) for j in range(k.shape[1])], 1)
-            else:
-                pos = torch.einsum("nd,npd->np", q, k)
-            if queue is not None:
-                # labels and queue_labels come together (checked above)
-                ids = None if labels is None or queue_labels is None else label_ids(labels, queue_labels)
-                terms = self.negative_terms(pos, q, self._units(queue, plan), None, queue.shape[0], plan=plan,
-                                            labels=ids)
-                return self._reduce(terms, output_dict, features)
-            n, p = k.shape[:2]
-            c = p if negatives is None else p + negatives.shape[1]  # each sample's candidates: keys, then extras
-            if self.gather_distributed:  # the raw rows gathered (their own dtype), then normalised
-                raw = keys
-                if negatives is not None:
-                    same = negatives.dtype == keys.dtype
-                    raw = torch.cat([keys, negatives] if same else [keys.to(dtype), negatives.to(dtype)], dim=1)
-                all_raw, start = self._gather(raw.reshape(n, -1))
-                total = all_raw.shape[0]
-                all_k = self._units(all_raw.reshape(total * c, -1), plan)
-            else:
-                units = k if negatives is None else torch.cat([k, self._units(negatives, plan)], dim=1)
-                all_k, start, total = units.reshape(n * c, -1), 0, n
-            if total * c - p < 1:
-                raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
-                                 "and a batch of 1 has none")
-            own = ((start + torch.arange(n, device=q.device)) * c)[:, None] + torch.arange(p, device=q.device)
-            ids = None
-            if labels is not None:  # each sample's keys carry its label, its hard negatives none
-                known = (torch.arange(c, device=q.device) < p).repeat(total)
-                ids = label_ids(labels, self._gather_labels(labels).repeat_interleave(c), known)
-            terms = self.negative_terms(pos, q, all_k, own, total * c - p, plan=plan, labels=ids, itself=None)
-            return self._reduce(terms, output_dict, features)
+        setting = self._query_keys(query, keys, queue, negatives, labels, queue_labels, plan)
+        return self._run(setting, plan, self.default_logit_scale(), output_dict, features)
 
     def cross_modal(self, image: torch.Tensor, text: torch.Tensor, *, logit_scale: torch.Tensor | float | None = None,
                     labels: torch.Tensor | None = None, output_dict: bool = False):
@@ -643,138 +615,153 @@ class ContrastiveLoss(Objective):
             check_logit_scale(self.name, logit_scale)
         scale = self.default_logit_scale() if logit_scale is None else logit_scale
         plan = self._image_text_plan(image, text, scale, labels)
-        dtype, backend = plan.compute, plan.path
-        if isinstance(scale, torch.Tensor) and scale.dtype != dtype:
-            scale = scale.to(dtype)
-        n = image.shape[0]
-        if plan.route == "fused":
-            return self._dense_image_text(image, text, scale, dtype, output_dict, features)
-        with no_autocast(image.device.type):
-            raw = backend == "torch"  # raw features, normalised per block in the kernel (see forward)
-            if raw:
-                a, b = (image, text) if image.dtype == text.dtype else (image.to(dtype), text.to(dtype))
-                pos = None
-            else:
-                a, b = self._units(image, plan), self._units(text, plan)
-                if backend == "triton":  # float32 cosines of the rows the kernels take
-                    pos = self._positive_cosines(a, b, plan)[:, None]
-                else:
-                    pos = (a * b).sum(-1, keepdim=True)
-            if self.gather_distributed:
-                same = image.dtype == text.dtype
-                both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
-                all_a, all_b = both.split(a.shape[1], dim=1)
-                if not raw:
-                    all_a, all_b = self._units(all_a, plan), self._units(all_b, plan)
-            else:
-                all_a, all_b, start = a, b, 0
-            total = all_a.shape[0]
-            if total < 2:
-                raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
-            # CACR's mean of the columns: the exact path only (the CPU's fast path takes each direction on its own).
-            columns_mean = raw and not plan.host_checks
-            ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
-            alone = total != n or ids is not None or (backend != "dense" and self.needs_mean and not columns_mean)
-            if not alone:
-                # One process: one product (dense, its diagonal, the positives, masked in place) or one pass of
-                # the kernel gives both directions' statistics, and one call of the terms takes both: the fewest
-                # operators, which is what counts at the host-bound sizes.
-                own = torch.arange(n, device=a.device)[:, None]
-                if backend == "dense":
-                    logits = self._dense_logits(a, b, scale, own)
-                    stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
-                else:  # [2 S, N] (the images' statistics, then the texts') to [S, 2 N]
-                    stats = self._negative_stats(plan, a, b, scale, own, columns=True,
-                                                 partners=own if raw else None)
-                    if raw:
-                        stats, pos = stats
-                    stats = stats.reshape(2, -1, n).transpose(0, 1).reshape(-1, 2 * n)
-                assert pos is not None
-                return self._reduce(self._stat_terms(pos.repeat(2, 1), stats, total - 1, scale), output_dict, features)
-            # each direction alone (gathered columns, labels, CACR's column mean off the torch kernel's exact path)
-            own = (start + torch.arange(n, device=a.device))[:, None]
-            partners = own if raw else None
-            image_terms = self.negative_terms(pos, a, all_b, own, total - 1, scale, mean_over=2 * n, plan=plan,
-                                              partners=partners, labels=ids, itself=None)
-            text_terms = self.negative_terms(pos, b, all_a, own, total - 1, scale, mean_over=2 * n, plan=plan,
-                                             partners=partners, labels=ids, itself=None)
-            terms = Terms(*(torch.cat(pair) for pair in zip(image_terms, text_terms)))
-            return self._reduce(terms, output_dict, features)
+        if isinstance(scale, torch.Tensor) and scale.dtype != plan.compute:
+            scale = scale.to(plan.compute)
+        return self._run(self._image_text(image, text, labels, plan), plan, scale, output_dict, features)
 
-    # ------------------------------------------------------------------ the dense path (dense.py)
-
-    def _dense_two_views(self, z1, z2, dtype, output_dict, views):
-        """Two views, the whole [2n, 2 total] matrix in one autograd Function (dense.py): anchors the local
-        views (view-major), candidates every process's (gathered whole, then view-major) or the anchors
-        themselves on one process."""
-        n, d = z1.shape
-        same = z1.dtype == z2.dtype
-        anchors = torch.cat([z1, z2] if same else [z1.to(dtype), z2.to(dtype)])
-        candidates, start, total = None, 0, n
+    def _views(self, zs: list[torch.Tensor], labels, plan: Plan) -> Setting:
+        """V views of n samples: the anchors the V n local views (view-major), the candidates every process's
+        V total (samples gathered whole, then view-major; on one process the anchors themselves); anchor (a, i)'s
+        positives the other views of its sample, all V of them left out of its negatives."""
+        v, (n, d) = len(zs), zs[0].shape
+        rows = zs if len({z.dtype for z in zs}) == 1 else [z.to(plan.compute) for z in zs]
+        anchors, candidates, start, total = torch.cat(rows), None, 0, n
         if self.gather_distributed:
-            both, start = self._gather(torch.cat([z1, z2] if same else [z1.to(dtype), z2.to(dtype)], dim=1))
-            total = both.shape[0]
-            candidates = both.view(total, 2, d).transpose(0, 1).reshape(2 * total, d)
+            every, start = self._gather(torch.cat(rows, dim=1))
+            total = every.shape[0]
+            candidates = every.view(total, v, d).transpose(0, 1).reshape(v * total, d)
         if total < 2:
             raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
                              "the views of the other samples); use a batch of at least 2")
-        where = layout("two_views", n, total, start, z1.device)
-        scale = self.default_logit_scale()
-        out = dense_loss(anchors, candidates, scale, where, columns=False, terms=self.logit_terms,
-                         num_neg=2 * (total - 1), with_mean=self.needs_mean, normalize=self.normalize, dtype=dtype)
-        return self._dense_output(out, scale, 2 * (total - 1), output_dict, views)
+        where = positions("views", v, n, total, start, anchors.device)
+        ids = None if labels is None else label_ids(labels.repeat(v), self._gather_labels(labels).repeat(v))
+        problem = Problem("two_views" if v == 2 else "views", anchors, candidates, where.own, where.positives,
+                          v * (total - 1), ids, where.itself, False, (n, total, start, 1), None)
+        return Setting([(zs[a], zs[b]) for a in range(v) for b in range(a + 1, v)], [problem])
 
-    def _dense_image_text(self, image, text, scale, dtype, output_dict, features):
-        """Image-text in one autograd Function per call (dense.py): on one process the square matrix's rows
-        and columns; gathered, each direction's local rows against every process's candidates."""
+    def _query_keys(self, query, keys, queue, negatives, labels, queue_labels, plan: Plan) -> Setting:
+        """n queries, each with P keys [n, P, D]: against a queue (its rows the candidates, no key among them), or
+        against every process's samples' keys and hard negatives (gathered whole), its own sample's keys left
+        out of its negatives."""
+        n, p = keys.shape[:2]
+        pairs = [(query, keys[:, j]) for j in range(p)]
+        if queue is not None:
+            where = positions("queue", p, n, queue.shape[0], 0, query.device)
+            # labels and queue_labels come together (checked by query_key)
+            ids = None if labels is None or queue_labels is None else label_ids(labels, queue_labels)
+            return Setting(pairs, [Problem("queue", query, queue, None, where.positives, queue.shape[0], ids, None,
+                                           False, (n, queue.shape[0], 0, 1), None)])
+        rows = keys  # [n, c, D]: each sample's keys, then its hard negatives
+        if negatives is not None:
+            rows = torch.cat([keys, negatives] if negatives.dtype == keys.dtype else
+                             [keys.to(plan.compute), negatives.to(plan.compute)], dim=1)
+        c, start, total = rows.shape[1], 0, n
+        if self.gather_distributed:  # the rows as given (their own dtype), normalised by the path
+            every, start = self._gather(rows.reshape(n, -1))
+            rows, total = every.view(every.shape[0], c, -1), every.shape[0]
+        if total * c - p < 1:
+            raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
+                             "and a batch of 1 has none")
+        where = positions("keys", p, n, total, start, query.device, c)
+        ids = None
+        if labels is not None:  # each sample's keys carry its label, its hard negatives none
+            known = (torch.arange(c, device=query.device) < p).repeat(total)
+            ids = label_ids(labels, self._gather_labels(labels).repeat_interleave(c), known)
+        return Setting(pairs, [Problem("rows", query, rows.reshape(total * c, -1), where.own, where.positives,
+                                       total * c - p, ids, None, False, (n, total, start, c), None)])
+
+    def _image_text(self, image, text, labels, plan: Plan) -> Setting:
+        """n image-text pairs: on one process one square matrix, its rows the images' anchors and its columns the
+        texts', the diagonal the positives; gathered (or with labels, or CACR's mean off the paths that give the
+        columns' too) each direction's n local anchors against every process's candidates of the other kind."""
         n = image.shape[0]
-        if not self.gather_distributed:
-            if n < 2:
-                raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
-            out = dense_loss(image, text, scale, layout("image_text", n, n, 0, image.device), columns=True,
-                             terms=self.logit_terms, num_neg=n - 1, with_mean=self.needs_mean,
-                             normalize=self.normalize, dtype=dtype)
-            return self._dense_output(out, scale, n - 1, output_dict, features)
-        same = image.dtype == text.dtype
-        both, start = self._gather(torch.cat([image, text] if same else [image.to(dtype), text.to(dtype)], 1))
-        total = both.shape[0]
+        a, b = (image, text) if image.dtype == text.dtype else (image.to(plan.compute), text.to(plan.compute))
+        all_a, all_b, start = a, b, 0
+        if self.gather_distributed:
+            both, start = self._gather(torch.cat([a, b], 1))
+            all_a, all_b = both.split(a.shape[1], dim=1)
+        total = all_a.shape[0]
         if total < 2:
             raise ValueError(f"{self.name}: a batch of 1 pair has no negatives; use a batch of at least 2")
-        all_images, all_texts = both.split(image.shape[1], dim=1)
-        where = layout("rows", n, total, start, image.device)
-        directions = [dense_loss(a, b, scale, where, columns=False, terms=self.logit_terms, num_neg=total - 1,
-                                 with_mean=self.needs_mean, normalize=self.normalize, dtype=dtype)
-                      for a, b in ((image, all_texts), (text, all_images))]
-        out = tuple(torch.cat(pair) for pair in zip(*directions))
-        return self._dense_output(out, scale, total - 1, output_dict, features)
+        pairs = [(image, text)]
+        # CACR's columns' mean: the dense path and the torch kernel's exact route only
+        columns_mean = plan.path == "dense" or plan.path == "torch" and not plan.host_checks
+        if total == n and labels is None and (columns_mean or not self.needs_mean):
+            where = positions("image_text", 1, n, n, 0, image.device)
+            return Setting(pairs, [Problem("image_text", a, b, where.own, where.positives, n - 1, None, None, True,
+                                           (n, n, 0, 1), None)])
+        where = positions("keys", 1, n, total, start, image.device)
+        ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
+        return Setting(pairs, [Problem("rows", x, others, where.own, where.positives, total - 1, ids, None, False,
+                                       (n, total, start, 1), 2 * n) for x, others in ((a, all_b), (b, all_a))])
 
-    def _dense_query_key(self, query, key, queue, negatives, dtype, output_dict, features):
-        """One key per query (dense.py): against [its key, the queue] with the other keys left out, or against
-        every sample's key and hard negatives (gathered whole), its own key the positive."""
-        n, d = query.shape
-        if queue is not None:
-            same = key.dtype == queue.dtype
-            candidates = torch.cat([key, queue] if same else [key.to(dtype), queue.to(dtype)])
-            where, num_neg = layout("queue", n, queue.shape[0], 0, query.device), queue.shape[0]
+    # ------------------------------------------------------------------ the paths
+
+    def _run(self, setting: Setting, plan: Plan, scale, output_dict: bool, inputs: dict[str, torch.Tensor]):
+        """The reduced loss of a setting's matrix on the plan's path: dense.py's one Function where the plan says
+        "fused", else each block's negatives' statistics (the whole logits, the blockwise torch kernel or the
+        Triton kernels) with its positives' cosines into the objective's terms."""
+        problems = setting.problems
+        with no_autocast(problems[0].anchors.device.type):
+            if plan.route == "fused":
+                outs = [self._fused(problem, setting, scale, plan) for problem in problems]
+                out = outs[0] if len(outs) == 1 else tuple(torch.cat(parts) for parts in zip(*outs))
+                return self._dense_output(out, scale, problems[0].num_neg, output_dict, inputs)
+            cosines = [self._cosines(x, y, plan) for x, y in setting.pairs]
+            flat = cosines[0] if len(cosines) == 1 else torch.cat(cosines)
+            parts = [self._terms(problem, flat[problem.positives], plan, scale) for problem in problems]
+            terms = parts[0] if len(parts) == 1 else Terms(*(torch.cat(pair) for pair in zip(*parts)))
+        return self._reduce(terms, output_dict, inputs)
+
+    def _fused(self, problem: Problem, setting: Setting, scale, plan: Plan):
+        """dense_loss's outputs for one block (its layout dense.layout's), the queue's keys put before it."""
+        n, total, start, per_sample = problem.shape
+        candidates = problem.candidates
+        if problem.layout == "queue" and candidates is not None:
+            key = setting.pairs[0][1]
+            same = key.dtype == candidates.dtype
+            candidates = torch.cat([key, candidates] if same else [key.to(plan.compute), candidates.to(plan.compute)])
+        where = layout(problem.layout, n, total, start, problem.anchors.device, per_sample)
+        return dense_loss(problem.anchors, candidates, scale, where, columns=problem.columns, terms=self.logit_terms,
+                          num_neg=problem.num_neg, with_mean=self.needs_mean, normalize=self.normalize,
+                          dtype=plan.compute)
+
+    def _terms(self, problem: Problem, pos: torch.Tensor, plan: Plan, scale) -> Terms:
+        """Per-anchor terms of one block from its positives' cosines ``pos`` [M, P] (a square one's rows, then its
+        columns: [2 M, 1]). The torch kernel takes the features as given and normalises them per block (nothing
+        of their size kept for backward, chunked.py), the Triton kernels too through their inverse norms
+        (_units); the dense path takes unit vectors."""
+        raw = plan.path == "torch"
+        anchors, candidates = problem.anchors, problem.candidates
+        if raw:
+            if candidates is not None and candidates.dtype != anchors.dtype:
+                anchors, candidates = anchors.to(plan.compute), candidates.to(plan.compute)
         else:
-            rows = key[:, None] if negatives is None else torch.cat(  # [n, c, D]: each sample's key, then extras
-                [key[:, None], negatives] if key.dtype == negatives.dtype else
-                [key[:, None].to(dtype), negatives.to(dtype)], dim=1)
-            per_sample = rows.shape[1]
-            start, total = 0, n
-            if self.gather_distributed:  # the raw rows gathered (their own dtype)
-                rows, start = self._gather(rows.reshape(n, per_sample * d))
-                total = rows.shape[0]
-            candidates = rows.reshape(total * per_sample, d)
-            if total * per_sample < 2:
-                raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
-                                 "and a batch of 1 has none")
-            where = layout("rows", n, total, start, query.device, per_sample)
-            num_neg = total * per_sample - 1
-        scale = self.default_logit_scale()
-        out = dense_loss(query, candidates, scale, where, columns=False, terms=self.logit_terms, num_neg=num_neg,
-                         with_mean=self.needs_mean, normalize=self.normalize, dtype=dtype)
-        return self._dense_output(out, scale, num_neg, output_dict, features)
+            anchors = self._units(anchors, plan)
+            candidates = None if candidates is None else self._units(candidates, plan)
+        candidates = anchors if candidates is None else candidates  # the same tensor: one gradient for both
+        if not problem.columns:
+            return self.negative_terms(pos, anchors, candidates, problem.own, problem.num_neg, scale, problem.mean_over,
+                                       plan=plan, labels=problem.labels, itself=problem.itself, raw=raw)
+        # A square block: one product (dense) or one pass of a kernel gives the rows' and the columns' statistics,
+        # and one call of the terms takes both (the fewest operators, which is what counts at host-bound sizes).
+        if plan.path == "dense":
+            logits = self._dense_logits(anchors, candidates, scale, problem.own)
+            stats = torch.cat([self._dense_stats(logits, scale), self._dense_stats(logits.T, scale)], dim=1)
+        else:  # [2 S, n] (the rows' statistics, then the columns') to [S, 2 n]
+            stats = self._negative_stats(plan, anchors, candidates, scale, problem.own, columns=True, raw=raw)
+            stats = stats.reshape(2, -1, anchors.shape[0]).transpose(0, 1).reshape(-1, 2 * anchors.shape[0])
+        return self._stat_terms(pos, stats, problem.num_neg, scale)
+
+    def _cosines(self, x: torch.Tensor, y: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """cos(x_i, y_i) [n] of a positive pair's rows on the plan's path: the Triton path's of the rows its
+        products take (_positive_cosines), float32 ones by functional.row_cosines (12 bytes a row kept, no float32
+        copy of the features), float64 ones from the unit vectors."""
+        if plan.path == "triton":
+            return self._positive_cosines(self._units(x, plan), self._units(y, plan), plan)
+        if plan.compute == torch.float64:
+            return (self._unit(x, plan.compute) * self._unit(y, plan.compute)).sum(dim=1)
+        return row_cosines(x, y, self.normalize)
 
     def _dense_output(self, out, scale, num_neg, output_dict, inputs):
         """The reduced loss of dense_loss's outputs (per-anchor loss, positives' logits, lse[, mean]); the
@@ -828,12 +815,12 @@ class ContrastiveLoss(Objective):
         return world()[1] if self.gather_distributed else 1
 
     def _negative_stats(self, plan, anchors, candidates, scale, exclude, *, columns=False, row_grad=None,
-                        partners=None, raw=None, labels=None, same_label=True):
+                        raw=False, labels=None, same_label=True):
         """The negatives' statistics [S, M] (lse, CACR's mean, with ``columns`` the columns' lse) on the plan's
         path: the Triton kernels (products in the plan's operands' dtype where it has one) or the blockwise torch
-        kernel (float32 or float64 products, its blocks and route the plan's; ``raw`` features, by default where
-        ``partners`` are given, and then (stats, pos), see negative_terms; ``labels`` and ``same_label``: pairs
-        left out by label, see chunked.negative_stats)."""
+        kernel (float32 or float64 products, its blocks and route the plan's; ``raw``: the features as given,
+        normalised per block; ``labels`` and ``same_label``: pairs left out by label, see
+        chunked.negative_stats)."""
         if plan.path == "triton":
             from contrastkit.losses.triton.stats import negative_stats_triton
 
@@ -845,12 +832,11 @@ class ContrastiveLoss(Objective):
             return negative_stats_triton(anchors, candidates, scale, exclude=exclude, with_mean=self.needs_mean,
                                          columns=columns, normalize=self.normalize, labels=labels,
                                          same_label=same_label, forward_logits=plan.route, tf32=plan.tf32)
-        raw = partners is not None if raw is None else raw
         # The same tensor as anchors and candidates only in the two-view setting, whose excluded pairs (a
         # sample's views, and pairs by label) are symmetric.
         return negative_stats(anchors, candidates, scale, exclude=exclude, block=plan.block, with_mean=self.needs_mean,
                               columns=columns, keep=plan.keep, row_grad=row_grad, symmetric=candidates is anchors,
-                              normalize=raw and self.normalize, partners=partners, labels=labels,
+                              normalize=raw and self.normalize, labels=labels,
                               same_label=same_label, fast=plan.route == "fast")
 
     @staticmethod
@@ -868,14 +854,13 @@ class ContrastiveLoss(Objective):
         return logits
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
-                       plan=None, partners=None, labels=None, itself=None) -> Terms:
-        """Per-anchor terms of anchors [M, D] against candidates [K, D], each anchor's excluded columns
-        (exclude [M, E], or None) left out: dense (one product, masked in place) or blockwise (exact,
-        the matrix never held whole). mean_over: how many anchors the loss averages these terms over
-        (default M), for the kernel's guess of the gradient (see stat_grad). pos None (the torch path only):
-        anchors and candidates are
-        the raw features, normalised in the kernel where ``normalize``, and each anchor's positives are the
-        candidates at ``partners`` [M, P]. ``labels``: (row_ids, col_ids) of label_ids; the candidates that
+                       plan=None, labels=None, itself=None, raw=False) -> Terms:
+        """Per-anchor terms of anchors [M, D] against candidates [K, D] from the positives' cosines ``pos``
+        [M, P], each anchor's excluded columns (exclude [M, E], or None) left out: dense (one product, masked in
+        place) or blockwise (exact, the matrix never held whole). mean_over: how many anchors the loss averages
+        these terms over (default M), for the kernel's guess of the gradient (see stat_grad). ``raw`` (the
+        torch path): anchors and candidates are the features as given, normalised in the kernel where
+        ``normalize``. ``labels``: (row_ids, col_ids) of label_ids; the candidates that
         share an anchor's label leave its negatives, num_neg then counted per anchor, and with
         same_label="positive" join its positives (see _label_positive_terms; ``itself`` [M, 1]: each anchor's
         own column among the candidates, where it is one). plan: the one the setting made for the whole call
@@ -886,10 +871,7 @@ class ContrastiveLoss(Objective):
         if labels is not None:
             num_neg, same = self._negatives_left(labels, exclude, num_neg)
             if self.same_label == "positive":
-                raw = pos is None
-                stats = self._stats(plan, anchors, candidates, scale, exclude,
-                                    partners=partners if raw else None, labels=labels)
-                stats, pos = stats if raw else (stats, pos)
+                stats = self._stats(plan, anchors, candidates, scale, exclude, raw=raw, labels=labels)
                 return self._label_positive_terms(plan, stats, pos, anchors, candidates, exclude, num_neg, same,
                                                   scale, labels, itself, raw)
         if plan.path == "dense":
@@ -899,16 +881,13 @@ class ContrastiveLoss(Objective):
         if plan.path == "torch" and (self._has_formula or type(self).stat_grad is not ContrastiveLoss.stat_grad):
             count = anchors.shape[0] if mean_over is None else mean_over
 
-            def row_grad(stats, r0, r1, pos_rows=None):
+            def row_grad(stats, r0, r1):
                 mean = stats[1] if self.needs_mean else None
-                rows = pos[r0:r1] if pos_rows is None else pos_rows
                 k = num_neg[r0:r1] if isinstance(num_neg, torch.Tensor) else num_neg
-                return self.stat_grad(rows, stats[0], mean, k, scale) / count
+                return self.stat_grad(pos[r0:r1], stats[0], mean, k, scale) / count
 
-        stats = self._negative_stats(plan, anchors, candidates, scale, exclude, row_grad=row_grad,
-                                     partners=partners if pos is None else None, labels=labels)
-        if pos is None:
-            stats, pos = stats
+        stats = self._negative_stats(plan, anchors, candidates, scale, exclude, row_grad=row_grad, raw=raw,
+                                     labels=labels)
         return self._stat_terms(pos, stats, num_neg, scale)
 
     def _negatives_left(self, labels, exclude, num_neg):
@@ -960,12 +939,11 @@ class ContrastiveLoss(Objective):
         mean = (torch.exp(own - lse[:, None]) * pos).sum(dim=1) + torch.exp(stats[0] - lse) * stats[1]
         return torch.stack([lse, mean])
 
-    def _stats(self, plan, anchors, candidates, scale, exclude, *, partners=None, raw=None, labels=None,
-               same_label=True):
+    def _stats(self, plan, anchors, candidates, scale, exclude, *, raw=False, labels=None, same_label=True):
         """_negative_stats (arguments as there) on every path, the dense one from the whole logits."""
         if plan.path != "dense":
-            return self._negative_stats(plan, anchors, candidates, scale, exclude, partners=partners,
-                                        raw=raw, labels=labels, same_label=same_label)
+            return self._negative_stats(plan, anchors, candidates, scale, exclude, raw=raw, labels=labels,
+                                        same_label=same_label)
         return self._dense_stats(self._dense_logits(anchors, candidates, scale, exclude, labels, same_label), scale)
 
     def _dense_stats(self, logits, scale):

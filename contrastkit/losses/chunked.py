@@ -23,9 +23,8 @@ then dA = scale dL b, dB = scale dL^T a (= dL^T (scale a)), and d scale = <dL, a
 ``columns=True`` (image-text on one process: a square matrix whose excluded pairs are its diagonal) also
 gives the statistics of every column, so both directions of CLIP's loss come from one product.
 
-``normalize=True``: a and b are the raw features, in any float dtype; the kernel L2-normalises them, and
-with ``partners`` also returns the positives' cosines, so that the loss's settings (base.py) make no unit
-vectors at all. The exact path keeps only the features as given and their inverse norms, builds each
+``normalize=True``: a and b are the raw features, in any float dtype; the kernel L2-normalises them, so that
+the loss's settings (base.py) make no unit vectors of the features' size. The exact path keeps only the features as given and their inverse norms, builds each
 block's unit rows on the way, and writes each row's gradient (negatives', positives' and the
 normalisation's backward) once, in the features' dtype: nothing of the features' size in float32 lives
 between forward and backward, nor during it, but image-text's [D, K] accumulator of d b
@@ -211,29 +210,6 @@ def _unit_backward(grad, u, inv, unclamped):
     return grad if inv is None else drop_along(grad, u, unclamped[:, None]).mul_(inv[:, None])
 
 
-def _partner_rows(b, partners, inv_b=None):
-    """The unit rows of b at partners [rows, P]: [rows, P, D], normalised on the way where inv_b is given."""
-    rows = b[partners].to(_compute_dtype(b))
-    return rows if inv_b is None else rows * inv_b[partners][..., None]
-
-
-def _unit_dots(u, b, partners, inv_b=None):
-    """The positives' cosines u_i . u_b_j, j = partners[i, p]: [rows, P] (None without partners). Elementwise,
-    not a batched product: under TF32 (on CUDA) that would round the operands to 11 bits."""
-    return None if partners is None else (u[:, None] * _partner_rows(b, partners, inv_b)).sum(dim=2)
-
-
-def _partner_sum(g, b, partners, inv_b=None):
-    """sum_p g_ip u_b_j, j = partners[i, p]: the positives' share of the anchors' gradient (elementwise: see
-    _unit_dots)."""
-    return (g[:, :, None] * _partner_rows(b, partners, inv_b)).sum(dim=1)
-
-
-def _with_pos(row_grad, pos):
-    """row_grad given the positives' cosines of its rows too (the loss's terms need them)."""
-    return lambda stats, r0, r1: row_grad(stats, r0, r1, pos[r0:r1])
-
-
 # Scratch blocks on CPU are cached per thread between calls: fresh memory costs page faults there (some
 # 20 ms per 64 MiB on a 2-core VM, a quarter of a block's product at D = 128), which CUDA's caching
 # allocator already avoids. A buffer is only ever used inside one forward or backward body, never
@@ -271,12 +247,11 @@ def _workspace(slot, shape, like):
 
 
 class _BlockStats(torch.autograd.Function):
-    """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor, and the
-    positives' cosines [M, P] (empty without partners)."""
+    """Rows [lse, (mean)] and, with columns, [col lse, (col mean)] stacked into one [S, M] tensor."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric, normalize, partners,
-                row_ids, col_ids, same_ids, fast):
+    def forward(ctx, a, b, scale, exclude, block, with_mean, columns, keep, row_grad, symmetric, normalize, row_ids,
+                col_ids, same_ids, fast):
         # b None: two views on one process, the anchors are the candidates. Passed once, as torch.compile
         # cannot trace a Function given one tensor twice; backward returns the summed gradient as a's.
         ctx.same_input = b is None
@@ -291,17 +266,15 @@ class _BlockStats(torch.autograd.Function):
         # The fast path's checks (overflow, the columns' error bound) and backward's check of the guess read
         # values on the host; elsewhere (CUDA, torch.compile) the safe path runs, exact with no check. The fast
         # path takes unit vectors, made whole (on the CPU memory is not what binds).
-        state = pos = None
+        state = None
         if fast and not (columns and with_mean):
             u_a = _unit_rows(a, *inv_a)
             u_b = u_a if ctx.same_input else _unit_rows(b, *inv_b)
-            pos = _unit_dots(u_a, u_b, partners)
             a_s = u_a * scale
             if columns:
                 state = _fast_columns(a_s, u_b, exclude, block, keep)
             else:
-                guess = row_grad if row_grad is None or pos is None else _with_pos(row_grad, pos)
-                state = _fast_rows(a_s, u_b, exclude, block, keep, scale if with_mean else None, guess)
+                state = _fast_rows(a_s, u_b, exclude, block, keep, scale if with_mean else None, row_grad)
         ctx.fast = state is not None
         ctx.symmetric = symmetric and ctx.same_input and not ctx.fast and not columns
         spec = ()
@@ -309,8 +282,7 @@ class _BlockStats(torch.autograd.Function):
             a, b = u_a, u_b
             stats, shifts, norms, kept, *spec = state
         else:
-            stats, pos, kept = _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b,
-                                             partners)
+            stats, kept = _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b)
             shifts = norms = None
         ctx.block, ctx.with_mean, ctx.columns, ctx.n_spec = block, with_mean, columns, len(spec)
         ctx.scale_is_tensor = isinstance(scale, torch.Tensor)
@@ -318,29 +290,29 @@ class _BlockStats(torch.autograd.Function):
         # the kept blocks, as saved tensors too, so that autograd frees them once backward has run (a Python
         # attribute would hold them until the loss tensor dies: through the next step's forward).
         ctx.save_for_backward(a, None if ctx.same_input else b, stats, index, row_ids, col_ids,
-                              scale if ctx.scale_is_tensor else None, shifts, norms, partners, *inv_a, *inv_b, *spec, *kept)
+                              scale if ctx.scale_is_tensor else None, shifts, norms, *inv_a, *inv_b, *spec, *kept)
         if not ctx.scale_is_tensor:
             ctx.scale = scale
-        return stats, pos if pos is not None else stats.new_empty(stats.shape[1], 0)
+        return stats
 
     @staticmethod
-    def backward(ctx, grad, grad_pos):
+    def backward(ctx, grad):
         with no_autocast(grad.device.type):
-            return _BlockStats._backward(ctx, grad, grad_pos)
+            return _BlockStats._backward(ctx, grad)
 
     @staticmethod
-    def _backward(ctx, grad, grad_pos):
-        a, b, stats, index, row_ids, col_ids, scale_t, shifts, norms, partners, *rest = ctx.saved_tensors
+    def _backward(ctx, grad):
+        a, b, stats, index, row_ids, col_ids, scale_t, shifts, norms, *rest = ctx.saved_tensors
         b = a if ctx.same_input else b
         exclude = None if index is None and row_ids is None else Excluded(index, row_ids, col_ids, ctx.same_ids)
         inv_a, inv_b, rest = tuple(rest[:2]), tuple(rest[2:4]), rest[4:]
         spec, kept = rest[: ctx.n_spec], rest[ctx.n_spec :]
         scale = scale_t if ctx.scale_is_tensor else ctx.scale
-        none = (None,) * 13
+        none = (None,) * 12
         if not any(ctx.needs_input_grad[:3]):
             return None, None, None, *none
         if not ctx.fast:
-            return (*_safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, partners, grad_pos),
+            return (*_safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b),
                     *none)
         ratio = _upstream_ratio(grad, spec[0]) if spec else None
         if ratio is not None:  # the gradient guessed in forward, times the upstream's scale
@@ -353,12 +325,6 @@ class _BlockStats(torch.autograd.Function):
                 d_as, db_t = _fast_rows_backward(a_s, b, exclude, ctx.block, kept, shifts, norms, grad,
                                                  stats if ctx.with_mean else None, scale)
             d_a, db, d_scale = _finish(ctx, grad, a, stats, scale, d_as, db_t)
-        if partners is not None:  # the positives' share: d u_i += g_ip u_j and d u_j += g_ip u_i, j = partners_ip
-            if d_a is not None:
-                d_a.add_(_partner_sum(grad_pos, b, partners))
-            if (d_a if ctx.same_input else db) is not None:
-                pairs = (grad_pos[:, :, None] * a[:, None]).reshape(-1, a.shape[1])
-                (d_a if ctx.same_input else db).index_add_(0, partners.reshape(-1), pairs)
         d_a = None if d_a is None else _unit_backward(d_a, a, *inv_a).to(ctx.dtypes[0])
         db = None if db is None else _unit_backward(db, b, *inv_b).to(ctx.dtypes[1])
         return d_a, db, d_scale, *none
@@ -626,9 +592,8 @@ def _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a=None, inv_b=None):
     return _put_excluded(logits, exclude, r0, r1)
 
 
-def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b, partners):
-    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not; the
-    positives' cosines. No value is read on the host: the path of CUDA and torch.compile. At most two
+def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, inv_b):
+    """Each block's exact row maximum (and the columns' running maximum); the logits kept or not. No value is read on the host: the path of CUDA and torch.compile. At most two
     blocks live at a time, and on CUDA nothing of a's or b's size (the features are normalised per block;
     the CPU takes float32 copies of bf16/fp16 features, see _operand)."""
     m, k = a.shape[0], b.shape[0]
@@ -637,14 +602,11 @@ def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, 
     dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     stats = a.new_empty(((2 if with_mean else 1) * (2 if columns else 1), m), dtype=dtype)
     lse, mean = stats[0], stats[1] if with_mean else None
-    pos = None if partners is None else a.new_empty(partners.shape, dtype=dtype)
     if columns:
         col_max = stats.new_full((k,), float("-inf"))
         col_sum, col_wsum = stats.new_zeros(k), stats.new_zeros(k)
     kept = []
     for r0, r1, keep_block in _blocks(m, k, block, keep):
-        if pos is not None:
-            pos[r0:r1] = _unit_dots(_unit_rows(a[r0:r1], _rows(inv_a[0], r0, r1)), b, partners[r0:r1], inv_b[0])
         logits = _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a[0], inv_b[0])
         lse[r0:r1] = torch.logsumexp(logits, dim=1)
         if with_mean:
@@ -668,7 +630,7 @@ def _safe_forward(a, b, scale, exclude, block, with_mean, columns, keep, inv_a, 
         stats[col] = col_max + torch.log(col_sum)
         if with_mean:
             stats[col + 1] = col_wsum / col_sum / scale
-    return stats, pos, kept
+    return stats, kept
 
 
 def _rows(x, r0, r1):
@@ -687,17 +649,9 @@ def _safe_dlogits(logits, lse, grad, mean, grad_mean, scale, inplace=False):
     return (logits.mul_(beta) if inplace else logits * beta).add_(alpha).mul_(p)
 
 
-def _mirror(partners):
-    """For symmetric pairs (j in partners[i] exactly when i is in partners[j]): the flat index of the pair
-    (i, partners[i, p]) seen from the other side, j * P + q with partners[j, q] = i."""
-    rows = torch.arange(partners.shape[0], device=partners.device)
-    q = (partners[partners] == rows[:, None, None]).int().argmax(dim=2)
-    return partners * partners.shape[1] + q
-
-
-def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, partners, grad_pos):
+def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b):
     """The exact path's gradients of a, b and the scale, row block by row block: the block's d/dL, its
-    product with the unit candidates, the positives' share and the normalisation's backward, each row of
+    product with the unit candidates and the normalisation's backward, each row of
     d a written once in a's dtype. d b: scale dL^T u_a accumulated over the blocks ([D, K], float32), then
     normalised the same way. ``symmetric`` (two views on one process: b is a, and the excluded pairs are
     symmetric): L is symmetric, so the transposed term p_ki of each block is exp(L_ik - lse_k) and
@@ -717,9 +671,6 @@ def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, p
         d_a = torch.empty_like(a)
     db_t = None if symmetric or not (need_b or whole) else stats.new_zeros(d, k)  # transposed: faster products
     d_scale = stats.new_zeros(())
-    g_pos = None
-    if partners is not None:
-        g_pos = grad_pos + grad_pos.reshape(-1)[_mirror(partners)] if symmetric else grad_pos
     for i, (r0, r1, _) in enumerate(_blocks(m, k, block, 0)):
         recomputed = i >= len(kept)
         logits = _scaled_logits(xa, scale, xb, exclude, r0, r1, inv_a[0], inv_b[0]) if recomputed else kept[i]
@@ -738,9 +689,6 @@ def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, p
         u = _unit_rows(a[r0:r1], _rows(inv_a[0], r0, r1))
         if db_t is not None:
             db_t.addmm_((u * scale).T, dl)
-            if partners is not None:  # the positives' share of d u_b: g_ip u_i at column partners_ip
-                pairs = grad_pos[r0:r1, :, None] * u[:, None]
-                db_t.index_add_(1, partners[r0:r1].reshape(-1), pairs.reshape(-1, d).T)
         if inv_b[0] is not None:
             dl.mul_(inv_b[0])  # dL u_b = (dL inv_b) x_b
         g = _mm_low(dl, xb)  # (dL or dL + dL^T) u_b for these rows
@@ -749,8 +697,6 @@ def _safe_backward(ctx, a, b, exclude, kept, stats, grad, scale, inv_a, inv_b, p
             d_scale += (g * u).sum()  # <dL, u_a u_b^T> over these rows
         if d_a is not None:
             g.mul_(scale)
-            if g_pos is not None:  # the positives' share: g_ip u_j (and g_jq u_j of its mirror)
-                g += _partner_sum(g_pos[r0:r1], b, partners[r0:r1], inv_b[0])
             d_a[r0:r1] = g if whole else _unit_backward(g, u, *(_rows(x, r0, r1) for x in inv_a))
     d_scale = _mean_scale_grad(ctx, grad, stats, scale, d_scale * 0.5 if symmetric else d_scale) if need_scale else None
     if whole:
@@ -774,7 +720,7 @@ def _normalised_grad(g, x, inv, block):
 def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, exclude: torch.Tensor | None = None,
                    block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
                    row_grad=None, symmetric: bool = False, normalize: bool = False,
-                   partners: torch.Tensor | None = None, labels: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   labels: tuple[torch.Tensor, torch.Tensor] | None = None,
                    same_label: bool = True, fast: bool | None = None):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
@@ -794,9 +740,7 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
 
     normalize: anchors and candidates are raw features (any float dtype), L2-normalised inside; the exact
     path keeps only their inverse norms and normalises each block on the way, so nothing of their size is
-    held between forward and backward, and their gradients come back in their own dtype. partners [M, P]:
-    also return the positives' cosines pos[i, p] = u_i . u_{partners[i, p]} (the unit anchors with the
-    unit candidates), as ``(stats, pos)``; row_grad then takes the rows' cosines as a fourth argument.
+    held between forward and backward, and their gradients come back in their own dtype.
 
     labels (rows only): (row_ids [M], col_ids [K]) integer ids; the pairs whose ids are equal are left out
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
@@ -817,13 +761,10 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
-    if partners is not None and partners is exclude:  # image-text: torch.compile cannot trace one tensor given twice
-        partners = partners.clone()
     row_ids, col_ids = (None, None) if labels is None else labels
-    if row_ids is not None and row_ids is col_ids:  # as partners: one tensor given twice cannot be traced
+    if row_ids is not None and row_ids is col_ids:  # torch.compile cannot trace one tensor given twice
         col_ids = col_ids.clone()
     fast = host_checks_allowed(anchors) if fast is None else fast
-    stats, pos = _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude,
-                                   int(block), with_mean, columns, int(keep), row_grad, symmetric, normalize, partners,
-                                   row_ids, col_ids, bool(same_label), fast)
-    return stats if partners is None else (stats, pos)
+    return _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude, int(block),
+                             with_mean, columns, int(keep), row_grad, symmetric, normalize, row_ids, col_ids,
+                             bool(same_label), fast)

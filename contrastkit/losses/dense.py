@@ -34,8 +34,21 @@ class Layout(NamedTuple):
     excluded: torch.Tensor
 
 
-_LAYOUTS: dict[tuple, Layout] = {}
-_MAX_LAYOUTS = 64  # shapes seen in one run: the batch, the last batch, an evaluation's
+_PER_SHAPE: dict[tuple, tuple] = {}
+_MAX_PER_SHAPE = 128  # shapes seen in one run: the batch, the last batch, an evaluation's, per setting
+
+
+def per_shape(key: tuple, make):
+    """``make()``, the index tensors of a setting's layout, made once per ``key`` (its shape and device) and
+    cached, or made in the graph under torch.compile (a cached tensor would be a constant of it)."""
+    if torch.compiler.is_compiling():
+        return make()
+    found = _PER_SHAPE.get(key)
+    if found is None:
+        if len(_PER_SHAPE) >= _MAX_PER_SHAPE:
+            _PER_SHAPE.clear()
+        found = _PER_SHAPE[key] = make()
+    return found
 
 
 def layout(setting: str, n: int, total: int, start: int, device: torch.device, per_sample: int = 1) -> Layout:
@@ -50,10 +63,11 @@ def layout(setting: str, n: int, total: int, start: int, device: torch.device, p
     - "queue": candidates the n keys, then a queue of ``total``: anchor i's positive its key, every key left out.
 
     Made once per shape and device (a cache), or in the graph under torch.compile."""
-    key = (setting, n, total, start, device, per_sample)
-    found = _LAYOUTS.get(key)
-    if found is not None:
-        return found
+    return per_shape(("layout", setting, n, total, start, device, per_sample),
+                     lambda: _layout(setting, n, total, start, device, per_sample))
+
+
+def _layout(setting: str, n: int, total: int, start: int, device: torch.device, per_sample: int) -> Layout:
     i = torch.arange(n, device=device)
     if setting == "two_views":
         width = 2 * total
@@ -70,12 +84,7 @@ def layout(setting: str, n: int, total: int, start: int, device: torch.device, p
     else:
         positives = i * (total * per_sample) + (start + i) * per_sample
         excluded = positives.clone()  # two tensors: torch.compile cannot trace one given twice
-    made = Layout(positives, excluded)
-    if not torch.compiler.is_compiling():
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = made
-    return made
+    return Layout(positives, excluded)
 
 
 def _units(x: torch.Tensor, dtype: torch.dtype, normalize: bool):

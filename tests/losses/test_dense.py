@@ -152,14 +152,17 @@ def test_one_sample_is_an_error():
 
 
 def test_layouts_are_made_once_per_shape():
-    dense._LAYOUTS.clear()
+    """A call's index tensors (dense.layout's, base.positions') are made on its first call of a shape, then
+    found: the fused call's layout, a blockwise call's positions; the cache stays bounded."""
+    dense._PER_SHAPE.clear()
     x = _inputs(0, "two_views", n=5)
     for _ in range(3):
         build_loss("dcl")(*x)
-    assert list(dense._LAYOUTS) == [("two_views", 5, 5, 0, torch.device("cpu"), 1)]
-    for n in range(2, 2 + dense._MAX_LAYOUTS + 1):
+        build_loss("dcl", backend="torch")(*x)
+    assert sorted(key[:2] for key in dense._PER_SHAPE) == [("layout", "two_views"), ("positions", "views")]
+    for n in range(2, 2 + dense._MAX_PER_SHAPE + 1):
         dense.layout("rows", n, n, 0, torch.device("cpu"))
-    assert len(dense._LAYOUTS) <= dense._MAX_LAYOUTS
+    assert len(dense._PER_SHAPE) <= dense._MAX_PER_SHAPE
 
 
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import contrastkit.losses.chunked as chunked
+import contrastkit.losses.dense as dense
 from contrastkit.losses import build_loss
 from contrastkit.losses.plan import DEVICE_BLOCK_ELEMENTS
 
@@ -59,8 +60,10 @@ class LiveBytes(TorchDispatchMode):
 
 def count(call, inputs, inside=None):
     """(bytes kept from forward to backward, bytes saved for backward, peak bytes beyond the inputs and
-    their gradients) of ``call(*inputs)`` then backward, inputs on the meta device. inside: operators whose
-    own temporaries count too (see triton_ops)."""
+    their gradients) of ``call(*inputs)`` then backward, inputs on the meta device, as a first call of its shape
+    (its index tensors made, and then held by their cache: dense.per_shape). inside: operators whose own
+    temporaries count too (see triton_ops)."""
+    dense._PER_SHAPE.clear()
     saved = {}
 
     def pack(t):
