@@ -78,7 +78,7 @@ class _NormalizeRows(torch.autograd.Function):
 # Rows per pass of the row helpers below (the Triton path's norms, positives and normalisation backward): their
 # float32 work stays within 2^24 elements (64 MiB), one pass for [32768, 512] features. Each pass is a few
 # operators, each some 30 us of host time on an H200 (issue 59: with 2^22, four passes, a default image-text call
-# at N = 32768 issued 350 operators, now 249; two views 348, now 226: profile_call.py --count); the memory
+# at N = 32768 issued 350 operators, 249 with one pass; two views 348, 237: profile_call.py --count); the memory
 # tests' bounds (tests/losses/test_memory.py, N = 262144) hold.
 _LOW_CHUNK_ELEMENTS = 2**24
 

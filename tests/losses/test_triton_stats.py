@@ -425,11 +425,13 @@ def small_buffers(request, monkeypatch):
     that small shapes take the paths of large ones: d logits in bands of 16 rows and every column, or in
     blocks of 16 x 16 (dA and dB each summed over blocks); forward launches of one row tile, their partials
     combined per launch, and two views' forward over the upper triangle in bands of one row tile (the fused
-    kernel's too: FUSED_TRIANGLE)."""
+    kernel's too: FUSED_TRIANGLE); dA's normalisation two bands of 16 rows at a time at D = 24 (37 rows: a group
+    of two, then the last band alone)."""
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import dlogits, stats_fwd
 
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
+    monkeypatch.setattr(triton_stats, "GROUP_ELEMENTS", 2 * 16 * 24)
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)

@@ -90,6 +90,11 @@ DENSE_BYTES = 2**29
 # Two views' backward over the upper triangle (_triangle_gradients) where its float32 sum of dz, M D 4 bytes,
 # fits this (up to N = 65536 at D = 512; beyond it the full rows of _band_gradients, whose sums are a band's).
 TRIANGLE_BYTES = 2**28
+# The bands' backward (_band_gradients) normalises dA's rows a group of bands at a time, their float32 sums at
+# most this many elements (16 MiB): at N = 32768, D = 512 four passes of a few operators each, not one per
+# band's 2048 rows (16: image-text's call 249 operators, now 189: tools/perf/profile_call.py --count). 2^24 would
+# be one pass there but breaks the 1 GiB at N = 262144 (tests/losses/test_memory.py: 1063 MiB at the peak).
+GROUP_ELEMENTS = 2**22
 # float32 features with TF32 allowed, normalised in the kernels, on the band design: the products' operands
 # are float16 copies of the unit vectors (functional.half_units), the d logits float16, so that the call runs
 # as a float16 one at the 16-bit GEMM rate, twice TF32's, with the gradients float32. TF32 keeps 10 mantissa
@@ -250,7 +255,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     a): d logits dL + dL^T, one product, dA is dz and dB empty. Where the inputs carry inverse norms (a and b
     the features as given) the products give the unit vectors' gradients times the inverse norms, in
     float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
-    a band's rows as the band completes, b's once every band has added to them. given: (the features, their
+    a's rows a group of bands at a time (GROUP_ELEMENTS), b's once every band has added to them. given: (the features, their
     inverse norms) where a and b are float16 copies of their unit vectors (functional.half_units): the
     gradients are then the features' own, in their dtype."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
@@ -258,8 +263,9 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     rows, cols = block_shape(m, k, 4)
     da = torch.empty_like(x_a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(x_b, memory_format=torch.contiguous_format)
-    low = da.dtype != torch.float32  # the products' sums then need float32 buffers: a band's rows of dA, all of dB
-    da_sum = a.new_empty((rows, d), dtype=torch.float32) if low else None
+    low = da.dtype != torch.float32  # the products' sums then need float32 buffers: a group's rows of dA, all of dB
+    group = max(1, GROUP_ELEMENTS // (rows * d)) * rows  # rows of dA normalised in one pass
+    da_sum = a.new_empty((min(group, m), d), dtype=torch.float32) if low else None
     db_sum = torch.empty_like(db, dtype=torch.float32) if low and not symmetric else db
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
     ds = a.new_empty((triton.cdiv(k, cols), splits, rows), dtype=torch.float32)
@@ -270,7 +276,8 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     w_a = None if inv_a is None else projection_weights(inv_a)
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
-        da_band = da[r0:r1] if da_sum is None else da_sum[: r1 - r0]
+        g0 = r0 - r0 % group  # the group's first row
+        da_band = da[r0:r1] if da_sum is None else da_sum[r0 - g0 : r1 - g0]
         for j, c0 in enumerate(range(0, k, cols)):
             c1 = min(c0 + cols, k)
             block = dl[: r1 - r0, : c1 - c0]
@@ -281,8 +288,10 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
         ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
-        _finish(da_band, x_a[r0:r1], None if inv_a is None else inv_a[r0:r1], None if w_a is None else w_a[r0:r1],
-                step, None if da_sum is None else da[r0:r1], given is not None)
+        if r1 - g0 == group or r1 == m:  # the group's last band: its rows' gradients made
+            _finish(da[g0:r1] if da_sum is None else da_sum[: r1 - g0], x_a[g0:r1],
+                    None if inv_a is None else inv_a[g0:r1], None if w_a is None else w_a[g0:r1], step,
+                    None if da_sum is None else da[g0:r1], given is not None)
     if not symmetric:
         _finish(db_sum, x_b, inv_b, None if inv_b is None else projection_weights(inv_b), step,
                 None if db_sum is db else db, given is not None)
