@@ -44,7 +44,10 @@ def reference(a, b, scale, exclude=None, with_mean=False, columns=False, labels=
 SCALE_TOL_FUSED = 5e-6
 
 
-@pytest.fixture(params=["kernel", "cublas", "dense"])
+LOGITS = ["kernel", "cublas", "dense"]
+
+
+@pytest.fixture(params=LOGITS)
 def logits_from(request, monkeypatch):
     """Every place the forward's logits come from (triton_stats.LOGITS): computed by the fused Triton kernel,
     or written per band by cuBLAS in float32 and read by an elementwise kernel (the band design), each with
@@ -558,15 +561,25 @@ PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, F
               ("image-text", 150, 150, 1, False, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
-                         ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
-def test_production_configuration_equals_float64_reference(monkeypatch, as_given, logits_from, setting, m, k, excluded,
-                                                           with_mean, dtype):
+# Each entry on each of the forward's logits (LOGITS), the features as given (normalize=True) on alternate ones:
+# every entry, every route and every dtype meet both normalisations (21 cases; the full cross was 42, the small
+# tiles' tests keep it).
+PRODUCTION_CASES = [(*entry, route, (i + j) % 2 == 0) for i, entry in enumerate(PRODUCTION)
+                    for j, route in enumerate(LOGITS)]
+
+
+@pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype, route, as_given", PRODUCTION_CASES,
+                         ids=[f"{'as_given' if g else 'units'}-{r}-{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}"
+                              for s, m, k, _, w, t, r, g in PRODUCTION_CASES])
+def test_production_configuration_equals_float64_reference(monkeypatch, setting, m, k, excluded, with_mean, dtype,
+                                                           route, as_given):
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import dlogits, launch, stats_fwd
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", route)
 
     assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
     assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64)
