@@ -89,8 +89,8 @@ def _spread_id(value):
 def test_spread_meets_every_value():
     """spread's cases in the band tests: each route with every value of every axis, and each backward design
     (bands or blocks, triangle or full rows) with the logits both recomputed and kept."""
-    for axes in (BUFFERS, BACKWARDS, TWO_VIEW_CASES, [False, True]), (BUFFERS, [torch.float32, torch.bfloat16],
-                                                                        [False, True]):
+    for axes in ((BUFFERS, BACKWARDS, TWO_VIEW_CASES, [False, True]), (BUFFERS, [torch.float32, torch.bfloat16],
+                 [False, True]), (BUFFERS, BACKWARDS, [False, True])):
         cases = spread(*axes)
         for i, axis in enumerate(axes):
             assert {(c[i], c[-1]) for c in cases} == {(v, r) for v in axis for r in LOGITS}
@@ -744,14 +744,20 @@ def _compare_units(a, b, scale, *, same=False, weight=1.0, **options):
         _close(grad, wg, 1e-4 if name == "scale" else 2**-10, f"d {name}")
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
-def test_float16_on_units_in_bands(small_buffers, two_view_backward, setting, logits_from, monkeypatch):
+# Two views' backward designs (triangle, full rows) apply to two views alone: image-text takes each once.
+FLOAT16_IN_BANDS = [("two_views", backward) for backward in BACKWARDS] + [("image_text", None)]
+
+
+@pytest.mark.parametrize("setting, backward", FLOAT16_IN_BANDS, ids=[s + (f"-{b}" if b else "") for s, b in FLOAT16_IN_BANDS])
+def test_float16_on_units_in_bands(small_buffers, setting, backward, logits_from, monkeypatch):
     """float16 features normalised in the kernels take their float16 unit vectors on the band design and the
     dense path (FLOAT16_UNITS), made once in forward and once in backward: two views with CACR's mean and
     asymmetric exclusions, image-text at a logit scale of 100, in bands or blocks, exact for the rounded
     units (_compare_units)."""
     from contrastkit.losses.triton import stats as triton_stats
 
+    if backward:
+        _two_view_backward(monkeypatch, backward)
     made, half = [], triton_stats.half_units
     monkeypatch.setattr(triton_stats, "half_units", lambda x, inv: made.append(tuple(x.shape)) or half(x, inv))
     g = torch.Generator().manual_seed(45)
@@ -796,11 +802,14 @@ def test_float16_features_of_any_norm(monkeypatch, norm, scale, weight):
         assert error < 2e-3, (forward, error)
 
 
-@pytest.mark.parametrize("with_mean", [False, True])
-def test_tf32_two_views_on_float16_units(tf32, small_buffers, two_view_backward, with_mean, logits_from):
+@pytest.mark.parametrize("buffers, backward, with_mean, logits_from", spread(BUFFERS, BACKWARDS, [False, True]))
+def test_tf32_two_views_on_float16_units(tf32, monkeypatch, buffers, backward, with_mean, logits_from):
     """float32 with TF32 allowed on the band design (HALF_UNITS_FOR_TF32): the call runs on float16 copies of
     the unit vectors (forward and backward each make them; the fused forward kernel, cuBLAS's or the dense
-    logits) at the 16-bit GEMM rate, and is as exact as TF32's rounding lets it be."""
+    logits) at the 16-bit GEMM rate, and is as exact as TF32's rounding lets it be. Each case on one forward
+    route (spread)."""
+    _small_buffers(monkeypatch, buffers), _two_view_backward(monkeypatch, backward)
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(40 + with_mean)
     z = _features(g, 40, 24).to(DEVICE)
     exclude = torch.stack([torch.arange(40), torch.randint(0, 40, (40,), generator=g)], dim=1).to(DEVICE)
