@@ -44,17 +44,58 @@ def reference(a, b, scale, exclude=None, with_mean=False, columns=False, labels=
 SCALE_TOL_FUSED = 5e-6
 
 
-@pytest.fixture(params=["kernel", "cublas", "dense"])
+LOGITS = ["kernel", "cublas", "dense"]
+
+
+@pytest.fixture(params=LOGITS)
 def logits_from(request, monkeypatch):
     """Every place the forward's logits come from (triton_stats.LOGITS): computed by the fused Triton kernel,
     or written per band by cuBLAS in float32 and read by an elementwise kernel (the band design), each with
     backward's logits recomputed per block by cuBLAS (two views then take one product of dL + dL^T), or
     written whole once in forward and read back in backward (dense). Tests without it run the defaults
     ("auto": dense at these sizes)."""
+    return _logits_from(monkeypatch, request.param)
+
+
+def _logits_from(monkeypatch, route):
     from contrastkit.losses.triton import stats as triton_stats
 
-    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", request.param)
-    return request.param
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", route)
+    return route
+
+
+def spread(*axes):
+    """The full cross of ``axes`` (lists of values), each case with one of the forward's routes (LOGITS) in turn,
+    for the band design's tests: the route decides the forward alone (the fused kernel, or cuBLAS's products in
+    bands, or the whole matrix kept), and backward only whether a block's logits are recomputed by cuBLAS
+    ("kernel", "cublas": the same backward) or read from the kept matrix ("dense"). Taken in turn, each route
+    meets every value of every axis (checked in test_spread_meets_every_value) and every backward design, without
+    the full cross (three times as many cases)."""
+    import itertools
+
+    return [(*case, LOGITS[i % len(LOGITS)]) for i, case in enumerate(itertools.product(*axes))]
+
+
+def _spread_id(value):
+    """Test ids of spread's cases: the features as given or unit vectors, a two-view case by its dtype and options."""
+    if isinstance(value, bool):
+        return "as_given" if value else "units"
+    if isinstance(value, tuple):
+        dtype, with_mean, labelled = value
+        return str(dtype)[6:] + ("-mean" if with_mean else "") + ("-labels" if labelled else "")
+    return str(value)[6:] if isinstance(value, torch.dtype) else None
+
+
+def test_spread_meets_every_value():
+    """spread's cases in the band tests: each route with every value of every axis, and each backward design
+    (bands or blocks, triangle or full rows) with the logits both recomputed and kept."""
+    for axes in ((BUFFERS, BACKWARDS, TWO_VIEW_CASES, [False, True]), (BUFFERS, [torch.float32, torch.bfloat16],
+                 [False, True]), (BUFFERS, BACKWARDS, [False, True])):
+        cases = spread(*axes)
+        for i, axis in enumerate(axes):
+            assert {(c[i], c[-1]) for c in cases} == {(v, r) for v in axis for r in LOGITS}
+    designs = {(c[0], c[1], c[-1] == "dense") for c in spread(BUFFERS, BACKWARDS, TWO_VIEW_CASES, [False, True])}
+    assert designs == {(b, w, kept) for b in BUFFERS for w in BACKWARDS for kept in (False, True)}
 
 
 @pytest.fixture(params=[False, True], ids=["units", "as_given"])
@@ -419,7 +460,11 @@ def test_compiles_into_one_graph():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.fixture(params=["bands", "blocks"])
+BUFFERS = ["bands", "blocks"]
+BACKWARDS = ["triangle", "full rows"]
+
+
+@pytest.fixture(params=BUFFERS)
 def small_buffers(request, monkeypatch):
     """The buffers' bounds (256 MiB of d logits, 128 MiB of column partials in production) made tiny, so
     that small shapes take the paths of large ones: d logits in bands of 16 rows and every column, or in
@@ -427,6 +472,10 @@ def small_buffers(request, monkeypatch):
     combined per launch, and two views' forward over the upper triangle in bands of one row tile (the fused
     kernel's too: FUSED_TRIANGLE); dA's normalisation two bands of 16 rows at a time at D = 24 (37 rows: a group
     of two, then the last band alone)."""
+    return _small_buffers(monkeypatch, request.param)
+
+
+def _small_buffers(monkeypatch, kind):
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import dlogits, stats_fwd
 
@@ -435,18 +484,21 @@ def small_buffers(request, monkeypatch):
 
     monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
-    monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if request.param == "bands" else 10**9)
+    monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if kind == "bands" else 10**9)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 16)
-    return request.param
+    return kind
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_image_text_in_bands(small_buffers, dtype, as_given, logits_from):
+@pytest.mark.parametrize("buffers, dtype, as_given, logits_from",
+                         spread(BUFFERS, [torch.float32, torch.bfloat16], [False, True]), ids=_spread_id)
+def test_image_text_in_bands(monkeypatch, buffers, dtype, as_given, logits_from):
     """Image-text in 3 bands (16 + 16 + 5 rows) or 3 x 3 blocks, 3 forward launches: the columns' lse from
     the rows' pass, dA and dB summed over the blocks (in float32 where the inputs are bfloat16). The scale's
     gradient, a float32 sum of M K terms that cancel, within 1e-5 (8e-6 measured, 5e-6 in one band); 3e-5
-    after the fused forward (1.5e-5 measured: SCALE_TOL_FUSED's reason)."""
+    after the fused forward (1.5e-5 measured: SCALE_TOL_FUSED's reason). Each case on one forward route
+    (spread)."""
+    _small_buffers(monkeypatch, buffers), _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(14)
     a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 37, 24, dtype).to(DEVICE)
     grad_tol = 2e-6 if dtype == torch.float32 else 1e-2
@@ -470,23 +522,35 @@ def test_one_tensor_as_image_and_text(small_buffers, as_given, logits_from):
              columns=True, normalize=as_given)
 
 
-@pytest.fixture(params=["triangle", "full rows"])
+@pytest.fixture(params=BACKWARDS)
 def two_view_backward(request, monkeypatch):
     """Two views' backward in the band design: over the upper triangle (the default where dz's float32 sum
     fits TRIANGLE_BYTES) or over full rows (beyond it)."""
+    return _two_view_backward(monkeypatch, request.param)
+
+
+def _two_view_backward(monkeypatch, kind):
     from contrastkit.losses.triton import stats as triton_stats
 
-    monkeypatch.setattr(triton_stats, "TRIANGLE_BYTES", 2**62 if request.param == "triangle" else 0)
-    return request.param
+    monkeypatch.setattr(triton_stats, "TRIANGLE_BYTES", 2**62 if kind == "triangle" else 0)
+    return kind
 
 
-@pytest.mark.parametrize("dtype, with_mean, labelled", [(torch.float32, False, False), (torch.float32, True, False),
-                                                        (torch.bfloat16, False, False), (torch.float32, False, True)])
-def test_two_views_in_bands(small_buffers, two_view_backward, dtype, with_mean, labelled, as_given, logits_from):
+TWO_VIEW_CASES = [(torch.float32, False, False), (torch.float32, True, False), (torch.bfloat16, False, False),
+                  (torch.float32, False, True)]  # dtype, with_mean, labelled
+
+
+@pytest.mark.parametrize("buffers, backward, case, as_given, logits_from",
+                         spread(BUFFERS, BACKWARDS, TWO_VIEW_CASES, [False, True]), ids=_spread_id)
+def test_two_views_in_bands(monkeypatch, buffers, backward, case, as_given, logits_from):
     """Two views in 3 bands (16 + 16 + 8 rows) or blocks of 16 x 16, over the upper triangle (each band's
     blocks from its first row on; the rows past the band from the transposed product; the unvisited lower
     triangle's d scale terms) or over full rows. Exclusions not symmetric (each row itself and one random
-    column: the transposed term reads row k's own), CACR's mean, bf16, labels."""
+    column: the transposed term reads row k's own), CACR's mean, bf16, labels. Each case on one forward route
+    (spread)."""
+    _small_buffers(monkeypatch, buffers), _two_view_backward(monkeypatch, backward)
+    _logits_from(monkeypatch, logits_from)
+    dtype, with_mean, labelled = case
     g = torch.Generator().manual_seed(17 + with_mean + 2 * labelled)
     z = _features(g, 40, 24, dtype).to(DEVICE)
     own = torch.arange(40)
@@ -560,15 +624,25 @@ PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, F
               ("image-text", 150, 150, 1, False, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype", PRODUCTION,
-                         ids=[f"{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}" for s, m, k, _, w, t in PRODUCTION])
-def test_production_configuration_equals_float64_reference(monkeypatch, as_given, logits_from, setting, m, k, excluded,
-                                                           with_mean, dtype):
+# Each entry on each of the forward's logits (LOGITS), the features as given (normalize=True) on alternate ones:
+# every entry, every route and every dtype meet both normalisations (21 cases; the full cross was 42, the small
+# tiles' tests keep it).
+PRODUCTION_CASES = [(*entry, route, (i + j) % 2 == 0) for i, entry in enumerate(PRODUCTION)
+                    for j, route in enumerate(LOGITS)]
+
+
+@pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype, route, as_given", PRODUCTION_CASES,
+                         ids=[f"{'as_given' if g else 'units'}-{r}-{s}-{m}x{k}-{str(t)[6:]}{'-mean' if w else ''}"
+                              for s, m, k, _, w, t, r, g in PRODUCTION_CASES])
+def test_production_configuration_equals_float64_reference(monkeypatch, setting, m, k, excluded, with_mean, dtype,
+                                                           route, as_given):
     """Every kernel at the production tiles and D = 512 against the float64 reference: rows (query/queue)
     with and without exclusions, two views (one tensor: the symmetric backward), image-text (columns). The
     scale's gradient, a float32 sum over M K entries that cancel (CACR's mean), within 1e-5."""
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import dlogits, launch, stats_fwd
+
+    monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", route)
 
     assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
     assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64)
@@ -672,14 +746,20 @@ def _compare_units(a, b, scale, *, same=False, weight=1.0, **options):
         _close(grad, wg, 1e-4 if name == "scale" else 2**-10, f"d {name}")
 
 
-@pytest.mark.parametrize("setting", ["two_views", "image_text"])
-def test_float16_on_units_in_bands(small_buffers, two_view_backward, setting, logits_from, monkeypatch):
+# Two views' backward designs (triangle, full rows) apply to two views alone: image-text takes each once.
+FLOAT16_IN_BANDS = [("two_views", backward) for backward in BACKWARDS] + [("image_text", None)]
+
+
+@pytest.mark.parametrize("setting, backward", FLOAT16_IN_BANDS, ids=[s + (f"-{b}" if b else "") for s, b in FLOAT16_IN_BANDS])
+def test_float16_on_units_in_bands(small_buffers, setting, backward, logits_from, monkeypatch):
     """float16 features normalised in the kernels take their float16 unit vectors on the band design and the
     dense path (FLOAT16_UNITS), made once in forward and once in backward: two views with CACR's mean and
     asymmetric exclusions, image-text at a logit scale of 100, in bands or blocks, exact for the rounded
     units (_compare_units)."""
     from contrastkit.losses.triton import stats as triton_stats
 
+    if backward:
+        _two_view_backward(monkeypatch, backward)
     made, half = [], triton_stats.half_units
     monkeypatch.setattr(triton_stats, "half_units", lambda x, inv: made.append(tuple(x.shape)) or half(x, inv))
     g = torch.Generator().manual_seed(45)
@@ -724,11 +804,14 @@ def test_float16_features_of_any_norm(monkeypatch, norm, scale, weight):
         assert error < 2e-3, (forward, error)
 
 
-@pytest.mark.parametrize("with_mean", [False, True])
-def test_tf32_two_views_on_float16_units(tf32, small_buffers, two_view_backward, with_mean, logits_from):
+@pytest.mark.parametrize("buffers, backward, with_mean, logits_from", spread(BUFFERS, BACKWARDS, [False, True]))
+def test_tf32_two_views_on_float16_units(tf32, monkeypatch, buffers, backward, with_mean, logits_from):
     """float32 with TF32 allowed on the band design (HALF_UNITS_FOR_TF32): the call runs on float16 copies of
     the unit vectors (forward and backward each make them; the fused forward kernel, cuBLAS's or the dense
-    logits) at the 16-bit GEMM rate, and is as exact as TF32's rounding lets it be."""
+    logits) at the 16-bit GEMM rate, and is as exact as TF32's rounding lets it be. Each case on one forward
+    route (spread)."""
+    _small_buffers(monkeypatch, buffers), _two_view_backward(monkeypatch, backward)
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(40 + with_mean)
     z = _features(g, 40, 24).to(DEVICE)
     exclude = torch.stack([torch.arange(40), torch.randint(0, 40, (40,), generator=g)], dim=1).to(DEVICE)
