@@ -156,8 +156,9 @@ def test_bad_setups_fail_before_training(tmp_path):
 # Measured (the default recipe, SimCLR + InfoNCE, on 2000 embedded images, width 16, 150 steps; seeds 0-2; 36 s
 # each here): linear probe 0.438, 0.412, 0.386 against 0.342, 0.316, 0.270 at random init (gains 0.096, 0.096,
 # 0.116; 500 test images, a standard error of ~0.022); kNN gains only 0.006, 0.068, 0.072 at this length, so kNN
-# is not asserted here (the supervised test below asserts it; the full default's kNN against random init and raw
-# pixels, seeds 0-2, is in docs/evidence.md, section 3). The margin is about half the smallest gain.
+# is not asserted here (nor in the supervised test below, where it is as unsteady; the full default's kNN against
+# random init and raw pixels, seeds 0-2, is in docs/evidence.md, section 3). The margin is about half the smallest
+# gain. Re-measured on this tree (seeds 0-2): probe gains 0.096, 0.096, 0.116 and kNN 0.006, 0.068, 0.072, as above.
 LEARN = dict(train_images=2000, test_images=500, width=16, batch_size=64, steps=150, margin=0.05)
 
 
@@ -186,18 +187,30 @@ def test_every_method_trains_with_labels(tmp_path, method, loss, same_label):
 
 
 # Measured (this config, supervised contrastive: InfoNCE with same_label="positive", SupCon's L_out, at
-# temperature 0.5; 12 s here): seed 0 kNN 33.5 % vs 19.25 % at random init, probe 40.5 % vs 21.5 %; seeds
-# 1-3 kNN +5.5, +5.5, +7.5 points and probe +16, +8, +16 over their random init (the same budget without labels,
-# DCL: kNN +3, -3, +2.5); this config without --labels (SimCLR): kNN 24.0 %, under the kNN margin, so the test
-# fails where the labels are dropped. Margins: half of seed 0's gaps. At temperature 0.1 the projection collapsed towards
-# the all-equal loss log(2N - 1) in this budget (the backbone still beat its init by 2-6 kNN points).
-SUPERVISED = dict(train_images=1000, test_images=400, batch_size=64, width=8, proj_hidden=128, proj_dim=64,
+# temperature 0.5, 100 steps; ~25 CPU-s of training and ~3 of evaluation here), the gain over the same backbone at
+# initialisation on 1000 test images, seeds 0-7 (the test runs seed 0):
+#   probe  +17.0 +16.9  +5.8 +13.3 +11.7  +9.9 +11.1  +9.7 points (worst +5.8, seed 2)
+#   kNN    +10.7  +5.3  +0.7  +7.4  +6.8  +4.9  +3.8  +5.0 points (worst +0.7, seed 2)
+# A run that does not learn (lr 1e-9: only batch norm's running statistics move) scores probe -1.8, -5.8 and kNN
+# +1.1, -2.3 (seeds 0, 2): the floor, and the noise of a paired difference on 1000 test images (~2 points).
+# Probe margin 0.03: half the worst seed's gain, 4.8 points over the highest no-learning score. kNN is printed,
+# not asserted: its gain is within that noise at seed 2 (+0.7), so no margin above noise holds at every seed (the
+# earlier kNN margin 0.07 failed at 6 of these 8 seeds and the probe's 0.09 at seed 2: they held by seed 0's luck).
+# Nothing tried at about this cost made kNN steady (kNN gain at the worst seeds): lighter augmentation (crop 0.6,
+# no blur; seed 1 +0.7), with 160 steps (seed 1 +2.7), lr 2e-2 / 4e-2 (seed 2 +1.4, -0.8), SGD at lr 0.1 (seeds 1,
+# 2: +3.0, +2.8), batch 32 x 200 steps (seed 2 -4.4), temperature 0.2 / 1.0 (seed 1 -0.8, +3.3). In the runs
+# inspected the projection collapses within the warm-up (positive and negative cosines both ~0.9, the loss stays
+# near the all-equal log(2N - 1) = 4.84), and the labels barely matter here (without --labels, seed 0: probe
+# +19.5, kNN +6.3; seed 2: +1.3, +0.3): this test shows that a --labels run trains its backbone, not that the
+# labels help.
+SUPERVISED = dict(train_images=1000, test_images=1000, batch_size=64, width=8, proj_hidden=128, proj_dim=64,
                   steps=100, knn_k=50, lr=1e-2, temperature=0.5, labels=True, same_label="positive",
-                  margins={"knn_top1": 0.07, "probe_top1": 0.09})
+                  margins={"probe_top1": 0.03})
 
 
 def test_supervised_contrastive_with_labels_learns(tmp_path):
-    """--labels (SupCon) on the embedded shapes: frozen features beat the same backbone at initialisation."""
+    """--labels (SupCon) on the embedded shapes: frozen features beat the same backbone at initialisation in the
+    linear probe by SUPERVISED's margin (kNN printed only: see the measurements above SUPERVISED)."""
     from contrastkit.vision.baselines import frozen_scores, initial_backbone
     from contrastkit.vision.train import load_backbone
 
