@@ -188,7 +188,7 @@ class ContrastkitClipLoss(nn.Module):
         from open_clip.loss import gather_features
 
         from contrastkit.losses.base import check_features, check_labels, check_logit_scale, label_ids
-        from contrastkit.losses.chunked import host_checks_allowed
+        from contrastkit.losses.plan import host_checks_allowed
         from contrastkit.losses.functional import normalize_rows
 
         # values where host reads are free only: on CUDA a non-finite feature shows as a non-finite loss

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
-from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
+from contrastkit.losses.chunked import EXCLUDED, negative_stats, no_autocast
 from contrastkit.losses.dense import dense_loss, layout, per_shape
 from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Partial, Terms, _over_positives,
                                            normalize_rows, row_cosines, softmax_mean)
-from contrastkit.losses.plan import Plan, make_plan
+from contrastkit.losses.plan import Plan, host_checks_allowed, make_plan
 
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]

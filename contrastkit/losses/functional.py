@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from contrastkit.losses.chunked import NORM_EPS, drop_along, host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import NORM_EPS, drop_along, no_autocast
+from contrastkit.losses.plan import host_checks_allowed
 
 __all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights", "normalize_rows"]
 

@@ -6,7 +6,7 @@ import torch
 
 from contrastkit.distributed import all_reduce_sum
 from contrastkit.losses.base import Objective, Reduction, check_features
-from contrastkit.losses.chunked import host_checks_allowed
+from contrastkit.losses.plan import host_checks_allowed
 from contrastkit.losses.functional import Terms, _check_temperature, _compute_dtype, unigrad_terms
 
 
