@@ -73,10 +73,9 @@ def device_path():
     """contrastkit's calls take the path of CUDA on the CPU: "auto" decides as on CUDA, and no value is read on
     the host (as tests/conftest.py's device_path fixture)."""
     import contrastkit.losses.plan as plan
-    import contrastkit.losses.chunked as chunked
 
     saved = plan.choose_backend, {}
-    original, checks = plan.choose_backend, chunked.host_checks_allowed
+    original, checks = plan.choose_backend, plan.host_checks_allowed
     plan.choose_backend = lambda requested, chunk, device="cpu", *args: original(requested, chunk, "cuda", *args)
     for name, module in list(sys.modules.items()):
         if name.startswith("contrastkit") and getattr(module, "host_checks_allowed", None) is checks:

@@ -47,10 +47,10 @@ def device_path(monkeypatch):
     """CPU calls take the path of CUDA (and torch.compile): host_checks_allowed is False wherever a contrastkit
     module asks it, so no value is read on the host and the CPU's fast paths are off. The lazily imported
     Triton module is imported first: imported under the patch, it would keep the patched function for good."""
-    import contrastkit.losses.chunked as chunked
+    import contrastkit.losses.plan as plan
     import contrastkit.losses.triton.stats  # noqa: F401
 
-    original = chunked.host_checks_allowed
+    original = plan.host_checks_allowed
     for name, module in list(sys.modules.items()):
         if name.startswith("contrastkit") and getattr(module, "host_checks_allowed", None) is original:
             monkeypatch.setattr(module, "host_checks_allowed", lambda x: False)

@@ -188,8 +188,8 @@ class ContrastkitClipLoss(nn.Module):
         from open_clip.loss import gather_features
 
         from contrastkit.losses.base import check_features, check_labels, check_logit_scale, label_ids
-        from contrastkit.losses.chunked import host_checks_allowed
-        from contrastkit.losses.functional import Terms, normalize_rows
+        from contrastkit.losses.plan import host_checks_allowed
+        from contrastkit.losses.functional import normalize_rows
 
         # values where host reads are free only: on CUDA a non-finite feature shows as a non-finite loss
         check_features(self.name, {"image": image, "text": text}, values=host_checks_allowed(image))
@@ -216,7 +216,7 @@ class ContrastkitClipLoss(nn.Module):
                 pos = (anchor * others[cols]).sum(-1, keepdim=True)
                 terms.append(self.loss.negative_terms(pos, anchor, others, cols[:, None], total - 1, scale, 2 * n,
                                                       labels=ids))
-            return Terms(*(torch.cat(pair) for pair in zip(*terms))).loss.mean()
+            return torch.cat([t.loss for t in terms]).mean()
 
 
 def build_siglip_loss(*, rank: int = 0, world_size: int = 1, dist_impl: str | None = None, **unknown):

@@ -105,9 +105,10 @@ from torch import nn
 from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
 from contrastkit.losses.base import check_features, check_labels, require_negatives
-from contrastkit.losses.chunked import host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import no_autocast
 from contrastkit.losses.functional import (_compute_dtype, cacr_positive_stat_terms, cacr_stat_terms, eqco_negatives,
                                            normalize_rows, softmax_terms)
+from contrastkit.losses.plan import host_checks_allowed
 
 logger = logging.getLogger(__name__)
 

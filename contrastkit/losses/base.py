@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
-from contrastkit.losses.chunked import EXCLUDED, host_checks_allowed, negative_stats, no_autocast
+from contrastkit.losses.chunked import EXCLUDED, negative_stats, no_autocast
 from contrastkit.losses.dense import dense_loss, layout, per_shape
 from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Partial, Terms, _over_positives,
                                            normalize_rows, row_cosines, softmax_mean)
-from contrastkit.losses.plan import Plan, make_plan
+from contrastkit.losses.plan import Plan, host_checks_allowed, make_plan
 
 # How the negatives' statistics are computed: "auto" (the one measured faster, see choose_backend), or one forced.
 Backend = Literal["auto", "triton", "torch", "dense"]
@@ -272,9 +272,10 @@ class Objective(nn.Module):
         loss = self._apply_reduction(terms.loss)
         if not output_dict:
             return loss
-        return {"loss": loss, **{k: self._apply_reduction(v) for k, v in self._diagnostics(terms).items()}}
+        diagnostics = self._diagnostics(terms)
+        return {"loss": loss, **{k: self._apply_reduction(v) for k, v in diagnostics.items() if v is not None}}
 
-    def _diagnostics(self, terms: Terms) -> dict[str, torch.Tensor]:
+    def _diagnostics(self, terms: Terms) -> dict[str, torch.Tensor | None]:
         return {"pos_term": terms.pos_term, "neg_term": terms.neg_term, "npc_multiplier": terms.npc}
 
 
@@ -427,16 +428,19 @@ class ContrastiveLoss(Objective):
         return p if weight is None else weight * p, weight
 
     def stat_terms(self, pos: torch.Tensor, neg_lse: torch.Tensor, neg_mean: torch.Tensor | None, num_neg: int,
-                   scale) -> Terms:
+                   scale, diagnostics: bool = True) -> Terms:
         """Per-anchor terms from positive cosines [M, P] and the negatives' statistics: neg_lse [M], the
         logsumexp of their logits (cosines times ``scale``), and, where ``needs_mean``, neg_mean [M], their
         softmax-weighted mean cosine; num_neg is the number of valid negatives per anchor. The loss from the
-        formula (through autograd), the diagnostics: the positive's term -p (weighted), the negatives' the rest,
-        and InfoNCE's q_B = sigmoid(l - p) (DCL paper, Prop. 1)."""
+        formula (through autograd), and with ``diagnostics`` (a call's output_dict: else None, no operator spent
+        on them) the positive's term -p (weighted), the negatives' the rest, and InfoNCE's q_B = sigmoid(l - p)
+        (DCL paper, Prop. 1)."""
         p, l, m = self._at_logits(pos, neg_lse, neg_mean, scale)
         weighted, _ = self._weighted(p, pos)
         args = (weighted, l, self._counts_for(num_neg, l)) + (() if m is None else (m,))
         loss = _over_positives(self.formula(*args))
+        if not diagnostics:
+            return Terms(loss, None, None, None)
         pos_term = -_over_positives(weighted).detach()
         npc = _over_positives(torch.sigmoid(l - p)).detach()
         return Terms(loss, pos_term, loss.detach() - pos_term, npc)
@@ -709,8 +713,9 @@ class ContrastiveLoss(Objective):
                 return self._dense_output(out, scale, problems[0].num_neg, output_dict, inputs)
             cosines = [self._cosines(x, y, plan) for x, y in setting.pairs]
             flat = cosines[0] if len(cosines) == 1 else torch.cat(cosines)
-            parts = [self._terms(problem, flat[problem.positives], plan, scale) for problem in problems]
-            terms = parts[0] if len(parts) == 1 else Terms(*(torch.cat(pair) for pair in zip(*parts)))
+            parts = [self._terms(problem, flat[problem.positives], plan, scale, output_dict) for problem in problems]
+            terms = parts[0] if len(parts) == 1 else Terms._make(None if pair[0] is None else torch.cat(pair)
+                                                                 for pair in zip(*parts))
         return self._reduce(terms, output_dict, inputs)
 
     def _fused(self, problem: Problem, setting: Setting, scale, plan: Plan):
@@ -726,9 +731,9 @@ class ContrastiveLoss(Objective):
                           num_neg=problem.num_neg, with_mean=self.needs_mean, normalize=self.normalize,
                           dtype=plan.compute)
 
-    def _terms(self, problem: Problem, pos: torch.Tensor, plan: Plan, scale) -> Terms:
+    def _terms(self, problem: Problem, pos: torch.Tensor, plan: Plan, scale, diagnostics: bool) -> Terms:
         """Per-anchor terms of one block from its positives' cosines ``pos`` [M, P] (a square one's rows, then its
-        columns: [2 M, 1]). The torch kernel takes the features as given and normalises them per block (nothing
+        columns: [2 M, 1]); their diagnostics where asked. The torch kernel takes the features as given and normalises them per block (nothing
         of their size kept for backward, chunked.py), the Triton kernels too through their inverse norms
         (_units); the dense path takes unit vectors."""
         raw = plan.path == "torch"
@@ -742,7 +747,8 @@ class ContrastiveLoss(Objective):
         candidates = anchors if candidates is None else candidates  # the same tensor: one gradient for both
         if not problem.columns:
             return self.negative_terms(pos, anchors, candidates, problem.own, problem.num_neg, scale, problem.mean_over,
-                                       plan=plan, labels=problem.labels, itself=problem.itself, raw=raw)
+                                       plan=plan, labels=problem.labels, itself=problem.itself, raw=raw,
+                                       diagnostics=diagnostics)
         # A square block: one product (dense) or one pass of a kernel gives the rows' and the columns' statistics,
         # and one call of the terms takes both (the fewest operators, which is what counts at host-bound sizes).
         if plan.path == "dense":
@@ -751,7 +757,7 @@ class ContrastiveLoss(Objective):
         else:  # [2 S, n] (the rows' statistics, then the columns') to [S, 2 n]
             stats = self._negative_stats(plan, anchors, candidates, scale, problem.own, columns=True, raw=raw)
             stats = stats.reshape(2, -1, anchors.shape[0]).transpose(0, 1).reshape(-1, 2 * anchors.shape[0])
-        return self._stat_terms(pos, stats, problem.num_neg, scale)
+        return self._stat_terms(pos, stats, problem.num_neg, scale, diagnostics)
 
     def _cosines(self, x: torch.Tensor, y: torch.Tensor, plan: Plan) -> torch.Tensor:
         """cos(x_i, y_i) [n] of a positive pair's rows on the plan's path: the Triton path's of the rows its
@@ -854,7 +860,7 @@ class ContrastiveLoss(Objective):
         return logits
 
     def negative_terms(self, pos, anchors, candidates, exclude, num_neg, scale=None, mean_over=None,
-                       plan=None, labels=None, itself=None, raw=False) -> Terms:
+                       plan=None, labels=None, itself=None, raw=False, diagnostics=True) -> Terms:
         """Per-anchor terms of anchors [M, D] against candidates [K, D] from the positives' cosines ``pos``
         [M, P], each anchor's excluded columns (exclude [M, E], or None) left out: dense (one product, masked in
         place) or blockwise (exact, the matrix never held whole). mean_over: how many anchors the loss averages
@@ -863,7 +869,8 @@ class ContrastiveLoss(Objective):
         ``normalize``. ``labels``: (row_ids, col_ids) of label_ids; the candidates that
         share an anchor's label leave its negatives, num_neg then counted per anchor, and with
         same_label="positive" join its positives (see _label_positive_terms; ``itself`` [M, 1]: each anchor's
-        own column among the candidates, where it is one). plan: the one the setting made for the whole call
+        own column among the candidates, where it is one). diagnostics: False leaves them out (None) where the
+        objective's terms can (not the labels' SupCon form). plan: the one the setting made for the whole call
         (its units are made for it); a caller outside the settings (the adapters) gets one for these rows."""
         scale = self.default_logit_scale() if scale is None else scale
         if plan is None:
@@ -876,7 +883,7 @@ class ContrastiveLoss(Objective):
                                                   scale, labels, itself, raw)
         if plan.path == "dense":
             return self._stat_terms(pos, self._stats(plan, anchors, candidates, scale, exclude, labels=labels),
-                                    num_neg, scale)
+                                    num_neg, scale, diagnostics)
         row_grad = None
         if plan.path == "torch" and (self._has_formula or type(self).stat_grad is not ContrastiveLoss.stat_grad):
             count = anchors.shape[0] if mean_over is None else mean_over
@@ -888,7 +895,7 @@ class ContrastiveLoss(Objective):
 
         stats = self._negative_stats(plan, anchors, candidates, scale, exclude, row_grad=row_grad, raw=raw,
                                      labels=labels)
-        return self._stat_terms(pos, stats, num_neg, scale)
+        return self._stat_terms(pos, stats, num_neg, scale, diagnostics)
 
     def _negatives_left(self, labels, exclude, num_neg):
         """(negatives left per anchor [M], same-label candidates per anchor [M] beyond its own sample's
@@ -951,8 +958,8 @@ class ContrastiveLoss(Objective):
         lse = torch.logsumexp(logits, dim=1)
         return torch.stack([lse, softmax_mean(logits, scale)]) if self.needs_mean else lse[None]
 
-    def _stat_terms(self, pos, stats, num_neg, scale) -> Terms:
-        return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale)
+    def _stat_terms(self, pos, stats, num_neg, scale, diagnostics=True) -> Terms:
+        return self.stat_terms(pos, stats[0], stats[1] if self.needs_mean else None, num_neg, scale, diagnostics)
 
     def _reduce(self, terms: Terms, output_dict: bool, inputs: dict[str, torch.Tensor]):
         """The reduced loss (and with ``output_dict`` its diagnostics). Non-finite features always make a

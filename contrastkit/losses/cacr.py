@@ -48,8 +48,8 @@ class CACRLoss(ContrastiveLoss):
     def default_logit_scale(self) -> float:
         return 2.0 * self.t_neg  # softmax(-t_neg (2 - 2 s)) = softmax(2 t_neg s)
 
-    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale) -> Terms:
-        return cacr_stat_terms(pos, neg_mean, t_pos=self.t_pos)
+    def stat_terms(self, pos, neg_lse, neg_mean, num_neg, scale, diagnostics=True) -> Terms:
+        return cacr_stat_terms(pos, neg_mean, t_pos=self.t_pos)  # its diagnostics: its loss's two parts
 
     def stat_grad(self, pos, neg_lse, neg_mean, num_neg, scale):
         return torch.stack([torch.zeros_like(neg_mean), torch.full_like(neg_mean, 2.0)])  # repulsion 2 mean - 2

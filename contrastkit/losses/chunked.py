@@ -51,6 +51,7 @@ from typing import NamedTuple
 import torch
 
 from contrastkit.losses import precision
+from contrastkit.losses.plan import host_checks_allowed
 
 # Excluded pairs get a finite, hugely negative logit: exp() of it is exactly 0, and unlike -inf it never
 # makes 0 * inf = NaN in the mean or its gradient. -2^100, not near float32's limit: the mean's gradient
@@ -148,12 +149,6 @@ def no_autocast(device_type: str):
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
-
-
-def host_checks_allowed(x: torch.Tensor) -> bool:
-    """Whether a call may read values of x's device on the host: in eager CPU calls only. There it costs
-    nothing; on a GPU each read stalls the pipeline, and under torch.compile it breaks the graph."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _with_shift(x, shift):

@@ -24,18 +24,20 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from contrastkit.losses.chunked import NORM_EPS, drop_along, host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import NORM_EPS, drop_along, no_autocast
+from contrastkit.losses.plan import host_checks_allowed
 
 __all__ = ["infonce", "dcl", "dclw", "eqco", "cacr", "unigrad", "npc_multiplier", "dclw_weights", "normalize_rows"]
 
 
 class Terms(NamedTuple):
-    """Per-anchor loss and its diagnostics ([M] each; diagnostics detached)."""
+    """Per-anchor loss and its diagnostics ([M] each; diagnostics detached, None where a call did not ask for
+    them: output_dict=False)."""
 
     loss: torch.Tensor
-    pos_term: torch.Tensor
-    neg_term: torch.Tensor
-    npc: torch.Tensor  # q_B = 1 - softmax probability of the positive (DCL paper, Prop. 1)
+    pos_term: torch.Tensor | None
+    neg_term: torch.Tensor | None
+    npc: torch.Tensor | None  # q_B = 1 - softmax probability of the positive (DCL paper, Prop. 1)
 
 
 Partial = torch.Tensor | float | None  # a derivative per anchor [M], one for all anchors, or zero (None)
@@ -513,7 +515,9 @@ def eqco(pos, neg, *, temperature: float = 0.1, alpha: float = 256.0, neg_mask=N
 
 def npc_multiplier(pos, neg, *, temperature: float = 0.1, neg_mask=None) -> torch.Tensor:
     """q_B per anchor: 1 - the softmax probability InfoNCE gives the positive (DCL paper, Prop. 1)."""
-    return _softmax_kernel("npc_multiplier", pos, neg, neg_mask, temperature, keep_positive=True).npc
+    npc = _softmax_kernel("npc_multiplier", pos, neg, neg_mask, temperature, keep_positive=True).npc
+    assert npc is not None  # the functional kernels make every diagnostic
+    return npc
 
 
 def cacr(pos, neg, *, t_pos: float = 1.0, t_neg: float = 2.0, neg_mask=None) -> torch.Tensor:

@@ -17,7 +17,6 @@ from typing import NamedTuple
 import torch
 
 from contrastkit.losses import precision
-from contrastkit.losses.chunked import host_checks_allowed
 
 # Automatic choice (chunk_size=None) on CPU: blocks of about BLOCK_ELEMENTS logits (16 MiB in float32: in
 # the last-level cache); up to KEEP_MAX_ELEMENTS entries (256 MiB) of the first blocks are kept for
@@ -150,6 +149,12 @@ def device_type(device: torch.device) -> str:
     """The kind of device a plan is made for (tools/perf and benchmarks/fixed_cost.py replace it to count, on a
     CPU, the operators a CUDA call issues)."""
     return device.type
+
+
+def host_checks_allowed(x: torch.Tensor) -> bool:
+    """Whether a call may read values of x's device on the host: in eager CPU calls only. There it costs
+    nothing; on a GPU each read stalls the pipeline, and under torch.compile it breaks the graph."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 _PLANS: dict[tuple, Plan] = {}

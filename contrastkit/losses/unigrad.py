@@ -6,7 +6,7 @@ import torch
 
 from contrastkit.distributed import all_reduce_sum
 from contrastkit.losses.base import Objective, Reduction, check_features
-from contrastkit.losses.chunked import host_checks_allowed
+from contrastkit.losses.plan import host_checks_allowed
 from contrastkit.losses.functional import Terms, _check_temperature, _compute_dtype, unigrad_terms
 
 
@@ -69,7 +69,7 @@ class UniGradLoss(Objective):
             terms = unigrad_terms(torch.cat([u1, u2]), torch.cat([t2, t1]), self.correlation.to(dtype), self.lam)
         return self._output(terms, output_dict)
 
-    def _diagnostics(self, terms: Terms) -> dict[str, torch.Tensor]:
+    def _diagnostics(self, terms: Terms) -> dict[str, torch.Tensor | None]:
         return {"pos_term": terms.pos_term, "neg_term": terms.neg_term}
 
     @torch.no_grad()

@@ -55,8 +55,9 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 
 from contrastkit.losses import precision
-from contrastkit.losses.chunked import _low, _mm_f32, _operand, host_checks_allowed, no_autocast
+from contrastkit.losses.chunked import _low, _mm_f32, _operand, no_autocast
 from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward, projection_weights
+from contrastkit.losses.plan import host_checks_allowed
 from contrastkit.losses.triton import launch
 from contrastkit.losses.triton.dlogits import block_shape, write_dlogits
 from contrastkit.losses.triton.stats_fwd import forward_stats
