@@ -106,8 +106,7 @@ from contrastkit.distributed import gather_no_grad, gather_with_grad
 from contrastkit.losses import build_loss
 from contrastkit.losses.base import check_features, check_labels, require_negatives
 from contrastkit.losses.chunked import no_autocast
-from contrastkit.losses.functional import (_compute_dtype, cacr_positive_stat_terms, cacr_stat_terms, eqco_negatives,
-                                           normalize_rows, softmax_terms)
+from contrastkit.losses.functional import _compute_dtype, cacr_positive_stat_terms, cacr_stat_terms, normalize_rows
 from contrastkit.losses.plan import host_checks_allowed
 
 logger = logging.getLogger(__name__)
@@ -352,24 +351,19 @@ class MultipleNegativesLoss(nn.Module):
             pos_mean = (torch.softmax(both, dim=1) * torch.cat([pos[:, None], s], dim=1)).sum(dim=1)
             return cacr_positive_stat_terms(pos_lse, pos_mean, neg_mean, pos_scale=pos_scale).loss
         neg_lse = torch.logsumexp(logits, dim=1)
-        p = pos[:, None] * scale
-        if same is not None:  # SupCon's L_out over P(i): the pair, once per direction holding it, and the label's
-            weight = self.objective.positive_weight(pos[:, None])  # DCLW's on the pair; the label's weigh 1
-            pair = 1 + copies
-            pos_sum = pair * (p if weight is None else weight * p)[:, 0] + (s * scale * same).sum(dim=1)
-            pos_mean = pos_sum / (pair + same.sum(dim=1))
-            pos_lse = torch.logsumexp(torch.cat([p + math.log(pair), (s * scale).masked_fill(~same, float("-inf"))],
-                                                dim=1), dim=1)
-            return self.objective.label_terms(pos_mean, pos_lse, neg_lse, num_neg).loss
-        if self.name in ("infonce", "eqco"):
-            if self.name == "eqco":
-                neg_lse = eqco_negatives(neg_lse, self.objective.alpha, num_neg)
-            if copies:  # they stay on the positive's side of the denominator
-                neg_lse = torch.logaddexp(neg_lse, p[:, 0] + math.log(copies))
-            return softmax_terms(p, neg_lse, keep_positive=True).loss
-        # dcl, dclw: every copy of the positive out of the denominator; DCLW's weight over all processes' pairs
+        if same is None and not copies:  # one positive: the objective's own terms
+            return self.objective.stat_terms(pos[:, None], neg_lse, None, num_neg, scale, diagnostics=False).loss
+        # Several positives sharing one denominator, the objective's label_terms (SupCon's L_out; DCL, DCLW keep
+        # them out of it): the pair once per direction holding it (DCLW's weight on it), the label's candidates.
+        p, pair = pos * scale, 1 + copies
         weight = self.objective.positive_weight(pos[:, None])
-        return softmax_terms(p, neg_lse, keep_positive=False, pos_weight=weight).loss
+        pos_sum, count, lse_parts = pair * (p if weight is None else weight[:, 0] * p), pair, [p + math.log(pair)]
+        if same is not None:
+            pos_sum = pos_sum + (s * scale * same).sum(dim=1)
+            count = pair + same.sum(dim=1)
+            lse_parts.append(torch.logsumexp((s * scale).masked_fill(~same, float("-inf")), dim=1))
+        pos_lse = lse_parts[0] if len(lse_parts) == 1 else torch.logaddexp(*lse_parts)
+        return self.objective.label_terms(pos_sum / count, pos_lse, neg_lse, num_neg).loss
 
     def _check_negatives(self, num_neg: int | torch.Tensor) -> None:
         """Every anchor needs a negative: a ValueError, or with labels (num_neg per anchor) the loss core's check."""
