@@ -180,9 +180,11 @@ def _train_script():
 
 def test_trainer_with_cached_dcl_learns(tmp_path):
     """SentenceTransformerTrainer, unchanged, with the cached loss (mini-batches of 8 in batches of 16):
-    held-out MRR@10 rises by 10 points or more (pretrained 0.712 on these 64 queries, 0.948 after the 12
-    steps; with the loss's gradient negated it falls to 0.104)."""
-    before, after, losses = _train_script().train_and_score(str(tmp_path), loss="dcl", cached=True)
+    held-out MRR@10 rises by 10 points or more in 4 steps. Pretrained 0.712 on these 64 queries; after 4 steps
+    0.888, 0.878, 0.919 at seeds 0-2 (gains 0.175, 0.166, 0.207: the margin is 60 % of the smallest); the 12 steps
+    (one epoch of 192 pairs) this test ran before reached 0.948, 0.940, 0.948 for twice its CPU time. With the
+    loss's gradient negated it falls."""
+    before, after, losses = _train_script().train_and_score(str(tmp_path), loss="dcl", cached=True, steps=4)
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert after >= before + 0.10, (before, after)
 
