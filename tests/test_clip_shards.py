@@ -186,9 +186,11 @@ def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_
 
 @pytest.mark.slow
 def test_two_processes_two_workers_learn(tmp_path):
-    """2 processes x 2 loader workers, 80 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
+    """2 processes x 2 loader workers, 60 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
     held-out CLIP loss (InfoNCE over 4 batches of 32 unseen pairs) falls by at least 0.3 from the untrained
-    model's (measured: 3.62 -> 2.97, log 32 = 3.47; without optimizer steps it does not move)."""
+    model's (log 32 = 3.47). Measured at 60 steps, seeds 0-2: 3.62 -> 3.16, 3.55 -> 3.02, 3.80 -> 3.38 (falls of
+    0.46, 0.53, 0.42: the margin is 72 % of the smallest); 80 steps, this test's before, fell 0.65 at seed 0 and
+    40 steps 0.19, 0.13, 0.33 (too close). Without optimizer steps it does not move."""
     from accelerate.utils import set_seed
     from safetensors.torch import load_file
 
@@ -200,8 +202,8 @@ def test_two_processes_two_workers_learn(tmp_path):
     rows = list(csv.DictReader(open(root / "train.csv"), delimiter="\t"))
     pairs = [(Image.open(r["filepath"]), r["title"]) for r in rows]
     write_img2dataset_shards(tmp_path / "train", pairs[:512], per_shard=32)
-    _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "80", "--warmup", "8", "--workers", "2",
-            "--save-every", "80", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run")
+    _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "60", "--warmup", "6", "--workers", "2",
+            "--save-every", "60", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run")
     assert json.loads((tmp_path / "run/summary.json").read_text())["processes"] == 2
 
     set_seed(0)  # the recipe's initialisation, untrained
@@ -218,7 +220,7 @@ def test_two_processes_two_workers_learn(tmp_path):
 
     model.eval()
     untrained = held_out_loss()
-    model.load_state_dict(load_file(str(tmp_path / "run/checkpoints/checkpoint_80/model.safetensors")))
+    model.load_state_dict(load_file(str(tmp_path / "run/checkpoints/checkpoint_60/model.safetensors")))
     trained = held_out_loss()
     assert trained <= untrained - 0.3, f"held-out loss trained {trained:.3f}, untrained {untrained:.3f}"
 
