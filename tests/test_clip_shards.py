@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +24,12 @@ from contrastkit.data.shards import (Position, ShardStream, plan_epochs, shard_u
                                      write_img2dataset_shards)
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-       "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """One intra-op thread, as under pytest-xdist: on the shared 2-core machine two threads only wait for each
+    other (the in-process training runs)."""
 
 
 def _pairs(n, start=0, corrupt=()):
@@ -138,32 +139,33 @@ def _recipe(*args, processes=2):
 
 
 def test_resume_after_a_checkpoint_ends_bit_identical_and_bad_samples_are_counted(tmp_path):
-    """10 steps, into the second epoch (8 steps each), with 2 loader workers and 2 undecodable images; a run
-    that has only checkpoint_5 (mid-epoch: an odd step, each worker role's position restored), resumed, ends
-    with the weights of the uninterrupted run."""
+    """6 steps, into the second epoch (4 steps each), with 2 loader workers and 2 undecodable images; a run
+    that has only checkpoint_3 (mid-epoch: an odd step, each worker role's position restored), resumed, ends
+    with the weights of the uninterrupted run (10 steps of 8 per epoch, checkpoint_5, before: the same
+    scenario at 15 steps' cost rather than 9)."""
     import shutil
 
     from safetensors.torch import load_file
 
     from contrastkit.clip.train import train
 
-    write_img2dataset_shards(tmp_path / "shards", _pairs(128, corrupt={5, 77}), per_shard=16)
+    write_img2dataset_shards(tmp_path / "shards", _pairs(64, corrupt={5, 45}), per_shard=16)
 
     def cfg(out, **kw):
-        return ClipTrainConfig(data=str(tmp_path / "shards"), batch_size=16, steps=10, warmup=2, workers=2,
-                               save_every=5, seed=3, log_every=1, eval_every=0, out_dir=str(tmp_path / out),
+        return ClipTrainConfig(data=str(tmp_path / "shards"), batch_size=16, steps=6, warmup=2, workers=2,
+                               save_every=3, seed=3, log_every=1, eval_every=0, out_dir=str(tmp_path / out),
                                progress=False, **kw)
 
     straight = train(cfg("straight"))
-    (tmp_path / "run/checkpoints").mkdir(parents=True)  # killed after step 5's checkpoint
-    shutil.copytree(tmp_path / "straight/checkpoints/checkpoint_5", tmp_path / "run/checkpoints/checkpoint_5")
+    (tmp_path / "run/checkpoints").mkdir(parents=True)  # killed after step 3's checkpoint
+    shutil.copytree(tmp_path / "straight/checkpoints/checkpoint_3", tmp_path / "run/checkpoints/checkpoint_3")
     resumed = train(cfg("run", resume=True))
-    a = load_file(str(tmp_path / "straight/checkpoints/checkpoint_10/model.safetensors"))
-    b = load_file(str(tmp_path / "run/checkpoints/checkpoint_10/model.safetensors"))
+    a = load_file(str(tmp_path / "straight/checkpoints/checkpoint_6/model.safetensors"))
+    b = load_file(str(tmp_path / "run/checkpoints/checkpoint_6/model.safetensors"))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
     assert resumed["bad_samples"] == straight["bad_samples"] >= 2
-    assert resumed["shards"] == 8 and resumed["train_pairs"] == 128 and resumed["steps_per_epoch"] == 8
+    assert resumed["shards"] == 4 and resumed["train_pairs"] == 64 and resumed["steps_per_epoch"] == 4
 
 
 def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_path, capsys):
@@ -184,9 +186,11 @@ def test_a_shard_with_too_many_bad_samples_ends_the_run_with_one_error_line(tmp_
 
 @pytest.mark.slow
 def test_two_processes_two_workers_learn(tmp_path):
-    """2 processes x 2 loader workers, 80 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
+    """2 processes x 2 loader workers, 60 steps of batch 32 on 512 shape-caption pairs in 16 shards: the
     held-out CLIP loss (InfoNCE over 4 batches of 32 unseen pairs) falls by at least 0.3 from the untrained
-    model's (measured: 3.62 -> 2.97, log 32 = 3.47; without optimizer steps it does not move)."""
+    model's (log 32 = 3.47). Measured at 60 steps, seeds 0-2: 3.62 -> 3.16, 3.55 -> 3.02, 3.80 -> 3.38 (falls of
+    0.46, 0.53, 0.42: the margin is 72 % of the smallest); 80 steps, this test's before, fell 0.65 at seed 0 and
+    40 steps 0.19, 0.13, 0.33 (too close). Without optimizer steps it does not move."""
     from accelerate.utils import set_seed
     from safetensors.torch import load_file
 
@@ -198,8 +202,8 @@ def test_two_processes_two_workers_learn(tmp_path):
     rows = list(csv.DictReader(open(root / "train.csv"), delimiter="\t"))
     pairs = [(Image.open(r["filepath"]), r["title"]) for r in rows]
     write_img2dataset_shards(tmp_path / "train", pairs[:512], per_shard=32)
-    _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "80", "--warmup", "8", "--workers", "2",
-            "--save-every", "80", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run")
+    _recipe("--data", tmp_path / "train", "--batch-size", "32", "--steps", "60", "--warmup", "6", "--workers", "2",
+            "--save-every", "60", "--zeroshot", root / "zeroshot", "--out-dir", tmp_path / "run")
     assert json.loads((tmp_path / "run/summary.json").read_text())["processes"] == 2
 
     set_seed(0)  # the recipe's initialisation, untrained
@@ -216,7 +220,7 @@ def test_two_processes_two_workers_learn(tmp_path):
 
     model.eval()
     untrained = held_out_loss()
-    model.load_state_dict(load_file(str(tmp_path / "run/checkpoints/checkpoint_80/model.safetensors")))
+    model.load_state_dict(load_file(str(tmp_path / "run/checkpoints/checkpoint_60/model.safetensors")))
     trained = held_out_loss()
     assert trained <= untrained - 0.3, f"held-out loss trained {trained:.3f}, untrained {untrained:.3f}"
 
@@ -229,18 +233,26 @@ def _webdataset_has_eof_marker() -> bool:
     return "eof_value" in inspect.signature(tar_file_expander).parameters
 
 
-@pytest.mark.xfail(_webdataset_has_eof_marker(), strict=True, raises=AssertionError,
+@pytest.mark.xfail(_webdataset_has_eof_marker(), strict=True, raises=(AssertionError, KeyError),
                    reason="webdataset >= 0.2.96 ends each shard with an {} marker that open_clip_train 3.3's "
                           "group_by_keys_nothrow reads as a file (KeyError 'fname'; webdataset issue 384)")
 def test_the_same_shards_train_with_open_clip_train_and_the_patch(tmp_path):
-    """The guide's second command: open_clip_train's own webdataset loader with contrastkit's DCL."""
+    """The guide's second command: open_clip_train's own webdataset loader with contrastkit's DCL, through the
+    module's main(argv) as ``python -m contrastkit.adapters.open_clip`` calls it, in this process (its imports
+    paid once; the loggers open_clip_train sets put back after: logging_kept); the module's ``__main__`` line runs
+    as a process in test_clip_adapter's two-process run."""
+    from launch import logging_kept
+
+    from contrastkit.adapters.open_clip import main
+
     write_img2dataset_shards(tmp_path / "shards", _pairs(64), per_shard=16)
-    cmd = [sys.executable, "-m", "contrastkit.adapters.open_clip", "--loss", "dcl", "--train-data",
-           f"{tmp_path}/shards/{{00000..00003}}.tar", "--dataset-type", "webdataset", "--train-num-samples", "64",
-           "--model", "contrastkit-tiny", "--batch-size", "16", "--epochs", "1", "--workers", "2", "--precision",
-           "fp32", "--device", "cpu", "--lr", "1e-3", "--warmup", "1", "--log-every-n-steps", "1", "--name", "run",
-           "--report-to", ""]
-    done = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    args = ["--loss", "dcl", "--train-data", f"{tmp_path}/shards/{{00000..00003}}.tar", "--dataset-type",
+            "webdataset", "--train-num-samples", "64", "--model", "contrastkit-tiny", "--batch-size", "16", "--epochs",
+            "1", "--workers", "2", "--precision", "fp32", "--device", "cpu", "--lr", "1e-3", "--warmup", "1",
+            "--log-every-n-steps", "1", "--name", "run", "--report-to", ""]
+    # open_clip_train writes under ./logs
+    with logging_kept(), pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path)
+        assert main(args) in (0, None)
     log = (tmp_path / "logs/run/out.log").read_text()
     assert "contrastkit loss dcl replaces open_clip's ClipLoss" in log and log.count("Contrastive_loss") == 4

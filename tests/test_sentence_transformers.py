@@ -180,9 +180,11 @@ def _train_script():
 
 def test_trainer_with_cached_dcl_learns(tmp_path):
     """SentenceTransformerTrainer, unchanged, with the cached loss (mini-batches of 8 in batches of 16):
-    held-out MRR@10 rises by 10 points or more (pretrained 0.712 on these 64 queries, 0.948 after the 12
-    steps; with the loss's gradient negated it falls to 0.104)."""
-    before, after, losses = _train_script().train_and_score(str(tmp_path), loss="dcl", cached=True)
+    held-out MRR@10 rises by 10 points or more in 4 steps. Pretrained 0.712 on these 64 queries; after 4 steps
+    0.888, 0.878, 0.919 at seeds 0-2 (gains 0.175, 0.166, 0.207: the margin is 60 % of the smallest); the 12 steps
+    (one epoch of 192 pairs) this test ran before reached 0.948, 0.940, 0.948 for twice its CPU time. With the
+    loss's gradient negated it falls."""
+    before, after, losses = _train_script().train_and_score(str(tmp_path), loss="dcl", cached=True, steps=4)
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert after >= before + 0.10, (before, after)
 
@@ -190,15 +192,17 @@ def test_trainer_with_cached_dcl_learns(tmp_path):
 @pytest.mark.slow
 def test_two_processes_equal_one_with_gathered_negatives(tmp_path):
     """2 gloo ranks (forked from this process: launch.run_ranks), gather_across_devices=True, batch 4 per process:
-    the logged losses of 4 steps equal one process's at batch 8 (same pairs per step, same updates), with
-    MultipleNegativesLoss and with CachedMultipleNegativesLoss."""
-    ranks = run_ranks(SCRIPT, ["--out", tmp_path / "two", "--loss", "dclw", "--steps", "4"], cwd=tmp_path)
+    the logged losses of 2 steps equal one process's at batch 8, with MultipleNegativesLoss and with
+    CachedMultipleNegativesLoss: the first step's is the same loss of the same weights (the gathered negatives),
+    the second's the same loss after the same update (the gradient through the gather, DDP's average, the
+    clipped AdamW step); the 4 steps this test ran before repeated the second's check twice."""
+    ranks = run_ranks(SCRIPT, ["--out", tmp_path / "two", "--loss", "dclw", "--steps", "2"], cwd=tmp_path)
     assert [r.returncode for r in ranks] == [0, 0], ranks[0].stdout[-3000:] + ranks[1].stdout[-3000:]
     two = json.loads((tmp_path / "two" / "losses.json").read_text())
-    one = _train_script().train(str(tmp_path / "one"), loss="dclw", steps=4)
+    one = _train_script().train(str(tmp_path / "one"), loss="dclw", steps=2)
     assert (two["world_size"], one["world_size"]) == (2, 1)
     for form in ("plain", "cached"):
-        assert len(two[form]) == len(one[form]) == 4
+        assert len(two[form]) == len(one[form]) == 2
         assert two[form] == pytest.approx(one[form], rel=2e-4), form
 
 

@@ -25,7 +25,8 @@ from contrastkit.data.paraphrase import paraphrase_split
 from contrastkit.evaluation.text_retrieval import load_minilm, retrieval_scores
 
 
-def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_steps=1, bf16=False, use_cpu=True):
+def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_steps=1, bf16=False, use_cpu=True,
+             seed=0):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dropout:  # one process and two draw different dropout masks; the comparison needs none
         for m in model.modules():
@@ -33,7 +34,7 @@ def _trainer(model, out, pairs, *, loss, batch, steps, cached, dropout, logging_
                 m.p = 0.0
     args = SentenceTransformerTrainingArguments(
         output_dir=out, per_device_train_batch_size=batch // world, max_steps=steps, learning_rate=1e-4,
-        warmup_steps=0, logging_steps=logging_steps, seed=0, save_strategy="no", report_to="none", disable_tqdm=True,
+        warmup_steps=0, logging_steps=logging_steps, seed=seed, save_strategy="no", report_to="none", disable_tqdm=True,
         use_cpu=use_cpu, bf16=bf16, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 and use_cpu else None)
     if loss == "mnrl":  # sentence-transformers' own loss
         from sentence_transformers.sentence_transformer import losses
@@ -65,13 +66,17 @@ def train(out: str, *, loss: str, steps: int) -> dict:
     return result
 
 
-def train_and_score(out: str, *, loss: str, cached: bool = False) -> tuple[float, float, list[float]]:
-    """MRR@10 of 64 held-out queries before and after one epoch of 192 pairs at batch 16 (12 steps)."""
-    torch.manual_seed(0)
+def train_and_score(out: str, *, loss: str, cached: bool = False, steps: int = 12,
+                    seed: int = 0) -> tuple[float, float, list[float]]:
+    """MRR@10 of 64 held-out queries before and after ``steps`` steps at batch 16 on the first 16 x ``steps`` of
+    192 training pairs (12 steps: one epoch), and the 4 losses logged (every steps / 4); ``seed`` draws the
+    dropout masks and the order of the pairs."""
+    torch.manual_seed(seed)
     pairs, test = paraphrase_split(num_train=192, num_test=64)
     model = load_minilm()
     before = retrieval_scores(model, test)["mrr@10"]
-    trainer = _trainer(model, out, pairs, loss=loss, batch=16, steps=12, cached=cached, dropout=True, logging_steps=3)
+    trainer = _trainer(model, out, pairs[:16 * steps], loss=loss, batch=16, steps=steps, cached=cached, dropout=True,
+                       logging_steps=max(1, steps // 4), seed=seed)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return before, retrieval_scores(model, test)["mrr@10"], losses
