@@ -733,9 +733,9 @@ class ContrastiveLoss(Objective):
 
     def _terms(self, problem: Problem, pos: torch.Tensor, plan: Plan, scale, diagnostics: bool) -> Terms:
         """Per-anchor terms of one block from its positives' cosines ``pos`` [M, P] (a square one's rows, then its
-        columns: [2 M, 1]); their diagnostics where asked. The torch kernel takes the features as given and normalises them per block (nothing
-        of their size kept for backward, chunked.py), the Triton kernels too through their inverse norms
-        (_units); the dense path takes unit vectors."""
+        columns: [2 M, 1]); their diagnostics where asked. The torch kernel takes the features as given and
+        normalises them per block (nothing of their size kept for backward, chunked.py), the Triton kernels too
+        through their inverse norms (_units); the dense path takes unit vectors."""
         raw = plan.path == "torch"
         anchors, candidates = problem.anchors, problem.candidates
         if raw:
@@ -760,11 +760,14 @@ class ContrastiveLoss(Objective):
         return self._stat_terms(pos, stats, problem.num_neg, scale, diagnostics)
 
     def _cosines(self, x: torch.Tensor, y: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """cos(x_i, y_i) [n] of a positive pair's rows on the plan's path: the Triton path's of the rows its
-        products take (_positive_cosines), float32 ones by functional.row_cosines (12 bytes a row kept, no float32
-        copy of the features), float64 ones from the unit vectors."""
+        """cos(x_i, y_i) [n] of a positive pair's rows on the plan's path, in float32 by functional.row_cosines
+        (12 bytes a row kept, no float32 copy of the features), float64 ones from the unit vectors. On the Triton
+        path of the rows its products take (_units: under autocast the bf16/fp16 copies, not the float32
+        features; float16, and float32 under TF32, rounded to float16 unit vectors: the plan's half_units), so
+        that a positive inside its row's lse cancels there as in the dense loss, whose positive is a logit of the
+        same product."""
         if plan.path == "triton":
-            return self._positive_cosines(self._units(x, plan), self._units(y, plan), plan)
+            return row_cosines(self._units(x, plan), self._units(y, plan), self.normalize, units16=plan.half_units)
         if plan.compute == torch.float64:
             return (self._unit(x, plan.compute) * self._unit(y, plan.compute)).sum(dim=1)
         return row_cosines(x, y, self.normalize)
@@ -788,17 +791,10 @@ class ContrastiveLoss(Objective):
         (bf16/fp16) or the compute dtype, which its kernels normalise through their inverse norms (nothing of the features'
         size made or kept for backward beyond them: issue 40's memory); elsewhere the unit vectors (with
         normalize=False, the features) in the compute dtype. The Triton backend's positives are then
-        functional.row_cosines of these rows (float32 sums: _positive_cosines)."""
+        functional.row_cosines of these rows (float32 sums: _cosines)."""
         if plan.path == "triton":
             return x.to(plan.operands or plan.compute)
         return self._unit(x, plan.compute)
-
-    def _positive_cosines(self, a: torch.Tensor, b: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """The Triton backend's positives, cos(a_i, b_i) in float32 (functional.row_cosines), of the rows its
-        products take (_units: under autocast the bf16/fp16 copies, not the float32 features; float16, and
-        float32 under TF32, rounded to float16 unit vectors: the plan's half_units), so that a positive inside its
-        row's lse cancels there as in the dense loss, whose positive is a logit of the same product."""
-        return row_cosines(a, b, self.normalize, units16=plan.half_units)
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Every process's rows of x and this process's offset. The settings gather the raw features, in
