@@ -118,12 +118,16 @@ def test_each_route_meets_every_value():
     assert PRODUCTION_CASES == each_route(PRODUCTION, (True, False))
     for entries, alternate in ((ROW_CASES, (False, True)), ([(True,), (False,)], (False, True)),
                                ([(False,), (True,)], (False, True)), (BUFFER_CASES, (False, True)),
+                               (BUFFER_CASES, (True, False)),
                                (TF32_SETTINGS, BUFFERS), (PRODUCTION, (True, False))):
         cases = each_route(entries, alternate)
         assert len(cases) == len(set(cases)) == len(entries) * len(LOGITS)
         assert {c[:-1] for c in cases} == {(*e, r) for e in entries for r in LOGITS}
         assert {(c[:-2], c[-1]) for c in cases} == {(e, v) for e in entries for v in alternate}
         assert {(c[-2], c[-1]) for c in cases} == {(r, v) for r in LOGITS for v in alternate}
+    # the band design's rows and one tensor as image and text: between them, the full cross
+    halves = each_route(BUFFER_CASES) + each_route(BUFFER_CASES, (True, False))
+    assert sorted(halves) == sorted((b, r, n) for b in BUFFERS for r in LOGITS for n in (False, True))
 
 
 @pytest.fixture(params=[False, True], ids=["units", "as_given"])
@@ -583,11 +587,13 @@ def test_query_queue_in_bands(monkeypatch, buffers, logits_from, as_given):
     _compare(a, b, 10.0, 2e-6, 2e-6, scale_tol=1e-5, exclude=exclude, with_mean=True, normalize=as_given)
 
 
-@pytest.mark.parametrize("buffers, logits_from, as_given", each_route(BUFFER_CASES),
-                         ids=[f"{b}-{r}-{'as_given' if n else 'units'}" for b, r, n in each_route(BUFFER_CASES)])
+@pytest.mark.parametrize("buffers, logits_from, as_given", each_route(BUFFER_CASES, (True, False)),
+                         ids=[f"{b}-{r}-{'as_given' if n else 'units'}"
+                              for b, r, n in each_route(BUFFER_CASES, (True, False))])
 def test_one_tensor_as_image_and_text(monkeypatch, buffers, logits_from, as_given):
     """columns=True with the very tensor as both operands: its gradient is the sum of both roles' (dA + dB).
-    Each buffer design on every forward route, the features as given on alternate ones (each_route)."""
+    Each buffer design on every forward route, the features as given on alternate ones (each_route), the
+    other half of test_query_queue_in_bands' (together: every buffer design, route and normalisation)."""
     _small_buffers(monkeypatch, buffers), _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(16)
     z = _features(g, 37, 24).to(DEVICE)
