@@ -76,6 +76,15 @@ def spread(*axes):
     return [(*case, LOGITS[i % len(LOGITS)]) for i, case in enumerate(itertools.product(*axes))]
 
 
+def each_route(cases, alternate=(False, True)):
+    """Each case (a tuple) on every forward route (LOGITS), the two values of one more axis (``alternate``: the
+    features as given or unit vectors, or the buffer design) on alternate ones: for tests whose cases are too few
+    for spread to take each of their values to every route (a value in fewer than three cases). Every case
+    meets every route, and the alternating axis's values meet every case and every route (checked in
+    test_each_route_meets_every_value), in half the full cross."""
+    return [(*case, route, alternate[(i + j) % 2]) for i, case in enumerate(cases) for j, route in enumerate(LOGITS)]
+
+
 def _spread_id(value):
     """Test ids of spread's cases: the features as given or unit vectors, a two-view case by its dtype and options."""
     if isinstance(value, bool):
@@ -96,6 +105,29 @@ def test_spread_meets_every_value():
             assert {(c[i], c[-1]) for c in cases} == {(v, r) for v in axis for r in LOGITS}
     designs = {(c[0], c[1], c[-1] == "dense") for c in spread(BUFFERS, BACKWARDS, TWO_VIEW_CASES, [False, True])}
     assert designs == {(b, w, kept) for b in BUFFERS for w in BACKWARDS for kept in (False, True)}
+    for axes in (HALF_AXES, LABEL_AXES):
+        cases = spread(*axes)
+        assert len(cases) == len(set(cases)) == 8  # the 2 x 2 x 2 cross, once each (was 24 with every route)
+        for i, axis in enumerate(axes):
+            assert {(c[i], c[-1]) for c in cases} == {(v, r) for v in axis for r in LOGITS}
+
+
+def test_each_route_meets_every_value():
+    """each_route's cases: every case on every route; the alternating axis's two values with every case and
+    every route; half the full cross. PRODUCTION_CASES is each_route's too."""
+    assert PRODUCTION_CASES == each_route(PRODUCTION, (True, False))
+    for entries, alternate in ((ROW_CASES, (False, True)), ([(True,), (False,)], (False, True)),
+                               ([(False,), (True,)], (False, True)), (BUFFER_CASES, (False, True)),
+                               (BUFFER_CASES, (True, False)),
+                               (TF32_SETTINGS, BUFFERS), (PRODUCTION, (True, False))):
+        cases = each_route(entries, alternate)
+        assert len(cases) == len(set(cases)) == len(entries) * len(LOGITS)
+        assert {c[:-1] for c in cases} == {(*e, r) for e in entries for r in LOGITS}
+        assert {(c[:-2], c[-1]) for c in cases} == {(e, v) for e in entries for v in alternate}
+        assert {(c[-2], c[-1]) for c in cases} == {(r, v) for r in LOGITS for v in alternate}
+    # the band design's rows and one tensor as image and text: between them, the full cross
+    halves = each_route(BUFFER_CASES) + each_route(BUFFER_CASES, (True, False))
+    assert sorted(halves) == sorted((b, r, n) for b in BUFFERS for r in LOGITS for n in (False, True))
 
 
 @pytest.fixture(params=[False, True], ids=["units", "as_given"])
@@ -154,10 +186,18 @@ def _close(got, want, tol, what):
     assert error <= bound, f"{what}: max error {error:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("views, with_mean", [(0, False), (1, True), (2, False), (3, True), (2, True)])
-def test_rows_equal_float64_reference(views, with_mean, as_given, logits_from):
+# (excluded columns per row, CACR's mean)
+ROW_CASES = [(0, False), (1, True), (2, False), (3, True), (2, True)]
+
+
+@pytest.mark.parametrize("views, with_mean, logits_from, as_given", each_route(ROW_CASES),
+                         ids=[f"excluded{v}{'-mean' if m else ''}-{r}-{'as_given' if n else 'units'}"
+                              for v, m, r, n in each_route(ROW_CASES)])
+def test_rows_equal_float64_reference(monkeypatch, views, with_mean, logits_from, as_given):
     """Query/queue (no exclusion), one excluded column (a positive), two and three (several views or
-    positives), with and without CACR's mean; ragged tiles, a learnable scale."""
+    positives), with and without CACR's mean; ragged tiles, a learnable scale. Each entry on every forward
+    route, the features as given on alternate ones (each_route)."""
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(10 + views)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
     exclude = None
@@ -166,10 +206,14 @@ def test_rows_equal_float64_reference(views, with_mean, as_given, logits_from):
     _compare(a, b, 10.0, 2e-6, 2e-6, exclude=exclude, with_mean=with_mean, normalize=as_given)
 
 
-@pytest.mark.parametrize("with_mean", [False, True])
-def test_two_views_same_tensor(with_mean, as_given, logits_from):
+@pytest.mark.parametrize("with_mean, logits_from, as_given", each_route([(False,), (True,)]),
+                         ids=[f"{'mean' if m else 'lse'}-{r}-{'as_given' if n else 'units'}"
+                              for m, r, n in each_route([(False,), (True,)])])
+def test_two_views_same_tensor(monkeypatch, with_mean, logits_from, as_given):
     """Two views on one process: anchors are the candidates (one tensor), each row leaves out itself and its
-    other view; the tensor's gradient is the sum of both roles."""
+    other view; the tensor's gradient is the sum of both roles. Each case on every forward route, the features
+    as given on alternate ones (each_route)."""
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(2)
     n = 20
     z = _features(g, 2 * n, 24).to(DEVICE)
@@ -235,9 +279,13 @@ def test_row_with_every_column_excluded(logits_from):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("diagonal", [True, False])
-def test_columns_equal_float64_reference(diagonal, as_given, logits_from):
-    """Image-text on one process: the columns' lse too, the diagonal (each image's caption) excluded or not."""
+@pytest.mark.parametrize("diagonal, logits_from, as_given", each_route([(True,), (False,)]),
+                         ids=[f"{'diagonal' if d else 'all'}-{r}-{'as_given' if n else 'units'}"
+                              for d, r, n in each_route([(True,), (False,)])])
+def test_columns_equal_float64_reference(monkeypatch, diagonal, logits_from, as_given):
+    """Image-text on one process: the columns' lse too, the diagonal (each image's caption) excluded or not.
+    Each case on every forward route, the features as given on alternate ones (each_route)."""
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(4)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 37, 24).to(DEVICE)
     exclude = torch.arange(37, device=DEVICE)[:, None] if diagonal else None
@@ -274,12 +322,19 @@ def test_columns_far_apart():
     _compare(a, b, 100.0, 2e-6, 2e-5, exclude=torch.arange(37, device=DEVICE)[:, None], columns=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("with_mean", [False, True])
-def test_half_precision_inputs(dtype, with_mean, as_given, logits_from):
+# dtype, CACR's mean, the features as given
+HALF_AXES = ([torch.bfloat16, torch.float16], [False, True], [False, True])
+
+
+@pytest.mark.parametrize("dtype, with_mean, as_given, logits_from", spread(*HALF_AXES),
+                         ids=[f"{str(t)[6:]}-{'mean' if m else 'lse'}-{'as_given' if n else 'units'}-{r}"
+                              for t, m, n, r in spread(*HALF_AXES)])
+def test_half_precision_inputs(monkeypatch, dtype, with_mean, as_given, logits_from):
     """bfloat16 / float16 features against the float64 reference of the same rounded features: the
     statistics are exact up to float32 sums; the gradients come back in the inputs' dtype (rounding
-    2^-9 / 2^-12 relative) after dL meets b (or a) in bfloat16 (float32 for float16)."""
+    2^-9 / 2^-12 relative) after dL meets b (or a) in bfloat16 (float32 for float16). Each case on one
+    forward route (spread)."""
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(6)
     a, b = _features(g, 37, 24, dtype).to(DEVICE), _features(g, 53, 24, dtype).to(DEVICE)
     exclude = torch.randint(0, 53, (37, 2), generator=g).to(DEVICE)
@@ -358,12 +413,19 @@ def _ids(g, n, classes=4):
     return torch.randint(0, classes, (n,), generator=g).to(DEVICE)
 
 
-@pytest.mark.parametrize("same_label", [True, False])
-@pytest.mark.parametrize("with_mean", [False, True])
-def test_labels_equal_float64_reference(same_label, with_mean, as_given, logits_from):
+# same_label, CACR's mean, the features as given
+LABEL_AXES = ([True, False], [False, True], [False, True])
+
+
+@pytest.mark.parametrize("same_label, with_mean, as_given, logits_from", spread(*LABEL_AXES),
+                         ids=[f"{'same' if s else 'differing'}-{'mean' if m else 'lse'}-{'as_given' if n else 'units'}-{r}"
+                              for s, m, n, r in spread(*LABEL_AXES)])
+def test_labels_equal_float64_reference(monkeypatch, same_label, with_mean, as_given, logits_from):
     """Pairs left out by label (issue 41) on the Triton path: rows (query/queue, one excluded column besides)
     with 4 classes, same-label pairs left out (false negatives) or the differing ones (the statistics over
-    same-label candidates); one excluded column per row as a positive is."""
+    same-label candidates); one excluded column per row as a positive is. Each case on one forward route
+    (spread)."""
+    _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(30 + same_label + 2 * with_mean)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
     labels = (_ids(g, 37), _ids(g, 53))
@@ -372,11 +434,15 @@ def test_labels_equal_float64_reference(same_label, with_mean, as_given, logits_
              exclude=exclude, with_mean=with_mean, labels=labels, same_label=same_label, normalize=as_given)
 
 
-@pytest.mark.parametrize("same_label", [True, False])
-def test_labels_two_views_same_tensor(same_label, as_given, logits_from, monkeypatch):
+@pytest.mark.parametrize("same_label, logits_from, as_given", each_route([(True,), (False,)]),
+                         ids=[f"{'same' if s else 'differing'}-{r}-{'as_given' if n else 'units'}"
+                              for s, r, n in each_route([(True,), (False,)])])
+def test_labels_two_views_same_tensor(same_label, logits_from, as_given, monkeypatch):
     """Two views on one process with labels: one array of ids for the one tensor, the symmetric backward's
     transposed term and the forward's mirrored entries (over the triangle, in bands of 16 rows) masked by the
-    columns' own ids (the fused forward, cublas, dense)."""
+    columns' own ids (the fused forward, cublas, dense). Each case on every forward route, the features as
+    given on alternate ones (each_route)."""
+    _logits_from(monkeypatch, logits_from)
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import stats_fwd
 
@@ -506,16 +572,29 @@ def test_image_text_in_bands(monkeypatch, buffers, dtype, as_given, logits_from)
              exclude=torch.arange(37, device=DEVICE)[:, None], columns=True, normalize=as_given)
 
 
-def test_query_queue_in_bands(small_buffers, as_given, logits_from):
-    """Rows only (query/queue) with CACR's mean, exclusions, in bands or blocks."""
+BUFFER_CASES = [(b,) for b in BUFFERS]
+
+
+@pytest.mark.parametrize("buffers, logits_from, as_given", each_route(BUFFER_CASES),
+                         ids=[f"{b}-{r}-{'as_given' if n else 'units'}" for b, r, n in each_route(BUFFER_CASES)])
+def test_query_queue_in_bands(monkeypatch, buffers, logits_from, as_given):
+    """Rows only (query/queue) with CACR's mean, exclusions, in bands or blocks. Each buffer design on every
+    forward route, the features as given on alternate ones (each_route)."""
+    _small_buffers(monkeypatch, buffers), _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(15)
     a, b = _features(g, 37, 24).to(DEVICE), _features(g, 53, 24).to(DEVICE)
     exclude = torch.stack([torch.randperm(53, generator=g)[:2] for _ in range(37)]).to(DEVICE)
     _compare(a, b, 10.0, 2e-6, 2e-6, scale_tol=1e-5, exclude=exclude, with_mean=True, normalize=as_given)
 
 
-def test_one_tensor_as_image_and_text(small_buffers, as_given, logits_from):
-    """columns=True with the very tensor as both operands: its gradient is the sum of both roles' (dA + dB)."""
+@pytest.mark.parametrize("buffers, logits_from, as_given", each_route(BUFFER_CASES, (True, False)),
+                         ids=[f"{b}-{r}-{'as_given' if n else 'units'}"
+                              for b, r, n in each_route(BUFFER_CASES, (True, False))])
+def test_one_tensor_as_image_and_text(monkeypatch, buffers, logits_from, as_given):
+    """columns=True with the very tensor as both operands: its gradient is the sum of both roles' (dA + dB).
+    Each buffer design on every forward route, the features as given on alternate ones (each_route), the
+    other half of test_query_queue_in_bands' (together: every buffer design, route and normalisation)."""
+    _small_buffers(monkeypatch, buffers), _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(16)
     z = _features(g, 37, 24).to(DEVICE)
     _compare(z, z, 10.0, 2e-6, 2e-6, scale_tol=1e-5, same=True, exclude=torch.arange(37, device=DEVICE)[:, None],
@@ -627,8 +706,7 @@ PRODUCTION = [("rows", 150, 150, 2, True, torch.float32), ("rows", 150, 60, 0, F
 # Each entry on each of the forward's logits (LOGITS), the features as given (normalize=True) on alternate ones:
 # every entry, every route and every dtype meet both normalisations (21 cases; the full cross was 42, the small
 # tiles' tests keep it).
-PRODUCTION_CASES = [(*entry, route, (i + j) % 2 == 0) for i, entry in enumerate(PRODUCTION)
-                    for j, route in enumerate(LOGITS)]
+PRODUCTION_CASES = each_route(PRODUCTION, (True, False))
 
 
 @pytest.mark.parametrize("setting, m, k, excluded, with_mean, dtype, route, as_given", PRODUCTION_CASES,
@@ -819,10 +897,16 @@ def test_tf32_two_views_on_float16_units(tf32, monkeypatch, buffers, backward, w
     assert tf32 == [(40, 24)] * 2  # one copy in forward, one in backward
 
 
-@pytest.mark.parametrize("setting", ["image_text", "rows"])
-def test_tf32_image_text_and_rows_on_float16_units(tf32, small_buffers, setting, logits_from):
+TF32_SETTINGS = [("image_text",), ("rows",)]
+
+
+@pytest.mark.parametrize("setting, logits_from, buffers", each_route(TF32_SETTINGS, BUFFERS),
+                         ids=[f"{s}-{r}-{b}" for s, r, b in each_route(TF32_SETTINGS, BUFFERS)])
+def test_tf32_image_text_and_rows_on_float16_units(tf32, monkeypatch, setting, logits_from, buffers):
     """As test_tf32_two_views_on_float16_units for image-text (the columns' statistics, a logit scale of 100)
-    and for rows only (query/queue: CACR's mean, labels, two excluded columns)."""
+    and for rows only (query/queue: CACR's mean, labels, two excluded columns). Each setting on every forward
+    route, in bands and in blocks on alternate ones (each_route)."""
+    _small_buffers(monkeypatch, buffers), _logits_from(monkeypatch, logits_from)
     g = torch.Generator().manual_seed(42)
     a = _features(g, 37, 24).to(DEVICE)
     if setting == "image_text":
