@@ -259,11 +259,18 @@ def test_under_accelerate_launch_the_launcher_forwards_the_signal(data_dir, tmp_
     assert complete(out) == ["checkpoint_3", "checkpoint_5"]
 
 
-def _recipe(name: str, out: Path, data_dir: Path):
-    """(train, config) of a tiny run of each recipe: 4 steps, no periodic checkpoint before the end."""
-    from contrastkit.data.speech import default_speech_data
+@pytest.fixture(scope="module")
+def fsc(tmp_path_factory) -> str:
+    """The tiny FSC copy (tests/speech_copies.py: 24 training utterances), made once: the speech recipes' runs
+    stop at step 2, so what they cost is their set-up, most of it loading (CLAP: featurising) their data."""
+    from speech_copies import tiny_copies
 
-    fsc = str(default_speech_data(small=True) / "fsc")
+    return str(tiny_copies(tmp_path_factory.mktemp("speech"))[0])
+
+
+def _recipe(name: str, out: Path, data_dir: Path, fsc: str):
+    """(train, config) of a tiny run of each recipe: 4 steps, no periodic checkpoint before the end (CLAP: batches
+    of 4, a batch holding different intents, of the copy's 5)."""
     if name == "clip":
         from contrastkit.clip.train import ClipTrainConfig, train
 
@@ -283,13 +290,13 @@ def _recipe(name: str, out: Path, data_dir: Path):
                                         save_every=100, log_every=1, pretext_eval=False, data=fsc, out_dir=str(out))
     from contrastkit.speech.clap import ClapTrainConfig, train
 
-    return train, ClapTrainConfig(width=16, batch_size=12, steps=4, warmup=1, log_every=1, eval_every=0, save_every=0,
+    return train, ClapTrainConfig(width=16, batch_size=4, steps=4, warmup=1, log_every=1, eval_every=0, save_every=0,
                                   progress=False, data=fsc, out_dir=str(out))
 
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("recipe", ["clip", "vision", "wav2vec2", "clap"])
-def test_every_recipe_stops_at_the_step_boundary(recipe, data_dir, tmp_path, monkeypatch, capsys):
+def test_every_recipe_stops_at_the_step_boundary(recipe, data_dir, fsc, tmp_path, monkeypatch, capsys):
     """Each recipe's loop, in this process: SIGTERM inside step 2 ends train() with Stopped (exit status 75) at
     step 2 with checkpoint_2 complete, and the handler that was there before the run is back afterwards."""
     from contrastkit.training import Stopped
@@ -305,7 +312,7 @@ def test_every_recipe_stops_at_the_step_boundary(recipe, data_dir, tmp_path, mon
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    train, cfg = _recipe(recipe, tmp_path / "run", data_dir)
+    train, cfg = _recipe(recipe, tmp_path / "run", data_dir, fsc)
     try:
         with pytest.raises(Stopped) as stopped:
             train(cfg)
