@@ -179,6 +179,8 @@ class Setting(NamedTuple):
 
 
 class Positions(NamedTuple):
+    """A Problem's index tensors (see positions): own columns [M, E], positives [M, P], own column [M, 1]."""
+
     own: torch.Tensor | None
     positives: torch.Tensor
     itself: torch.Tensor | None
