@@ -17,7 +17,7 @@ from torch import nn
 
 from contrastkit.distributed import gather_no_grad, gather_with_grad, world
 from contrastkit.losses.chunked import EXCLUDED, negative_stats, no_autocast
-from contrastkit.losses.dense import dense_loss, layout, per_shape
+from contrastkit.losses.dense import Layout, dense_loss
 from contrastkit.losses.functional import (LogitTerms, NonFiniteError, Partial, Terms, _over_positives,
                                            normalize_rows, row_cosines, softmax_mean)
 from contrastkit.losses.plan import Plan, host_checks_allowed, make_plan
@@ -157,7 +157,6 @@ class Problem(NamedTuple):
     [M, D] against candidates [K, D] (every process's where gathered), both as given (each path normalises them
     its own way), and where each anchor's own sample and positives are."""
 
-    layout: str  # its dense.layout ("two_views", "image_text", "rows", "queue"; "views" beyond two)
     anchors: torch.Tensor
     candidates: torch.Tensor | None  # None: the anchors themselves (two views on one process)
     own: torch.Tensor | None  # [M, E] each anchor's own sample's columns, left out of its negatives (a queue: None)
@@ -166,8 +165,9 @@ class Problem(NamedTuple):
     labels: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, column ids) of label_ids
     itself: torch.Tensor | None  # [M, 1] each anchor's own column, where it is a candidate (same_label="positive")
     columns: bool  # square, the columns anchors too (image-text on one process): rows' terms, then columns'
-    shape: tuple[int, int, int, int]  # (n, total, start, per_sample): dense.layout's arguments
     mean_over: int | None  # how many anchors the loss averages over, where more than this block's M
+    flat: Layout | None  # the fused path's flat indices into its [M, K] logits (Positions.flat), else None
+    queue: bool = False  # the candidates a queue: the fused path puts the keys before it
 
 
 class Setting(NamedTuple):
@@ -178,21 +178,41 @@ class Setting(NamedTuple):
     problems: list[Problem]
 
 
+_PER_SHAPE: dict[tuple, tuple] = {}
+_MAX_PER_SHAPE = 128  # shapes seen in one run: the batch, the last batch, an evaluation's, per setting
+
+
+def per_shape(key: tuple, make):
+    """``make()``, a call's index tensors (positions), made once per ``key`` (its shape and device) and
+    cached, or made in the graph under torch.compile (a cached tensor would be a constant of it)."""
+    if torch.compiler.is_compiling():
+        return make()
+    found = _PER_SHAPE.get(key)
+    if found is None:
+        if len(_PER_SHAPE) >= _MAX_PER_SHAPE:
+            _PER_SHAPE.clear()
+        found = _PER_SHAPE[key] = make()
+    return found
+
+
 class Positions(NamedTuple):
-    """A Problem's index tensors (see positions): own columns [M, E], positives [M, P], own column [M, 1]."""
+    """A Problem's index tensors (see positions): own columns [M, E], positives [M, P], own column [M, 1], and
+    where the plan's route is "fused" the same positions as flat indices into the [M, K] logits (dense.py)."""
 
     own: torch.Tensor | None
     positives: torch.Tensor
     itself: torch.Tensor | None
+    flat: Layout | None
 
 
-def positions(kind: str, p: int, n: int, total: int, start: int, device: torch.device,
-              per_sample: int = 1) -> Positions:
-    """The index tensors of a Problem (made once per shape, dense.per_shape), for n local samples at ``start`` of
+def positions(kind: str, p: int, n: int, total: int, start: int, device: torch.device, per_sample: int = 1,
+              fused: bool = False) -> Positions:
+    """The index tensors of a Problem (made once per shape: per_shape), for n local samples at ``start`` of
     ``total``: "views", p views view-major (anchor (a, i)'s positives the pairs (a, w), w != a, of the pairs
     a < b in order); "image_text", one square matrix, its rows' anchors then its columns'; "keys", p keys per
     sample among ``per_sample`` candidates (its first p) and the pairs (query, key j) in order; "queue", the same
-    with no key among the candidates."""
+    with no key among the candidates (the fused path puts the n keys before the queue). ``fused`` (one positive
+    per anchor): also ``flat``, each anchor's positive and own columns as indices into the flattened logits."""
 
     def make() -> Positions:
         i = torch.arange(n, device=device)
@@ -203,15 +223,27 @@ def positions(kind: str, p: int, n: int, total: int, start: int, device: torch.d
             low, high = torch.minimum(view[:, None], others), torch.maximum(view[:, None], others)
             pair = low * (2 * p - low - 1) // 2 + high - low - 1  # the pair (low, high)'s place among a < b
             positives = (pair[:, None] * n + i[None, :, None]).reshape(p * n, p - 1)
-            return Positions(own.repeat(p, 1), positives, own.T.reshape(p * n, 1))
+            itself = own.T.reshape(p * n, 1)
+            flat = _flat(own.repeat(p, 1), own.flip(1).T.reshape(-1), p * total) if fused else None
+            return Positions(own.repeat(p, 1), positives, itself, flat)
         if kind == "image_text":
-            return Positions(i[:, None], i.repeat(2)[:, None], None)
+            diagonal = i * (n + 1)  # the rows' positives, then the columns': the same diagonal
+            return Positions(i[:, None], i.repeat(2)[:, None], None,
+                             Layout(diagonal.repeat(2), diagonal) if fused else None)
         positives = torch.arange(p, device=device)[None] * n + i[:, None]  # sample i's key j: pair j's row i
-        if kind == "queue":
-            return Positions(None, positives, None)
-        return Positions(((start + i) * per_sample)[:, None] + torch.arange(p, device=device), positives, None)
+        if kind == "queue":  # fused: candidates the n keys, then the queue; every key left out, its own the positive
+            return Positions(None, positives, None, _flat(i.expand(n, n), i, n + total) if fused else None)
+        own = ((start + i) * per_sample)[:, None] + torch.arange(p, device=device)
+        return Positions(own, positives, None, _flat(own, own[:, 0], total * per_sample) if fused else None)
 
-    return per_shape(("positions", kind, p, n, total, start, device, per_sample), make)
+    return per_shape(("positions", kind, p, n, total, start, device, per_sample, fused), make)
+
+
+def _flat(own: torch.Tensor, partner: torch.Tensor, width: int) -> Layout:
+    """The fused path's flat indices into [M, width] logits: each anchor's positive, at column ``partner`` [M],
+    and its own sample's entries, at columns ``own`` [M, E] (its positive among them), left out."""
+    rows = torch.arange(own.shape[0], device=own.device)[:, None] * width
+    return Layout(rows[:, 0] + partner, (rows + own).reshape(-1))
 
 
 class Objective(nn.Module):
@@ -639,10 +671,10 @@ class ContrastiveLoss(Objective):
         if total < 2:
             raise ValueError(f"{self.name}: a batch of 1 sample has no negatives (each anchor's negatives are "
                              "the views of the other samples); use a batch of at least 2")
-        where = positions("views", v, n, total, start, anchors.device)
+        where = positions("views", v, n, total, start, anchors.device, fused=plan.route == "fused")
         ids = None if labels is None else label_ids(labels.repeat(v), self._gather_labels(labels).repeat(v))
-        problem = Problem("two_views" if v == 2 else "views", anchors, candidates, where.own, where.positives,
-                          v * (total - 1), ids, where.itself, False, (n, total, start, 1), None)
+        problem = Problem(anchors, candidates, where.own, where.positives, v * (total - 1), ids, where.itself, False,
+                          None, where.flat)
         return Setting([(zs[a], zs[b]) for a in range(v) for b in range(a + 1, v)], [problem])
 
     def _query_keys(self, query, keys, queue, negatives, labels, queue_labels, plan: Plan) -> Setting:
@@ -652,11 +684,11 @@ class ContrastiveLoss(Objective):
         n, p = keys.shape[:2]
         pairs = [(query, keys[:, j]) for j in range(p)]
         if queue is not None:
-            where = positions("queue", p, n, queue.shape[0], 0, query.device)
+            where = positions("queue", p, n, queue.shape[0], 0, query.device, fused=plan.route == "fused")
             # labels and queue_labels come together (checked by query_key)
             ids = None if labels is None or queue_labels is None else label_ids(labels, queue_labels)
-            return Setting(pairs, [Problem("queue", query, queue, None, where.positives, queue.shape[0], ids, None,
-                                           False, (n, queue.shape[0], 0, 1), None)])
+            return Setting(pairs, [Problem(query, queue, None, where.positives, queue.shape[0], ids, None, False,
+                                           None, where.flat, queue=True)])
         rows = keys  # [n, c, D]: each sample's keys, then its hard negatives
         if negatives is not None:
             rows = torch.cat([keys, negatives] if negatives.dtype == keys.dtype else
@@ -668,13 +700,13 @@ class ContrastiveLoss(Objective):
         if total * c - p < 1:
             raise ValueError(f"{self.name}: without a queue the negatives are the other keys of the batch, "
                              "and a batch of 1 has none")
-        where = positions("keys", p, n, total, start, query.device, c)
+        where = positions("keys", p, n, total, start, query.device, c, fused=plan.route == "fused")
         ids = None
         if labels is not None:  # each sample's keys carry its label, its hard negatives none
             known = (torch.arange(c, device=query.device) < p).repeat(total)
             ids = label_ids(labels, self._gather_labels(labels).repeat_interleave(c), known)
-        return Setting(pairs, [Problem("rows", query, rows.reshape(total * c, -1), where.own, where.positives,
-                                       total * c - p, ids, None, False, (n, total, start, c), None)])
+        return Setting(pairs, [Problem(query, rows.reshape(total * c, -1), where.own, where.positives, total * c - p,
+                                       ids, None, False, None, where.flat)])
 
     def _image_text(self, image, text, labels, plan: Plan) -> Setting:
         """n image-text pairs: on one process one square matrix, its rows the images' anchors and its columns the
@@ -693,13 +725,13 @@ class ContrastiveLoss(Objective):
         # CACR's columns' mean: the dense path and the torch kernel's exact route only
         columns_mean = plan.path == "dense" or plan.path == "torch" and not plan.host_checks
         if total == n and labels is None and (columns_mean or not self.needs_mean):
-            where = positions("image_text", 1, n, n, 0, image.device)
-            return Setting(pairs, [Problem("image_text", a, b, where.own, where.positives, n - 1, None, None, True,
-                                           (n, n, 0, 1), None)])
-        where = positions("keys", 1, n, total, start, image.device)
+            where = positions("image_text", 1, n, n, 0, image.device, fused=plan.route == "fused")
+            return Setting(pairs, [Problem(a, b, where.own, where.positives, n - 1, None, None, True, None,
+                                           where.flat)])
+        where = positions("keys", 1, n, total, start, image.device, fused=plan.route == "fused")
         ids = None if labels is None else label_ids(labels, self._gather_labels(labels))
-        return Setting(pairs, [Problem("rows", x, others, where.own, where.positives, total - 1, ids, None, False,
-                                       (n, total, start, 1), 2 * n) for x, others in ((a, all_b), (b, all_a))])
+        return Setting(pairs, [Problem(x, others, where.own, where.positives, total - 1, ids, None, False, 2 * n,
+                                       where.flat) for x, others in ((a, all_b), (b, all_a))])
 
     # ------------------------------------------------------------------ the paths
 
@@ -721,17 +753,16 @@ class ContrastiveLoss(Objective):
         return self._reduce(terms, output_dict, inputs)
 
     def _fused(self, problem: Problem, setting: Setting, scale, plan: Plan):
-        """dense_loss's outputs for one block (its layout dense.layout's), the queue's keys put before it."""
-        n, total, start, per_sample = problem.shape
+        """dense_loss's outputs for one block (its flat positions), the queue's keys put before it."""
         candidates = problem.candidates
-        if problem.layout == "queue" and candidates is not None:
+        if problem.queue and candidates is not None:
             key = setting.pairs[0][1]
-            same = key.dtype == candidates.dtype
-            candidates = torch.cat([key, candidates] if same else [key.to(plan.compute), candidates.to(plan.compute)])
-        where = layout(problem.layout, n, total, start, problem.anchors.device, per_sample)
-        return dense_loss(problem.anchors, candidates, scale, where, columns=problem.columns, terms=self.logit_terms,
-                          num_neg=problem.num_neg, with_mean=self.needs_mean, normalize=self.normalize,
-                          dtype=plan.compute)
+            candidates = torch.cat([key, candidates] if key.dtype == candidates.dtype else
+                                   [key.to(plan.compute), candidates.to(plan.compute)])
+        assert problem.flat is not None  # made by positions wherever the route is "fused"
+        return dense_loss(problem.anchors, candidates, scale, problem.flat, columns=problem.columns,
+                          terms=self.logit_terms, num_neg=problem.num_neg, with_mean=self.needs_mean,
+                          normalize=self.normalize, dtype=plan.compute)
 
     def _terms(self, problem: Problem, pos: torch.Tensor, plan: Plan, scale, diagnostics: bool) -> Terms:
         """Per-anchor terms of one block from its positives' cosines ``pos`` [M, P] (a square one's rows, then its

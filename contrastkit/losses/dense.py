@@ -13,7 +13,7 @@ one backward written out by hand, each a short straight run of operators:
 
 The objective supplies only its formula and its partial derivatives (``logit_terms`` of each loss class, from
 functional.py: functional.LogitTerms); the setting supplies which entries are each anchor's positive and which are left out, as flat
-indices made once per shape and device (``layout``). The blockwise paths (chunked.py, triton/stats.py) serve
+indices made once per shape and device (base.positions). The blockwise paths (chunked.py, triton/stats.py) serve
 the matrices that do not fit (plan.choose_backend).
 """
 
@@ -32,59 +32,6 @@ class Layout(NamedTuple):
 
     positives: torch.Tensor
     excluded: torch.Tensor
-
-
-_PER_SHAPE: dict[tuple, tuple] = {}
-_MAX_PER_SHAPE = 128  # shapes seen in one run: the batch, the last batch, an evaluation's, per setting
-
-
-def per_shape(key: tuple, make):
-    """``make()``, the index tensors of a setting's layout, made once per ``key`` (its shape and device) and
-    cached, or made in the graph under torch.compile (a cached tensor would be a constant of it)."""
-    if torch.compiler.is_compiling():
-        return make()
-    found = _PER_SHAPE.get(key)
-    if found is None:
-        if len(_PER_SHAPE) >= _MAX_PER_SHAPE:
-            _PER_SHAPE.clear()
-        found = _PER_SHAPE[key] = make()
-    return found
-
-
-def layout(setting: str, n: int, total: int, start: int, device: torch.device, per_sample: int = 1) -> Layout:
-    """The layout of ``setting`` for n local anchors, this process's samples at ``start`` of ``total``:
-
-    - "two_views": anchors the 2n local views (view-major), candidates the 2 total views; anchor (v, i) has
-      its positive at view 1 - v of sample start + i, and leaves out both views of that sample;
-    - "image_text": one process (n = total), anchors the rows and then the columns of the square matrix, each
-      with its positive on the diagonal, which is left out;
-    - "rows": candidates ``per_sample`` rows per sample (image-text gathered: its other modality; a query's
-      key, then its hard negatives): anchor i's positive (left out) the first row of sample start + i;
-    - "queue": candidates the n keys, then a queue of ``total``: anchor i's positive its key, every key left out.
-
-    Made once per shape and device (a cache), or in the graph under torch.compile."""
-    return per_shape(("layout", setting, n, total, start, device, per_sample),
-                     lambda: _layout(setting, n, total, start, device, per_sample))
-
-
-def _layout(setting: str, n: int, total: int, start: int, device: torch.device, per_sample: int) -> Layout:
-    i = torch.arange(n, device=device)
-    if setting == "two_views":
-        width = 2 * total
-        own = torch.stack([start + i, total + start + i])  # [2, n]: sample start + i's column in each view
-        rows = torch.arange(2 * n, device=device).view(2, n) * width
-        positives = (rows + own.flip(0)).reshape(-1)
-        excluded = torch.cat([(rows + own[0]).reshape(-1), (rows + own[1]).reshape(-1)])
-    elif setting == "image_text":
-        diagonal = i * (n + 1)
-        positives, excluded = torch.cat([diagonal, diagonal]), diagonal
-    elif setting == "queue":
-        positives = i * (n + total) + i
-        excluded = (i[:, None] * (n + total) + i).reshape(-1)
-    else:
-        positives = i * (total * per_sample) + (start + i) * per_sample
-        excluded = positives.clone()  # two tensors: torch.compile cannot trace one given twice
-    return Layout(positives, excluded)
 
 
 def _units(x: torch.Tensor, dtype: torch.dtype, normalize: bool):

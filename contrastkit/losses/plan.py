@@ -177,7 +177,7 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
     backend, chunk_size, needs_mean, fuses, normalize = options
     path = choose_backend(backend, chunk_size, kind, low, float64, anchors * candidates, needs_mean)
     triton = None
-    if path == "triton":  # what the Triton path's route reads: its module's setting, and TF32
+    if path == "triton":
         if float64:
             raise TypeError(f"{name}: the Triton backend computes in float32 and cannot take float64 features; "
                             "use backend='torch' for float64")
@@ -186,7 +186,7 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
                                "CPU tensors TRITON_INTERPRET=1 set before triton is imported")
         from contrastkit.losses.triton import stats
 
-        triton = stats.FORWARD_LOGITS, precision.tf32_matmul_allowed()
+        triton = stats.FORWARD_LOGITS, precision.tf32_matmul_allowed(), first.device  # what its route reads
     key = (name, options, setting, anchors, candidates, float64, low, kind, host_checks, fused, path, triton)
     compiling = torch.compiler.is_compiling()
     found = None if compiling else _PLANS.get(key)
@@ -201,7 +201,9 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
         block, keep = blocking(kind, candidates, chunk_size)
         route = "fast" if host_checks else "exact"
     else:
-        route, tf32, half_units = stats.route(anchors, candidates, low or compute, normalize, first.device)
+        ampere = precision.ampere_or_later(first.device)  # the device's facts, read here only
+        route, tf32, half_units = stats.route(anchors, candidates, low or compute, normalize, ampere,
+                                              precision.tf32_matmul_allowed())
     plan = Plan(setting, path, route, compute, low if path == "triton" else None, host_checks, tf32, half_units,
                 anchors, candidates, block, keep)
     if not compiling:

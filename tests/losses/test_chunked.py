@@ -26,7 +26,7 @@ def _inputs(seed, setting, n, d, dtype, device="cpu"):
     return inputs(setting, n, d, dtype=dtype, device=device, seed=seed, queue=2 * n + 1, queue_grad=False)
 
 
-def _loss(name, setting, chunk, x, output_dict=False, **opts):
+def _blockwise_call(name, setting, chunk, x, output_dict=False, **opts):
     """Loss and the tensors to differentiate for one objective in one setting, on fresh leaves of x: the
     blockwise torch kernel (chunk None: its automatic blocks, which "auto" takes beyond the dense bound), unless
     ``backend`` says otherwise; chunk 0 the dense path."""
@@ -35,7 +35,7 @@ def _loss(name, setting, chunk, x, output_dict=False, **opts):
 
 
 def _value_and_grads(name, setting, chunk, x):
-    loss, leaves = _loss(name, setting, chunk, x)
+    loss, leaves = _blockwise_call(name, setting, chunk, x)
     return loss.detach(), torch.autograd.grad(loss, leaves)
 
 
@@ -58,10 +58,10 @@ def test_blockwise_equals_dense_float32(name, setting, device):
     the automatic choice, chunk_size None, is the blockwise kernel on the exact path)."""
     opts = {} if name == "cacr" else {"temperature": 0.05}
     x = _inputs(7, setting, 96, 32, torch.float32, device)
-    want, leaves = _loss(name, setting, 0, x, **opts)
+    want, leaves = _blockwise_call(name, setting, 0, x, **opts)
     want_grads = torch.autograd.grad(want, leaves)
     for chunk in (13, None):
-        got, leaves = _loss(name, setting, chunk, x, **opts)
+        got, leaves = _blockwise_call(name, setting, chunk, x, **opts)
         grads = torch.autograd.grad(got, leaves)
         assert abs(float(got.detach() - want.detach())) <= 1e-5 * abs(float(want.detach())), f"chunk {chunk}"
         for g, w in zip(grads, want_grads):
@@ -77,9 +77,9 @@ def test_triton_backend_equals_dense(name, setting, device):
     ragged against its tiles (21 anchors, 6 dimensions)."""
     opts = {} if name == "cacr" else {"temperature": 0.05}
     x = _inputs(hash((name, setting, 1)) % 2**31, setting, 21, 6, torch.float32, device)
-    want, leaves = _loss(name, setting, 0, x, **opts)
+    want, leaves = _blockwise_call(name, setting, 0, x, **opts)
     want_grads = torch.autograd.grad(want, leaves)
-    got, leaves = _loss(name, setting, None, x, backend="triton", **opts)
+    got, leaves = _blockwise_call(name, setting, None, x, backend="triton", **opts)
     grads = torch.autograd.grad(got, leaves)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, w in zip(grads, want_grads):
@@ -91,9 +91,9 @@ def test_triton_backend_takes_bf16_products_under_autocast(name, device):
     """Under bf16 autocast the Triton products take the unit vectors in bf16 (float32 accumulation): the
     loss within bf16's precision of the dense float32 one."""
     x = _inputs(31, "two_views", 40, 16, torch.float32, device)
-    want = _loss(name, "two_views", 0, x)[0]
+    want = _blockwise_call(name, "two_views", 0, x)[0]
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        got, leaves = _loss(name, "two_views", None, [t.bfloat16() for t in x], backend="triton")
+        got, leaves = _blockwise_call(name, "two_views", None, [t.bfloat16() for t in x], backend="triton")
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert all(g.dtype == torch.bfloat16 for g in torch.autograd.grad(got, leaves))
@@ -102,8 +102,8 @@ def test_triton_backend_takes_bf16_products_under_autocast(name, device):
 @pytest.mark.parametrize("name", SCORE_LOSSES)
 def test_diagnostics_are_the_same(name, device):
     x = _inputs(3, "two_views", 10, 5, torch.float64, device)
-    dense = _loss(name, "two_views", 0, x, output_dict=True)[0]
-    blocks = _loss(name, "two_views", 3, x, output_dict=True)[0]
+    dense = _blockwise_call(name, "two_views", 0, x, output_dict=True)[0]
+    blocks = _blockwise_call(name, "two_views", 3, x, output_dict=True)[0]
     assert dense.keys() == blocks.keys()
     for key in dense:
         torch.testing.assert_close(blocks[key], dense[key], rtol=1e-12, atol=1e-12, msg=key)
@@ -221,7 +221,7 @@ def _run(rank, world, sizes, init_file, out_dir):
     for name in SCORE_LOSSES:
         for setting in TWO_PROCESS_SETTINGS:
             local = shard(setting, _inputs(5, setting, sum(sizes), 6, torch.float64), lo, hi)
-            loss, leaves = _loss(name, setting, 2, local, gather_distributed="uneven")
+            loss, leaves = _blockwise_call(name, setting, 2, local, gather_distributed="uneven")
             ratios.clear()
             (weight * loss).backward()
             results[name, setting] = (float(loss) * weight, [t.grad for t in leaves], list(ratios))
@@ -237,7 +237,7 @@ def test_two_processes_blockwise_equal_one_process_dense(tmp_path):
     fork_ranks(_run, (2, sizes, str(tmp_path / "init"), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for (name, setting), _ in ranks[0].items():
-        want, leaves = _loss(name, setting, 0, _inputs(5, setting, sum(sizes), 6, torch.float64))
+        want, leaves = _blockwise_call(name, setting, 0, _inputs(5, setting, sum(sizes), 6, torch.float64))
         want_grads = torch.autograd.grad(want, leaves)
         assert sum(r[name, setting][0] for r in ranks) == pytest.approx(float(want), rel=1e-10), (name, setting)
         for r, rank_weight in zip(ranks, (3 / 7, 4 / 7)):
@@ -362,9 +362,9 @@ def test_guessed_gradient_is_taken_and_exact(name, setting, factor, guesses):
     backward takes them (times the upstream factor) and the gradients equal the dense float64 ones. On one
     process image-text takes them for CACR (each direction as rows) and not for the others (columns)."""
     x = _inputs(21, setting, 13, 6, torch.float64)
-    want, leaves = _loss(name, setting, 0, x)
+    want, leaves = _blockwise_call(name, setting, 0, x)
     want_grads = torch.autograd.grad(factor * want, leaves)
-    got, leaves = _loss(name, setting, 4, x)
+    got, leaves = _blockwise_call(name, setting, 4, x)
     grads = torch.autograd.grad(factor * got, leaves)
     one_product = setting == "image_text_scale" and name != "cacr"
     assert guesses == ([] if one_product else [pytest.approx(factor)] * (2 if setting == "image_text_scale" else 1))
@@ -376,9 +376,9 @@ def test_guessed_gradient_is_taken_and_exact(name, setting, factor, guesses):
 def test_guessed_gradient_float32_is_taken(guesses):
     """In float32 the guess and autograd's gradient differ by rounding only: taken, and exact to 1e-5."""
     x = _inputs(22, "two_views", 200, 32, torch.float32)
-    want, leaves = _loss("infonce", "two_views", 0, x, temperature=0.05)
+    want, leaves = _blockwise_call("infonce", "two_views", 0, x, temperature=0.05)
     want_grads = torch.autograd.grad(want, leaves)
-    got, leaves = _loss("infonce", "two_views", None, x, temperature=0.05)
+    got, leaves = _blockwise_call("infonce", "two_views", None, x, temperature=0.05)
     grads = torch.autograd.grad(got, leaves)
     assert guesses == [pytest.approx(1.0)]
     for g, w in zip(grads, want_grads):
@@ -424,7 +424,7 @@ def test_retain_graph_backward_twice():
     """Saved blocks and guesses survive a retained graph: two backward passes give the same gradients."""
     # guessed, kept, guessed
     for name, setting in (("infonce", "two_views"), ("infonce", "image_text"), ("cacr", "two_views")):
-        loss, leaves = _loss(name, setting, None, _inputs(25, setting, 12, 5, torch.float64))
+        loss, leaves = _blockwise_call(name, setting, None, _inputs(25, setting, 12, 5, torch.float64))
         first = torch.autograd.grad(loss, leaves, retain_graph=True)
         second = torch.autograd.grad(loss, leaves)
         for f, s in zip(first, second):
@@ -451,7 +451,7 @@ def test_kept_blocks_freed_by_backward(case, monkeypatch):
         monkeypatch.setattr(chunked, fn_name, spy)
     x = _inputs(26, "image_text", 20, 6, torch.float32)
     if case == "image-text":
-        out, leaves = _loss("infonce", "image_text", None, x)
+        out, leaves = _blockwise_call("infonce", "image_text", None, x)
     else:  # no guess: the blocks are kept
         leaves = fresh(x)
         out = negative_stats(*leaves, 5.0, exclude=torch.arange(20)[:, None], block=6, keep=10**9,
@@ -469,8 +469,8 @@ def test_no_grad_keeps_nothing(monkeypatch):
     original = chunked._fast_rows
     monkeypatch.setattr(chunked, "_fast_rows", lambda *args: seen.append((args[4], args[6])) or original(*args))
     x = _inputs(27, "two_views", 20, 6, torch.float32)
-    with_grad = _loss("infonce", "two_views", None, x)[0]
+    with_grad = _blockwise_call("infonce", "two_views", None, x)[0]
     with torch.no_grad():
-        without = _loss("infonce", "two_views", None, x)[0]
+        without = _blockwise_call("infonce", "two_views", None, x)[0]
     assert seen[0][1] is not None and seen[1] == (0, None)
     torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)

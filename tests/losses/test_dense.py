@@ -18,7 +18,7 @@ from test_device_path import no_host_data_on_the_device  # noqa: F401  (a fixtur
 from test_memory import MiB, count
 
 import reference
-from contrastkit.losses import build_loss, dense, plan
+from contrastkit.losses import base, build_loss, plan
 
 pytestmark = pytest.mark.quick
 
@@ -151,18 +151,19 @@ def test_one_sample_is_an_error():
             call(build_loss("dcl"), setting, _inputs(0, setting, n=1))
 
 
-def test_layouts_are_made_once_per_shape():
-    """A call's index tensors (dense.layout's, base.positions') are made on its first call of a shape, then
-    found: the fused call's layout, a blockwise call's positions; the cache stays bounded."""
-    dense._PER_SHAPE.clear()
+def test_positions_are_made_once_per_shape():
+    """A call's index tensors (base.positions) are made on its first call of a shape, then found: the fused
+    call's (with its flat indices) and a blockwise call's apart; the cache stays bounded."""
+    base._PER_SHAPE.clear()
     x = _inputs(0, "two_views", n=5)
     for _ in range(3):
         build_loss("dcl")(*x)
         build_loss("dcl", backend="torch")(*x)
-    assert sorted(key[:2] for key in dense._PER_SHAPE) == [("layout", "two_views"), ("positions", "views")]
-    for n in range(2, 2 + dense._MAX_PER_SHAPE + 1):
-        dense.layout("rows", n, n, 0, torch.device("cpu"))
-    assert len(dense._PER_SHAPE) <= dense._MAX_PER_SHAPE
+    assert sorted((key[:2], key[-1]) for key in base._PER_SHAPE) == [(("positions", "views"), False),
+                                                                    (("positions", "views"), True)]
+    for n in range(2, 2 + base._MAX_PER_SHAPE + 1):
+        base.positions("keys", 1, n, n, 0, torch.device("cpu"), fused=True)
+    assert len(base._PER_SHAPE) <= base._MAX_PER_SHAPE
 
 
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])

@@ -37,7 +37,7 @@ def _expected(kind, mode, setting, x, given):
     return reference.loss(kind, setting, x, mode=mode, **given, **PARAMS[kind][1])
 
 
-def _loss(kind, mode, **options):
+def _labelled_loss(kind, mode, **options):
     return build_loss(kind, **PARAMS[kind][0], same_label=mode, **options)
 
 
@@ -47,7 +47,7 @@ def _loss(kind, mode, **options):
 def test_labels_match_float64_reference(kind, mode, setting, chunk_size):
     seed = hash((kind, mode, setting)) % 2**31
     x, given = _inputs(seed, setting)
-    got = call(_loss(kind, mode, chunk_size=chunk_size), setting, x, **given)
+    got = call(_labelled_loss(kind, mode, chunk_size=chunk_size), setting, x, **given)
     expected = _expected(kind, mode, setting, x, given)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     grads = torch.autograd.grad(got, x)
@@ -60,7 +60,7 @@ def test_float32_with_labels_close_to_float64_reference(kind, mode):
     """float32 features: the CPU's fast path (sampled shifts, backward guessed in forward) with labels."""
     x, given = _inputs(7, "two_views", n=16, d=8, classes=4)
     x32 = [t.detach().float().requires_grad_() for t in x]
-    got = call(_loss(kind, mode), "two_views", x32, **given)
+    got = call(_labelled_loss(kind, mode), "two_views", x32, **given)
     expected = _expected(kind, mode, "two_views", x, given)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(torch.autograd.grad(got, x32), torch.autograd.grad(expected, x)):
@@ -80,7 +80,7 @@ def test_distinct_labels_mask_nothing(kind, setting):
     dense path's Function runs autograd's), so bit-identity is not the claim."""
     x, _ = _inputs(3, setting)
     for chunk_size in CHUNKS:
-        fn = _loss(kind, "mask", chunk_size=chunk_size)
+        fn = _labelled_loss(kind, "mask", chunk_size=chunk_size)
         got = call(fn, setting, x, **_distinct(setting))
         plain = call(fn, setting, x)
         for g, e in zip((got, *torch.autograd.grad(got, x)), (plain, *torch.autograd.grad(plain, x))):
@@ -94,8 +94,8 @@ def test_distinct_labels_as_positives_are_the_plain_loss(kind, setting):
     loss (to rounding: the positives' sums are built another way). CACR's too with several views: its plain
     attraction already weighs all of an anchor's own positives by one softmax."""
     x, _ = _inputs(4, setting)
-    got = call(_loss(kind, "positive", chunk_size=2), setting, x, **_distinct(setting))
-    plain = call(_loss(kind, "mask", chunk_size=2 if setting != "queue" else None), setting, x)
+    got = call(_labelled_loss(kind, "positive", chunk_size=2), setting, x, **_distinct(setting))
+    plain = call(_labelled_loss(kind, "mask", chunk_size=2 if setting != "queue" else None), setting, x)
     torch.testing.assert_close(got, plain, rtol=1e-13, atol=1e-13)
     for g, e in zip(torch.autograd.grad(got, x), torch.autograd.grad(plain, x)):
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-13)
@@ -105,15 +105,15 @@ def test_distinct_labels_as_positives_are_the_plain_loss(kind, setting):
 def test_one_label_for_all_leaves_no_negative(kind, mode):
     x, _ = _inputs(5, "two_views")
     with pytest.raises(ValueError, match="no negative left"):
-        _loss(kind, mode)(x[0], x[1], labels=torch.zeros(6, dtype=torch.long))
+        _labelled_loss(kind, mode)(x[0], x[1], labels=torch.zeros(6, dtype=torch.long))
     with pytest.raises(ValueError, match="no negative left"):
-        _loss(kind, mode, chunk_size=0).cross_modal(x[0], x[1], labels=torch.full((6,), 3))
+        _labelled_loss(kind, mode, chunk_size=0).cross_modal(x[0], x[1], labels=torch.full((6,), 3))
 
 
 def test_bad_labels_are_named():
     x, given = _inputs(6, "queue")
     labels, queue = given["labels"], x[2]
-    fn = _loss("dcl", "mask")
+    fn = _labelled_loss("dcl", "mask")
     for bad, match in [(labels[:5], r"must be \[6\]"), (labels[:, None], r"must be \[6\]"),
                        (labels.double(), "integer dtype"), (labels.bool(), "integer dtype"),
                        (labels.tolist(), "torch.Tensor"), (labels.to("meta"), "is on meta")]:
@@ -139,7 +139,7 @@ def test_labels_on_the_triton_backend(kind, mode, setting):
     seed = hash((kind, mode, setting, "triton")) % 2**31
     x, given = _inputs(seed, setting)
     x32 = [t.detach().float().requires_grad_() for t in x]
-    got = call(_loss(kind, mode, backend="triton"), setting, x32, **given)
+    got = call(_labelled_loss(kind, mode, backend="triton"), setting, x32, **given)
     expected = _expected(kind, mode, setting, x, given)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(torch.autograd.grad(got, x32), torch.autograd.grad(expected, x)):
@@ -158,7 +158,7 @@ def test_mask_cuts_same_label_samples_off_and_positive_pulls_them():
     labels = torch.tensor([0, 0, 1, 2])
     for mode in ("mask", "positive"):
         z1, z2 = (t.detach().clone().requires_grad_() for t in x[:2])
-        per_anchor = _loss("dcl", mode, chunk_size=2, reduction="none")(z1, z2, labels=labels)
+        per_anchor = _labelled_loss("dcl", mode, chunk_size=2, reduction="none")(z1, z2, labels=labels)
         (g,) = torch.autograd.grad(per_anchor[0], [z2])
         if mode == "mask":
             assert torch.equal(g[1], torch.zeros_like(g[1]))
@@ -172,7 +172,7 @@ def test_cacr_positive_moves_only_the_attraction(setting):
     """CACR's negatives are the other labels' candidates in both modes: "positive" has "mask"'s repulsion (to
     rounding), and only its attraction, over the label's candidates too, differs."""
     x, given = _inputs(8, setting)
-    mask, positive = (call(_loss("cacr", mode, chunk_size=2), setting, x, output_dict=True, **given)
+    mask, positive = (call(_labelled_loss("cacr", mode, chunk_size=2), setting, x, output_dict=True, **given)
                       for mode in ("mask", "positive"))
     torch.testing.assert_close(positive["repulsion"], mask["repulsion"], rtol=1e-13, atol=1e-14)
     assert float((positive["attraction"] - mask["attraction"]).abs()) > 1e-3
@@ -188,13 +188,13 @@ def test_sparse_labels_keep_the_fast_path(kind, monkeypatch):
     g = torch.Generator().manual_seed(2)
     z = [torch.randn(150, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     labels = torch.randint(60, (150,), generator=g)
-    dense = _loss(kind, "positive", chunk_size=0)(*z, labels=labels)
+    dense = _labelled_loss(kind, "positive", chunk_size=0)(*z, labels=labels)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the safe path ran")
 
     monkeypatch.setattr(chunked, "_safe_forward", refuse)
-    fast = _loss(kind, "positive")(*z, labels=labels)
+    fast = _labelled_loss(kind, "positive")(*z, labels=labels)
     torch.testing.assert_close(fast, dense, rtol=1e-12, atol=1e-12)
     for a, b in zip(torch.autograd.grad(fast, z), torch.autograd.grad(dense, z)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import contrastkit.losses.chunked as chunked
-import contrastkit.losses.dense as dense
+import contrastkit.losses.base as base
 from contrastkit.losses import build_loss
 from contrastkit.losses.plan import DEVICE_BLOCK_ELEMENTS
 
@@ -61,9 +61,9 @@ class LiveBytes(TorchDispatchMode):
 def count(call, inputs, inside=None):
     """(bytes kept from forward to backward, bytes saved for backward, peak bytes beyond the inputs and
     their gradients) of ``call(*inputs)`` then backward, inputs on the meta device, as a first call of its shape
-    (its index tensors made, and then held by their cache: dense.per_shape). inside: operators whose own
+    (its index tensors made, and then held by their cache: base.per_shape). inside: operators whose own
     temporaries count too (see triton_ops)."""
-    dense._PER_SHAPE.clear()
+    base._PER_SHAPE.clear()
     saved = {}
 
     def pack(t):

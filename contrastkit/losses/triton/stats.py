@@ -165,7 +165,7 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
 def takes_half_units(x, normalize):
     """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
     vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32; see route)."""
-    return route(1, 1, x.dtype, normalize, x.device)[2]
+    return route(1, 1, x.dtype, normalize, precision.ampere_or_later(x.device), precision.tf32_matmul_allowed())[2]
 
 
 def _takes_units(dtype, normalized, tf32):
@@ -391,17 +391,19 @@ def _backward(ctx, grad, _):
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-def route(m: int, k: int, dtype: torch.dtype, normalize: bool, device: torch.device) -> tuple[str, bool, bool]:
-    """The Triton path's decisions for an [m, k] matrix of features in ``dtype`` on ``device`` (made once per
-    call, by its plan: plan.make_plan): (where the forward's logits come from, whether float32 products may
-    use TF32, whether the products take float16 unit vectors). The logits (LOGITS): FORWARD_LOGITS where it
-    names one, else "auto": "dense" where the float32 matrix fits DENSE_BYTES, else the fused kernel
-    ("kernel") where its operands are 16-bit (bf16/fp16, or float16 units for float32 under TF32:
-    HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's products ("cublas")."""
-    ampere = precision.ampere_or_later(device)
+def route(m: int, k: int, dtype: torch.dtype, normalize: bool, ampere: bool, tf32_allowed: bool
+          ) -> tuple[str, bool, bool]:
+    """The Triton path's decisions for an [m, k] matrix of features in ``dtype`` on a GPU that is ``ampere`` or
+    later (precision.ampere_or_later) where the user allows TF32 or not (precision.tf32_matmul_allowed): the
+    device's facts read once, by the call's plan (plan.make_plan). Returns (where the forward's logits come
+    from, whether float32 products may use TF32, whether the products take float16 unit vectors). The logits
+    (LOGITS): FORWARD_LOGITS where it names one, else "auto": "dense" where the float32 matrix fits
+    DENSE_BYTES, else the fused kernel ("kernel") where its operands are 16-bit (bf16/fp16, or float16 units
+    for float32 under TF32: HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's products
+    ("cublas")."""
     if dtype == torch.bfloat16 and not ampere:
         dtype = torch.float32  # taken as its float32 copies there (negative_stats_triton)
-    tf32 = dtype == torch.float32 and precision.tf32_matmul_allowed() and ampere
+    tf32 = dtype == torch.float32 and tf32_allowed and ampere
     half = _takes_units(dtype, normalize, tf32)
     if FORWARD_LOGITS != "auto":
         return FORWARD_LOGITS, tf32, half
@@ -498,12 +500,14 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
     same = candidates is anchors
-    if anchors.dtype == torch.bfloat16 and not precision.ampere_or_later(anchors.device):
+    ampere = precision.ampere_or_later(anchors.device)
+    if anchors.dtype == torch.bfloat16 and not ampere:
         # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
         anchors = anchors.float()
         candidates = anchors if same else candidates.float()
     if forward_logits in (None, "auto") or tf32 is None:
-        logits, tf32, _ = route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize, anchors.device)
+        logits, tf32, _ = route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize, ampere,
+                                precision.tf32_matmul_allowed())
         forward_logits = logits if forward_logits in (None, "auto") else forward_logits
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits)
     if isinstance(scale, torch.Tensor):
