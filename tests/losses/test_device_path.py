@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from settings import SCORE_LOSSES, call
-from test_chunked import SETTINGS, _inputs, _loss, _value_and_grads
+from test_chunked import SETTINGS, _inputs, _blockwise_call, _value_and_grads
 
 import contrastkit.losses.chunked as chunked
 from contrastkit.losses import build_loss
@@ -130,7 +130,7 @@ def test_symmetric_backward_gradcheck(with_mean, keep, device_path):
 
 
 def _meta_call(name, setting):
-    return _loss(name, setting, None, _inputs(0, setting, 9, 5, torch.float32, "meta"))
+    return _blockwise_call(name, setting, None, _inputs(0, setting, 9, 5, torch.float32, "meta"))
 
 
 @pytest.fixture
@@ -215,7 +215,7 @@ def test_loss_scaler_gradient_stays_finite(name, setting, backend, device_path):
     times the gradient: the excluded pairs' finite logit never overflows against a large upstream gradient
     (CACR's mean term multiplies it by g_mean / scale; seen as inf on an H100 with the excluded logit at a
     quarter of float32's range)."""
-    loss, leaves = _loss(name, setting, None, _inputs(7, setting, 64, 16, torch.float32), backend=backend)
+    loss, leaves = _blockwise_call(name, setting, None, _inputs(7, setting, 64, 16, torch.float32), backend=backend)
     grads = torch.autograd.grad(loss, leaves, retain_graph=True)
     scaled = torch.autograd.grad(loss * 2.0**24, leaves)
     for g, s in zip(grads, scaled):
@@ -232,7 +232,7 @@ def test_backward_called_inside_autocast(name, setting, backend, device_path):
     backward failed there, a bf16 product meeting a float32 one), and gives the gradients of a backward
     called outside: exactly with the torch kernel; with Triton to bf16's rounding, as the builtin ops around
     its kernels (the positives' products on unit vectors) take autocast's dtype in backward as anywhere."""
-    loss, leaves = _loss(name, setting, None, _inputs(3, setting, 40, 16, torch.float32), backend=backend)
+    loss, leaves = _blockwise_call(name, setting, None, _inputs(3, setting, 40, 16, torch.float32), backend=backend)
     want = torch.autograd.grad(loss, leaves, retain_graph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         grads = torch.autograd.grad(loss, leaves)
