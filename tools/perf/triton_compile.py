@@ -4,17 +4,19 @@ T4) on this machine, no GPU needed (triton.compile with a GPUTarget, then the pt
 for registers and spills).
 
     TRITON_INTERPRET=0 python tools/perf/triton_compile.py              # the whole autotune space, D = 512
-    TRITON_INTERPRET=0 python tools/perf/triton_compile.py --quick --json   # tests/losses/test_triton_compile.py
+    TRITON_INTERPRET=0 python tools/perf/triton_compile.py --quick --json --jobs 1   # tests/losses/test_triton_compile.py
 
 Tiles: BLOCK_M x BLOCK_N x BLOCK_D (d logits: BLOCK_M x BLOCK_N, no product inside). Per compiled kernel: the
 tensor-core instruction in the PTX (wgmma on sm_90, tcgen05 on sm_100, mma.sync on sm_80 and sm_120), registers
 per thread, spill bytes, shared memory, and the blocks per SM those allow (the occupancy: 64 K registers and
-228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM).
+228 KiB (sm_90) / 164 KiB (sm_80) of shared memory per SM). ptxas's log of each kernel is kept in triton's
+cache folder beside triton's compiles, by the ptxas and the PTX (--no-cache: assembled again).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -91,12 +93,7 @@ def compile_kernel(case: dict) -> dict:
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
-    ptxas = _ptxas(arch)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        log = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}",
-                              str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+    log = _assemble(_ptxas(arch), arch, ptx, case.get("cache", True))
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     shared = compiled.metadata.shared
@@ -106,6 +103,35 @@ def compile_kernel(case: dict) -> dict:
                                                ("mma.sync", "mma.sync")) if op in ptx), "none (FMA)")
     return dict(case, instruction=instruction, registers=registers, spill_bytes=spills, shared_bytes=shared,
                 blocks_per_sm=blocks)
+
+
+def _assemble(ptxas: str, arch: int, ptx: str, cache: bool = True) -> str:
+    """ptxas -v's log (registers, spills) for the PTX. Kept in triton's cache folder as triton keeps its compiles,
+    by what decides it: the ptxas binary (its path, version, size and time), its options and the PTX (a kernel's
+    change changes its PTX): the same key, the same log, without the seconds of assembly."""
+    import hashlib
+
+    from triton.runtime.cache import get_cache_manager
+
+    options = ["-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}"]
+    stat = os.stat(ptxas)
+    key = hashlib.sha256("\0".join([ptxas, _version(ptxas), str(stat.st_size), str(stat.st_mtime_ns), *options, ptx])
+                         .encode()).hexdigest()
+    manager = get_cache_manager(key)
+    found = manager.get_file("ptxas.log") if cache else None
+    if found is not None:
+        return Path(found).read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        log = subprocess.run([str(ptxas), *options, str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    manager.put(log, "ptxas.log", binary=False)
+    return log
+
+
+@functools.cache
+def _version(ptxas: str) -> str:
+    return subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True).stdout
 
 
 def _ptxas(arch: int) -> str:
@@ -195,15 +221,24 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one configuration per kernel (the test's set)")
     parser.add_argument("--d", type=int, default=512, help="feature dimension (default 512)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
-    parser.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2; 1: in this process)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="assemble every kernel again (ptxas's logs are kept in triton's cache folder)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         parser.error("TRITON_INTERPRET is set: run with TRITON_INTERPRET=0")
     if args.d < 1:
         parser.error(f"--d must be positive, got {args.d}")
     cases = quick_cases(args.d) if args.quick else all_cases(args.d)
-    with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(compile_kernel, cases))
+    if args.no_cache:
+        cases = [dict(c, cache=False) for c in cases]
+    if args.jobs == 1:  # no worker to start (and to import triton and torch again)
+        results = [compile_kernel(c) for c in cases]
+    else:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(compile_kernel, cases))
+    for r in results:
+        r.pop("cache", None)
     print(json.dumps(results) if args.json else table(results))
     return 0
 
