@@ -11,13 +11,14 @@ from pathlib import Path
 from contrastkit.data import speech
 
 
-def tiny_copies(tmp_path) -> tuple[Path, Path]:
-    """FSC (24 train, 8 valid, 8 test utterances: 2 speakers each, (de)activate intents only) and VoxCeleb1
-    (3 speakers: 4 train, 2 dev, 2 test utterances each) copies under ``tmp_path``: (fsc, vox)."""
+def tiny_copies(tmp_path, fsc_sizes: tuple[int, int, int] = (24, 8, 8)) -> tuple[Path, Path]:
+    """FSC (24 train, 8 valid, 8 test utterances, or ``fsc_sizes``: 2 speakers each, (de)activate intents only;
+    the first 12 of train hold both actions, both objects and 3 locations) and VoxCeleb1 (3 speakers: 4 train,
+    2 dev, 2 test utterances each) copies under ``tmp_path``: (fsc, vox)."""
     src = speech.default_speech_data(small=True)
     fsc = tmp_path / "fsc"
     (fsc / "data").mkdir(parents=True)
-    for split, n in (("train", 24), ("valid", 8), ("test", 8)):
+    for split, n in zip(("train", "valid", "test"), fsc_sizes):
         rows = speech.read_fsc(src / "fsc", split)
         speakers = sorted({r["speaker"] for r in rows})[:2]
         picked = [r for r in rows if r["speaker"] in speakers and r["intent"].startswith(("activate", "deactivate"))][:n]

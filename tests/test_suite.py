@@ -265,16 +265,17 @@ def test_missing_interpreter_skips_the_domain_with_a_clear_line(tmp_path):
 
 
 def _speech_suite(tmp_path, domain):
-    """On tiny copies of the FSC and VoxCeleb1 layouts (speech_copies: 40 utterances, not the tests' subset's 360,
-    whose features through each cell's upstream were most of the test's time)."""
+    """On tiny copies of the FSC and VoxCeleb1 layouts (speech_copies, FSC's at 12 train, 4 valid and 4 test
+    utterances: not the tests' subset's 360, nor the copies' usual 40, whose features through each cell's upstream
+    were most of the work beside the processes' start-up), one training step."""
     from speech_copies import tiny_copies
 
-    fsc, vox = tiny_copies(tmp_path / "data")
+    fsc, vox = tiny_copies(tmp_path / "data", fsc_sizes=(12, 4, 4))
     config = _config(tmp_path)
     config["domains"] = {domain: {**load_config(None)["domains"][domain], "fsc": str(fsc),
                                   "voxceleb": str(vox), "evals": ["intent"],
                                   "eval_options": {"intent": {"epochs": 2}}}}
-    config["domains"][domain]["train"] = {**config["domains"][domain]["train"], "steps": 2, "batch-size": 4,
+    config["domains"][domain]["train"] = {**config["domains"][domain]["train"], "steps": 1, "batch-size": 4,
                                           "max-seconds": 1.0, "no-pretext-eval": True}
     report = run_suite(config, progress=False)
     assert not report["failures"], report["failures"]
@@ -296,7 +297,7 @@ def test_speech_columns_with_the_untrained_row(request, tmp_path, domain):
     for row in ("untrained", "dcl"):
         assert set(report["table"][row]) == {"intent" + suffix}
     cells = {c["objective"]: c for c in report["cells"]}
-    assert "--steps 0" in cells["untrained"]["commands"][0] and "--steps 2" in cells["dcl"]["commands"][0]
+    assert "--steps 0" in cells["untrained"]["commands"][0] and "--steps 1" in cells["dcl"]["commands"][0]
     if suffix:
         assert all(c.startswith(".venv-legacy/bin/python ") for c in cells["dcl"]["commands"])
         assert "--backend fairseq2" in cells["dcl"]["commands"][0]
