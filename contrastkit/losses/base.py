@@ -223,9 +223,10 @@ def positions(kind: str, p: int, n: int, total: int, start: int, device: torch.d
             low, high = torch.minimum(view[:, None], others), torch.maximum(view[:, None], others)
             pair = low * (2 * p - low - 1) // 2 + high - low - 1  # the pair (low, high)'s place among a < b
             positives = (pair[:, None] * n + i[None, :, None]).reshape(p * n, p - 1)
-            itself = own.T.reshape(p * n, 1)
-            flat = _flat(own.repeat(p, 1), own.flip(1).T.reshape(-1), p * total) if fused else None
-            return Positions(own.repeat(p, 1), positives, itself, flat)
+            mine = own.repeat(p, 1)
+            # fused (two views): each anchor's positive is its sample's column in the other view
+            flat = _flat(mine, own.flip(1).T.reshape(-1), p * total) if fused else None
+            return Positions(mine, positives, own.T.reshape(p * n, 1), flat)
         if kind == "image_text":
             diagonal = i * (n + 1)  # the rows' positives, then the columns': the same diagonal
             return Positions(i[:, None], i.repeat(2)[:, None], None,
