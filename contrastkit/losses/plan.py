@@ -176,7 +176,7 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
     low = low_precision(features, first.device)
     backend, chunk_size, needs_mean, fuses, normalize = options
     path = choose_backend(backend, chunk_size, kind, low, float64, anchors * candidates, needs_mean)
-    triton = None
+    triton, tf32_allowed = None, False
     if path == "triton":
         if float64:
             raise TypeError(f"{name}: the Triton backend computes in float32 and cannot take float64 features; "
@@ -186,7 +186,8 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
                                "CPU tensors TRITON_INTERPRET=1 set before triton is imported")
         from contrastkit.losses.triton import stats
 
-        triton = stats.FORWARD_LOGITS, precision.tf32_matmul_allowed(), first.device  # what its route reads
+        tf32_allowed = precision.tf32_matmul_allowed()
+        triton = stats.FORWARD_LOGITS, tf32_allowed, first.device  # what its route reads
     key = (name, options, setting, anchors, candidates, float64, low, kind, host_checks, fused, path, triton)
     compiling = torch.compiler.is_compiling()
     found = None if compiling else _PLANS.get(key)
@@ -202,8 +203,7 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
         route = "fast" if host_checks else "exact"
     else:
         ampere = precision.ampere_or_later(first.device)  # the device's facts, read here only
-        route, tf32, half_units = stats.route(anchors, candidates, low or compute, normalize, ampere,
-                                              precision.tf32_matmul_allowed())
+        route, tf32, half_units = stats.route(anchors, candidates, low or compute, normalize, ampere, tf32_allowed)
     plan = Plan(setting, path, route, compute, low if path == "triton" else None, host_checks, tf32, half_units,
                 anchors, candidates, block, keep)
     if not compiling:
