@@ -25,8 +25,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     (so the backward pass is that of batch norm on the concatenated batch): the global mean, then the
     global mean of squared deviations from it, which stays exact for inputs far from zero (a one-pass
     E[x^2] - E[x]^2 loses every digit at mean/std ~ 1e3 in float32). Eval mode, and training on a single
-    process, use torch's own batch norm: the same statistics in one fused kernel (about a third of a CPU
-    step for the small CNN otherwise), as ``nn.SyncBatchNorm`` does without a process group.
+    process, use torch's own batch norm, as ``nn.SyncBatchNorm`` does without a process group: the same
+    statistics in one kernel, not a dozen operators (the vision learning tests' CPU time: 65 -> 58 s).
     """
 
     def _check_input_dim(self, x):
