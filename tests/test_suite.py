@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from contrastkit.suite import ROOT, load_config, markdown, plan, run_suite
+from environments import needs_fairseq2
 
 TINY_VISION = {"train": {"method": "simclr", "batch-size": 16, "steps": 3, "train-images": 120, "test-images": 60,
                          "threads": 1}, "evals": ["knn", "linear_probe"]}
@@ -282,14 +283,12 @@ def _speech_suite(tmp_path, domain):
     return report
 
 
-@pytest.mark.parametrize("domain", ["speech", pytest.param("speech_fairseq2", marks=pytest.mark.legacy)])
+@pytest.mark.parametrize("domain", ["speech", pytest.param("speech_fairseq2", marks=needs_fairseq2)])
 def test_speech_columns_with_the_untrained_row(request, tmp_path, domain):
-    """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter, as processes
-    whichever environment runs the test; the current stack's in this process), intent only (speaker ID runs the
+    """A tiny speech suite per backend (fairseq2's cells run by the second environment's interpreter, as processes,
+    tested in that environment's tier: the suite's driver is the same code in both, and the main tier ran those
+    processes a second time for 25 s; the current stack's in this process), intent only (speaker ID runs the
     same way): the untrained row from --steps 0, the trained row, the paired verdict."""
-    if domain == "speech_fairseq2" and not (ROOT / ".venv-legacy/bin/python").exists():
-        pytest.skip("needs the second environment (.venv-legacy, bash setup.sh --legacy-only): runs in CI's "
-                    "legacy step, .venv-legacy/bin/python -m pytest -m legacy")
     if domain == "speech":
         request.getfixturevalue("cells_in_process")
     report = _speech_suite(tmp_path, domain)

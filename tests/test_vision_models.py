@@ -10,7 +10,9 @@ from contrastkit.vision.models import SyncBatchNorm, build_backbone, projection_
 pytestmark = pytest.mark.quick
 
 
-def test_sync_batchnorm_equals_batchnorm_on_one_process():
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered_formula", "dispatch"])
+def test_sync_batchnorm_equals_batchnorm_on_one_process(gathered):
+    """Its own two-pass formula (what runs on several processes) and what one process runs (torch's)."""
     torch.manual_seed(0)
     for shape in ((6, 5, 4, 3), (7, 5)):
         x = torch.randn(*shape, dtype=torch.float64) * 3 + 1
@@ -20,7 +22,7 @@ def test_sync_batchnorm_equals_batchnorm_on_one_process():
                 m.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
                 m.bias.uniform_(-1, 1, generator=torch.Generator().manual_seed(2))
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ya, yb = ours(xa), ref(xb)
+        ya, yb = (ours.forward_gathered if gathered else ours)(xa), ref(xb)
         torch.testing.assert_close(ya, yb)
         (ya * torch.arange(ya.numel()).reshape(ya.shape)).sum().backward()
         (yb * torch.arange(yb.numel()).reshape(yb.shape)).sum().backward()
@@ -40,7 +42,7 @@ def test_sync_batchnorm_variance_is_exact_far_from_zero():
     ours, ref = SyncBatchNorm(4), nn.BatchNorm2d(4)
     ref.load_state_dict(ours.state_dict())
     x64 = x.detach().double().requires_grad_()
-    y, y_ref = ours(x), ref.double()(x64)
+    y, y_ref = ours.forward_gathered(x), ref.double()(x64)
     torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=1e-3)
     g = torch.randn_like(y)
     y.backward(g)

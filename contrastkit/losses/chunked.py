@@ -51,7 +51,6 @@ from typing import NamedTuple
 import torch
 
 from contrastkit.losses import precision
-from contrastkit.losses.plan import host_checks_allowed
 
 # Excluded pairs get a finite, hugely negative logit: exp() of it is exactly 0, and unlike -inf it never
 # makes 0 * inf = NaN in the mean or its gradient. -2^100, not near float32's limit: the mean's gradient
@@ -716,7 +715,7 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
                    block: int, with_mean: bool = False, columns: bool = False, keep: int = 0,
                    row_grad=None, symmetric: bool = False, normalize: bool = False,
                    labels: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   same_label: bool = True, fast: bool | None = None):
+                   same_label: bool = True, fast: bool = False):
     """Per-anchor statistics of the negatives' logits scale * anchors @ candidates.T, blockwise.
 
     anchors [M, D], candidates [K, D]; scale a float or a 0-dim tensor (gets its gradient); exclude
@@ -743,8 +742,10 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
     statistics of the excluded logit (lse about -2^100: exp of it is 0); the fast path then hands the call
     to the safe one.
 
-    fast: the fast implementation (sampled shifts, values checked on the host) where it serves, or the safe
-    one alone (False); None: where host reads are free (host_checks_allowed). The losses pass their plan's.
+    fast: the fast implementation (sampled shifts, values checked on the host) where it serves, else the safe
+    one alone (the default: no host reads, so it runs under torch.compile and on CUDA without a sync). The
+    caller says whether host reads are free; the losses pass their plan's. Only a fast call has its
+    ``exclude`` read on the host (columns: that it is the diagonal).
     """
     if columns and labels is not None:
         raise ValueError("columns=True takes no labels: give each direction as rows")
@@ -752,14 +753,14 @@ def negative_stats(anchors: torch.Tensor, candidates: torch.Tensor, scale, *, ex
         m = anchors.shape[0]
         if candidates.shape[0] != m:
             raise ValueError(f"columns=True needs a square matrix, got {m} x {candidates.shape[0]}")
-        if exclude is not None and host_checks_allowed(exclude) and not torch.equal(exclude, torch.arange(m, device=exclude.device)[:, None]):
+        if exclude is not None and (exclude.shape[1] != 1 or (fast and not torch.equal(
+                exclude, torch.arange(m, device=exclude.device)[:, None]))):
             raise ValueError("columns=True supports excluding the diagonal only (exclude = arange(M)[:, None])")
     if block < 1:
         raise ValueError(f"block must be a positive number of anchors, got {block}")
     row_ids, col_ids = (None, None) if labels is None else labels
     if row_ids is not None and row_ids is col_ids:  # torch.compile cannot trace one tensor given twice
         col_ids = col_ids.clone()
-    fast = host_checks_allowed(anchors) if fast is None else fast
     return _BlockStats.apply(anchors, None if candidates is anchors else candidates, scale, exclude, int(block),
                              with_mean, columns, int(keep), row_grad, symmetric, normalize, row_ids, col_ids,
                              bool(same_label), fast)

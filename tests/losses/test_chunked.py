@@ -150,11 +150,11 @@ def test_negative_stats_gradcheck(with_mean, columns, keep, same):
     exclude = torch.tensor([[0], [1], [2], [3], [4]])
     if same:
         torch.autograd.gradcheck(lambda a, s: negative_stats(a, a, s, exclude=exclude, block=2, with_mean=with_mean,
-                                                             columns=columns, keep=keep), (a, scale))
+                                                             columns=columns, keep=keep, fast=True), (a, scale))
     else:
         torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2,
-                                                                with_mean=with_mean, columns=columns, keep=keep),
-                                 (a, b, scale))
+                                                                with_mean=with_mean, columns=columns, keep=keep,
+                                                                fast=True), (a, b, scale))
 
 
 def test_blockwise_saves_nothing_quadratic():
@@ -195,6 +195,15 @@ def test_automatic_choice():
 def test_bad_backend(bad):
     with pytest.raises(ValueError, match="backend must be one of auto, triton, torch, dense"):
         build_loss("dcl", backend=bad)
+
+
+def test_columns_exclude_only_the_diagonal():
+    """Its shape is checked on every call, its values where the call may read the host (fast=True)."""
+    a = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="excluding the diagonal only"):
+        negative_stats(a, a, 1.0, exclude=torch.arange(4)[:, None].repeat(1, 2), block=2, columns=True)
+    with pytest.raises(ValueError, match="excluding the diagonal only"):
+        negative_stats(a, a, 1.0, exclude=torch.arange(4).flip(0)[:, None], block=2, columns=True, fast=True)
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "8"])
@@ -274,7 +283,7 @@ def _check_against_dense(a, b, scale, columns, keep, block=7, with_mean=False):
     a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
     exclude = torch.arange(a.shape[0])[:, None]
     got = negative_stats(a32, b32, scale, exclude=exclude, block=block, columns=columns, keep=keep,
-                         with_mean=with_mean)
+                         with_mean=with_mean, fast=True)
     grads = torch.autograd.grad((got * weights.float()).sum(), (a32, b32))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
     for g, w in zip(grads, want_grads):
@@ -398,7 +407,7 @@ def test_wrong_guess_is_refused_and_exact(keep, same, guesses):
     exclude = torch.arange(40)[:, None]
     weights = torch.rand(40, generator=g, dtype=torch.float64)
     stats = negative_stats(a, b, 5.0, exclude=exclude, block=6, keep=keep,
-                           row_grad=lambda lse, r0, r1: torch.ones_like(lse))
+                           row_grad=lambda lse, r0, r1: torch.ones_like(lse), fast=True)
     grads = torch.autograd.grad((stats[0] * weights).sum(), (a, b))
     want = _dense_stats(a, b, 5.0, columns=False)
     want_grads = torch.autograd.grad((want[0] * weights).sum(), (a, b))
@@ -417,7 +426,8 @@ def test_guessed_gradient_gradcheck():
     scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
     exclude = torch.arange(5)[:, None]
     torch.autograd.gradcheck(lambda a, b, s: negative_stats(a, b, s, exclude=exclude, block=2,
-                                                            row_grad=lambda lse, r0, r1: lse.exp()), (a, b, scale))
+                                                            row_grad=lambda lse, r0, r1: lse.exp(), fast=True),
+                                 (a, b, scale))
 
 
 def test_retain_graph_backward_twice():
@@ -455,7 +465,7 @@ def test_kept_blocks_freed_by_backward(case, monkeypatch):
     else:  # no guess: the blocks are kept
         leaves = fresh(x)
         out = negative_stats(*leaves, 5.0, exclude=torch.arange(20)[:, None], block=6, keep=10**9,
-                             with_mean=case == "rows+mean").sum()
+                             with_mean=case == "rows+mean", fast=True).sum()
     assert refs and all(r() is not None for r in refs)
     out.backward()
     assert out.grad_fn is not None and all(r() is None for r in refs)
