@@ -17,6 +17,8 @@ Forward + backward of the loss on random features, for every method:
   Inf-CL's Triton loss (`inf-cl`, both directions);
 - infonce-torch / clip-torch: contrastkit with the blockwise torch backend forced (on CUDA the automatic
   choice is the Triton backend), infonce-dense: the dense reference;
+- dcl-graphed / clip-dcl-graphed / openclip-graphed (CUDA): the default call captured once and replayed
+  (torch.compile, fullgraph, backend="cudagraphs"), where a call's time is the host's;
 - floor-2v / floor-clip: the matrix products every one of them must do for that matrix (forward 1,
   backward 2: S = A B^T, S B, S^T A), the fastest of whole, row blocks, and row blocks with the
   B gradient accumulated transposed.
@@ -59,7 +61,7 @@ IMAGE_TEXT = {"clip", "clip-dcl", "clip-torch", "openclip", "infcl", "floor-clip
 METHODS = ["floor-2v", "infonce", "dcl", "dclw", "eqco", "cacr", "infonce-torch", "infonce-dense", "lightly-ntxent",
            "lightly-dcl", "lightly-dclw", "floor-clip", "clip", "clip-dcl", "clip-torch", "openclip", "infcl"]
 # Methods that hold the whole matrix (and its gradient): skipped where that would not fit.
-QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "openclip"}
+QUADRATIC = {"infonce-dense", "lightly-ntxent", "lightly-dcl", "lightly-dclw", "openclip", "openclip-graphed"}
 # Not in the default list (tools/gpu/check.sh names them): every objective in both settings, through
 # the Triton kernels forced ("-triton"), and image-text through each objective ("clip-<objective>[-backend]").
 OBJECTIVES = ["infonce", "dcl", "dclw", "eqco", "cacr"]
@@ -78,24 +80,34 @@ TRITON += [f"{m}-triton-{v}" for m in ("infonce", "dcl", "clip", "clip-dcl") for
            if v not in TWO_VIEW_ONLY or not m.startswith("clip")]
 # DCL through each torch path (the blockwise kernel, the dense matrix): where the Triton path's fixed cost
 # dominates (small N), beside it.
+# The default call captured once and replayed ("-graphed": torch.compile's CUDA graphs, backend="cudagraphs"),
+# ours and open_clip's: at the sizes where a call's time is the host's issuing of its operators, a replay pays
+# that once. CUDA only (on the CPU, _step captures without CUDA graphs: the wiring, tested, not a time).
+GRAPHED = ["dcl-graphed", "clip-dcl-graphed", "openclip-graphed"]
 GPU_METHODS = TRITON + [f"clip-{o}" for o in OBJECTIVES[2:]] + ["dcl-torch", "dcl-dense", "clip-dcl-torch",
-                                                                 "clip-dcl-dense"]
+                                                                 "clip-dcl-dense"] + GRAPHED
 TWO_VIEW |= {m for m in GPU_METHODS if not m.startswith("clip")}
-IMAGE_TEXT |= {m for m in GPU_METHODS if m.startswith("clip")}
-CUDA_ONLY = {"infcl", *TRITON}  # Inf-CL's Triton kernels (pip install inf-cl); ours (CPU: interpreter only)
+IMAGE_TEXT |= {m for m in GPU_METHODS if m.startswith("clip")} | {"openclip-graphed"}
+TWO_VIEW -= {"openclip-graphed"}
+CUDA_ONLY = {"infcl", *TRITON, *GRAPHED}  # Inf-CL's Triton kernels (pip install inf-cl); ours (CPU: interpreter only)
 # contrastkit method -> the peers it is compared with (the first is the table's "/ peer")
 PEERS = {"infonce": ["lightly-ntxent"], "dcl": ["lightly-dcl"], "dclw": ["lightly-dclw"],
          "clip": ["openclip", "infcl"], "clip-dcl": ["openclip", "infcl"]}
 PEERS.update({f"{m}-triton": PEERS[m] for m in ("infonce", "dcl", "dclw", "clip", "clip-dcl")})
+PEERS.update({"dcl-graphed": ["dcl", "lightly-ntxent"], "clip-dcl-graphed": ["clip-dcl", "openclip-graphed", "openclip"],
+              "openclip-graphed": ["openclip"]})
 GIB = 2**30
 
 
 # ----------------------------------------------------------------------------- one step
 
 
-def _step(method: str, n: int, d: int, args) -> dict:
+def _step(method: str, n: int, d: int, args, forward_only: bool = False) -> dict:
     """{name: closure doing one forward + backward of ``method`` at batch n, dimension d}; a floor has
     one entry per variant ("floor-2v/blocks", ...)."""
+    if method.endswith("-graphed"):
+        return {method: _captured(*call, args) for call in _step(method.removesuffix("-graphed"), n, d, args,
+                                                                 forward_only=True).values()}
     base, _, variant = method.rpartition("-")
     if variant in LOGITS_VARIANTS and base.endswith("-triton"):  # the Triton path with its logits from elsewhere
         return {method: _with_logits(fn, LOGITS_VARIANTS[variant], full_rows=variant == "rows",
@@ -116,7 +128,8 @@ def _step(method: str, n: int, d: int, args) -> dict:
             from open_clip.loss import ClipLoss
 
             clip_loss = ClipLoss()
-            return {method: lambda: clip_loss(F.normalize(x, dim=-1), F.normalize(y, dim=-1), scale).backward()}
+            return _stepped(method, lambda: clip_loss(F.normalize(x, dim=-1), F.normalize(y, dim=-1), scale),
+                            (x, y, scale), forward_only)
         if method == "infcl":  # Inf-CL, one process: both directions, as its README's CLIP loss
             from inf_cl import cal_inf_loss
 
@@ -133,7 +146,7 @@ def _step(method: str, n: int, d: int, args) -> dict:
         parts = method.split("-")[1:]  # clip[-objective][-backend]
         backend = parts.pop() if parts and parts[-1] in ("torch", "triton", "dense") else "auto"
         loss_fn = build_loss(parts[0] if parts else "infonce", backend=backend)
-        return {method: lambda: loss_fn.cross_modal(x, y, logit_scale=scale).backward()}
+        return _stepped(method, lambda: loss_fn.cross_modal(x, y, logit_scale=scale), (x, y, scale), forward_only)
     if method.startswith("lightly"):
         from lightly.loss import DCLLoss, DCLWLoss, NTXentLoss
 
@@ -144,7 +157,34 @@ def _step(method: str, n: int, d: int, args) -> dict:
 
         name, _, backend = method.partition("-")  # infonce-dense, infonce-torch: that backend forced
         loss_fn = build_loss(name, backend=backend or "auto")
-    return {method: lambda: loss_fn(x, y).backward()}
+    return _stepped(method, lambda: loss_fn(x, y), (x, y), forward_only)
+
+
+def _stepped(method: str, forward, inputs: tuple, forward_only: bool) -> dict:
+    """{method: the forward and its backward}, or with ``forward_only`` (the forward, its leaves) for _captured."""
+    return {method: (forward, inputs) if forward_only else lambda: forward().backward()}
+
+
+def _captured(forward, inputs: tuple, args):
+    """One forward and backward of ``forward`` captured by torch.compile (fullgraph, one graph per size) and
+    replayed: on CUDA with the cudagraphs backend (CUDA graphs of the forward and the backward, the kernels
+    eager's: the first call runs, the second records, each later one replays; mode="reduce-overhead" would add
+    Inductor's fusion, and minutes of compiling per size to a device lease), elsewhere with aot_eager (the same
+    capture, without CUDA graphs). Each
+    step begins a new iteration and drops the last one's gradients, as a training step's zero_grad(set_to_none)
+    does: a replay writes its outputs where the last one did, and the leaves' .grad would be those outputs."""
+    import torch
+
+    backend = "cudagraphs" if args.device.startswith("cuda") else "aot_eager"
+    compiled = torch.compile(forward, fullgraph=True, dynamic=False, backend=backend)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        for leaf in inputs:
+            leaf.grad = None
+        compiled().backward()
+
+    return step
 
 
 def _with_logits(fn, forward: str, full_rows: bool = False, fused_triangle: bool = False):

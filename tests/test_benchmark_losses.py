@@ -137,3 +137,27 @@ def test_triton_variants_take_their_paths(monkeypatch):
                 fn()
         assert seen == [path], (variant, seen)
         assert settings() == before, variant
+
+
+@pytest.mark.parametrize("method", ["dcl-graphed", "clip-dcl-graphed", "openclip-graphed"])
+def test_graphed_steps_capture_the_whole_call_and_keep_its_gradients(method):
+    """A "-graphed" step (CUDA only in the tables) as the runner builds it, here captured with aot_eager: one
+    graph (fullgraph), each step's gradients the eager call's, not the sum over steps (its leaves' .grad
+    dropped at each step begin, as a replayed CUDA graph needs)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    args = SimpleNamespace(device="cpu", dtype="float32")
+    base = method.removesuffix("-graphed")
+    (forward, leaves), = bench._step(base, 32, 16, args, forward_only=True).values()
+    forward().backward()
+    want = [leaf.grad.clone() for leaf in leaves]
+    step = bench._captured(forward, leaves, args)
+    for _ in range(2):
+        step()
+        for leaf, grad in zip(leaves, want):
+            torch.testing.assert_close(leaf.grad, grad)
+    (runner_step,) = bench._step(method, 32, 16, args).values()
+    runner_step()
+    assert method in bench.CUDA_ONLY and method in bench.GPU_METHODS

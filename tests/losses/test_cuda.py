@@ -165,6 +165,44 @@ def test_compiled_training_step_equals_eager(name):
     torch.testing.assert_close(got_g, want_g, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("setting", ["two_views", "image_text_scale"])
+def test_a_captured_call_replays_the_eager_call(setting):
+    """The default call captured once and replayed (torch.compile's cudagraphs backend, fullgraph: issue 61's
+    small-N row, benchmarks/losses.py's "-graphed"): the capture is not skipped, and each replay's loss and
+    gradients are the eager call's, with no host sync. At N = 256 the default path is the dense one."""
+    from torch._dynamo.utils import counters
+
+    x1, x2 = _batch(256)
+    model = _encoder()
+    with torch.no_grad():
+        z = [model(x1).requires_grad_(), model(x2).requires_grad_()]
+    if setting == "image_text_scale":
+        z.append(torch.tensor(14.0, device="cuda", requires_grad=True))
+    loss_fn = build_loss("dcl")
+
+    def forward(*tensors):
+        return call(loss_fn, setting, list(tensors))
+
+    want = forward(*z)
+    want_grads = torch.autograd.grad(want, z)
+    compiled = torch.compile(forward, backend="cudagraphs", fullgraph=True, dynamic=False)
+    counters.clear()
+    for replay in (False, False, True):  # it runs, records, then replays
+        torch.compiler.cudagraph_mark_step_begin()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if replay else 0)
+        try:
+            loss = compiled(*z)
+            grads = torch.autograd.grad(loss, z)
+            loss, grads = loss.detach().clone(), [g.clone() for g in grads]  # before the next replay writes there
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 @pytest.mark.parametrize("setting", ["two_views", "image_text_float_scale"])
 def test_memory_linear_at_a_large_batch(setting):
     """N = 65536, D = 256, the torch kernel: the loss's extra memory beyond the features and their gradients

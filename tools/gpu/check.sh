@@ -125,7 +125,7 @@ elif [ "$PLAN" = quick ]; then  # --dry-run: the same jobs at N = 64 (CUDA-only 
   small() { [ "$DRY" = 1 ] && echo 64 || echo "$1"; }
   # first the small sizes (seconds; where auto's dense bound, plan.DENSE_AUTO_LOGITS, is to be set from)
   bench bfloat16-small bfloat16 "$(small 64,256,1024,4096)" 3 \
-    "floor-2v,dcl,dcl-triton,dcl-torch,dcl-dense,lightly-ntxent,floor-clip,clip-dcl,clip-dcl-triton,clip-dcl-torch,clip-dcl-dense,openclip"
+    "floor-2v,dcl,dcl-triton,dcl-torch,dcl-dense,dcl-graphed,lightly-ntxent,floor-clip,clip-dcl,clip-dcl-triton,clip-dcl-torch,clip-dcl-dense,clip-dcl-graphed,openclip,openclip-graphed"
   bench bfloat16 bfloat16 "$(small 4096,32768)" 3 "$TWO_VIEW_QUICK,$IMAGE_TEXT_QUICK"
   bench float32-tf32 float32 "$(small 32768)" 2 \
     "floor-2v,dcl-triton,infonce-torch,floor-clip,clip-dcl-triton,clip-torch,openclip" --tf32
