@@ -170,7 +170,7 @@ def test_done_when_at_32768():
     # what the code does (issue 53: its 16 bands, its 249 operators per call, 350 before issue 59, its [N, D] passes); the H200
     # measured 4.0x (docs/gpu/NVIDIA-H200)
     assert t[(IT, "band")] == pytest.approx(3.58, abs=0.02) and t[(IT, "band")] > 3.0
-    assert t[(IT, "band+fwd")] == pytest.approx(3.24, abs=0.02) and t[(IT, "band+fwd")] > 3.0
+    assert t[(IT, "band+fwd")] == pytest.approx(3.22, abs=0.02) and t[(IT, "band+fwd")] > 3.0
     assert t[(IT, "best")] > 3.0  # dense (2.36x) needs 6 GiB
     # two views <= 3.5x its 2-GEMM floor: both band paths hold with the backward over the upper triangle;
     # band+fwd's fused forward over full rows (FUSED_TRIANGLE off), over the triangle 2.46 (the H200 measured

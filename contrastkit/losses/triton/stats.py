@@ -288,7 +288,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
             _add_product(da_band, block, b[c0:c1], c0 > 0)
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
-        ds_rows[r0:r1] = ds[:, :, : r1 - r0].sum((0, 1))
+        torch.sum(ds[:, :, : r1 - r0], (0, 1), out=ds_rows[r0:r1])  # written in place: no copy per band
         if r1 - g0 == group or r1 == m:  # the group's last band: its rows' gradients made
             _finish(da[g0:r1] if da_sum is None else da_sum[: r1 - g0], x_a[g0:r1],
                     None if inv_a is None else inv_a[g0:r1], None if w_a is None else w_a[g0:r1], step,
@@ -331,7 +331,7 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None, given=None):
             past = max(c0, r1)  # the block's columns past the band: their rows' share, the lower triangle's
             if past < c1:
                 _add_product(dz[past:c1], block[:, past - c0:].T, z[r0:r1], r0 > 0)
-        ds_rows[r0:r1] = ds[: len(blocks), :, : r1 - r0].sum((0, 1))
+        torch.sum(ds[: len(blocks), :, : r1 - r0], (0, 1), out=ds_rows[r0:r1])
     out = None if x.dtype == torch.float32 else torch.empty_like(x, memory_format=torch.contiguous_format)
     _finish(dz, x, inv, None if inv is None else projection_weights(inv), inputs.scale * factor, out,
             given is not None)
