@@ -114,10 +114,11 @@ BUILT_OPERATORS = {"band": {TWO_VIEW: 62, IMAGE_TEXT: 75}, "dense": {TWO_VIEW: 2
 # the diagnostics' terms generic, one operator more per call (also in BUILT_OPERATORS' band); the settings' one
 # layout per call (issue 59's Problem) took 11 from two views (its positives' cosines one pair's, not a stack of
 # each view's); image-text's rows normalised four bands at a time, not each band, took 60; the diagnostics made
-# only for output_dict took 4 from each (and from BUILT_OPERATORS' band); each band's d scale terms summed in
-# place, not summed and copied, 16 from image-text and 8 from two views (1 from each band path's one block).
+# only for output_dict took 4 from each (and from BUILT_OPERATORS' band); the d scale terms summed in place, not
+# summed and copied, and image-text's once per group of bands (GROUP_ELEMENTS), 28 from image-text and 8 from two
+# views (1 from each band path's one block).
 # predict() takes these where it has them.
-COUNTED_OPERATORS = {TWO_VIEW: {32768: 214}, IMAGE_TEXT: {32768: 169}}
+COUNTED_OPERATORS = {TWO_VIEW: {32768: 214}, IMAGE_TEXT: {32768: 157}}
 # Bytes the same calls move in their passes over [N, D] arrays (inverse norms, float16 copies, F.normalize's
 # backward, the positives' cosines, casts, the objective's per-row terms and autograd's sums: everything but the
 # products, the statistics and the d logits), per element of the features (image-text 2 N D, two views 2 N D),

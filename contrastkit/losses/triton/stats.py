@@ -265,11 +265,11 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     da = torch.empty_like(x_a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(x_b, memory_format=torch.contiguous_format)
     low = da.dtype != torch.float32  # the products' sums then need float32 buffers: a group's rows of dA, all of dB
-    group = max(1, GROUP_ELEMENTS // (rows * d)) * rows  # rows of dA normalised in one pass
+    group = max(1, GROUP_ELEMENTS // (rows * d)) * rows  # rows of dA normalised, their d scale terms summed, at once
     da_sum = a.new_empty((min(group, m), d), dtype=torch.float32) if low else None
     db_sum = torch.empty_like(db, dtype=torch.float32) if low and not symmetric else db
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
-    ds = a.new_empty((triton.cdiv(k, cols), splits, rows), dtype=torch.float32)
+    ds = a.new_empty((triton.cdiv(k, cols), splits, min(group, m)), dtype=torch.float32)  # a group's d scale terms
     ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if kept is None else None
@@ -283,13 +283,13 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
             c1 = min(c0 + cols, k)
             block = dl[: r1 - r0, : c1 - c0]
             products = _block_logits(a, b, r0, r1, c0, c1, kept, logits)
-            write_dlogits(a, b, inputs, stats, grad, block, ds[j, :, : r1 - r0], r0, r1, c0, c1, splits, share,
-                          products, symmetric)
+            write_dlogits(a, b, inputs, stats, grad, block, ds[j, :, r0 - g0 : r1 - g0], r0, r1, c0, c1, splits,
+                          share, products, symmetric)
             _add_product(da_band, block, b[c0:c1], c0 > 0)
             if not symmetric:
                 _add_product(db_sum[c0:c1], block.T, a[r0:r1], r0 > 0)
-        torch.sum(ds[:, :, : r1 - r0], (0, 1), out=ds_rows[r0:r1])  # written in place: no copy per band
-        if r1 - g0 == group or r1 == m:  # the group's last band: its rows' gradients made
+        if r1 - g0 == group or r1 == m:  # the group's last band: its rows' d scale terms and gradients made
+            torch.sum(ds[:, :, : r1 - g0], (0, 1), out=ds_rows[g0:r1])
             _finish(da[g0:r1] if da_sum is None else da_sum[: r1 - g0], x_a[g0:r1],
                     None if inv_a is None else inv_a[g0:r1], None if w_a is None else w_a[g0:r1], step,
                     None if da_sum is None else da[g0:r1], given is not None)
