@@ -463,7 +463,8 @@ def test_labels_in_bands_at_production_tiles(monkeypatch, logits_from):
     buffers' bounds made small), bf16: every band and split masks by its own rows' and columns' ids."""
     from contrastkit.losses.triton import dlogits, stats_fwd
 
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     g = torch.Generator().manual_seed(35)
     a, b = _features(g, 150, 512, torch.bfloat16).to(DEVICE), _features(g, 150, 512, torch.bfloat16).to(DEVICE)
@@ -548,7 +549,8 @@ def _small_buffers(monkeypatch, kind):
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(triton_stats, "GROUP_ELEMENTS", 2 * 16 * 24)
 
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
     monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if kind == "bands" else 10**9)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
@@ -647,7 +649,8 @@ def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import dlogits
 
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
     monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0)
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
@@ -725,7 +728,8 @@ def test_production_configuration_equals_float64_reference(monkeypatch, setting,
     assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
     assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64)
     assert launch.split(3, 150, torch.device("cpu"))[0] == 3
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 128)
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
