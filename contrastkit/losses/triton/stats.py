@@ -35,7 +35,7 @@ stages are autotuned (triton/launch.py); under TRITON_INTERPRET=1 (the CPU tests
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
 (precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has
-it (sm_80 and later, precision.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16
+it (sm_80 and later, plan.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16
 features taken in float32), on the band
 design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits), as float16
 features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the inputs'
@@ -55,7 +55,7 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
-from contrastkit.losses import precision
+from contrastkit.losses import plan, precision
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, no_autocast
 from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward, projection_weights
 from contrastkit.losses.plan import host_checks_allowed
@@ -164,27 +164,12 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
     return launch.KernelInputs(scale, exclude, with_mean, columns, tf32, _tiles(blocks), norms, by_label)
 
 
-def takes_half_units(x, normalize):
-    """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
-    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32; see route)."""
-    return route(1, 1, x.dtype, normalize, precision.ampere_or_later(x.device), precision.tf32_matmul_allowed())[2]
-
-
-def _takes_units(dtype, normalized, tf32):
-    """Whether features in ``dtype`` take float16 copies of their unit vectors as the products' operands: where the
-    kernels normalise, float16 features (FLOAT16_UNITS) and float32 ones with TF32 allowed
-    (HALF_UNITS_FOR_TF32)."""
-    if not normalized:
-        return False
-    return (FLOAT16_UNITS and dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and dtype == torch.float32)
-
-
 def _operands(a, b, inv_a, inv_b, tf32):
     """(a, b, inv_a, inv_b, tf32, given): what the products take, the same in forward and backward. Where the
-    call runs on units (_takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
+    call runs on units (plan.takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
     norms, no TF32, and given = (the features, their inverse norms), whose gradients backward returns; else
     the arguments as they are and given None."""
-    if not _takes_units(a.dtype, inv_a is not None, tf32):
+    if not plan.takes_units(a.dtype, inv_a is not None, tf32):
         return a, b, inv_a, inv_b, tf32, None
     given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
     return half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False, given
@@ -411,28 +396,6 @@ def _backward(ctx, grad, _):
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-def route(m: int, k: int, dtype: torch.dtype, normalize: bool, ampere: bool, tf32_allowed: bool
-          ) -> tuple[str, bool, bool]:
-    """The Triton path's decisions for an [m, k] matrix of features in ``dtype`` on a GPU that is ``ampere`` or
-    later (precision.ampere_or_later) where the user allows TF32 or not (precision.tf32_matmul_allowed): the
-    device's facts read once, by the call's plan (plan.make_plan). Returns (where the forward's logits come
-    from, whether float32 products may use TF32, whether the products take float16 unit vectors). The logits
-    (LOGITS): FORWARD_LOGITS where it names one, else "auto": "dense" where the float32 matrix fits
-    DENSE_BYTES, else the fused kernel ("kernel") where its operands are 16-bit (bf16/fp16, or float16 units
-    for float32 under TF32: HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's products
-    ("cublas")."""
-    if dtype == torch.bfloat16 and not ampere:
-        dtype = torch.float32  # taken as its float32 copies there (negative_stats_triton)
-    tf32 = dtype == torch.float32 and tf32_allowed and ampere
-    half = _takes_units(dtype, normalize, tf32)
-    if FORWARD_LOGITS != "auto":
-        return FORWARD_LOGITS, tf32, half
-    if m * k * 4 <= DENSE_BYTES:
-        return "dense", tf32, half
-    fused = ampere and (dtype in (torch.bfloat16, torch.float16) or half)
-    return "kernel" if fused else "cublas", tf32, half
-
-
 def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits):
     if forward_logits not in LOGITS:
         raise ValueError(f"negative_stats_triton: forward_logits must be one of {', '.join(LOGITS)} or auto, "
@@ -501,7 +464,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     backward recomputes each block there in both cases), or "dense" (cuBLAS writes the whole matrix once and
     backward reads it: no recompute) or "auto" (dense where the float32 matrix fits DENSE_BYTES, else the
     kernel for bf16/fp16 or float16 units, measured on an H100 and an H200, and cuBLAS for float32 and on
-    GPUs before sm_80, where Triton's products take no tensor cores (precision.ampere_or_later: there
+    GPUs before sm_80, where Triton's products take no tensor cores (plan.ampere_or_later: there
     bfloat16 features are taken in float32, since cuBLAS writes no float32 product of them); two views'
     forward visits the upper triangle on cuBLAS's products, on the kernel's only where FUSED_TRIANGLE);
     None: FORWARD_LOGITS. normalize: the logits are those of the unit
@@ -513,21 +476,21 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
     statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
     anchors and candidates (two views) reads the row ids for both. tf32: whether float32 products may use TF32
-    (the losses pass their plan's; None: read here, see route).
+    (the losses pass their plan's; None: read here, plan.triton_route).
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
     same = candidates is anchors
-    ampere = precision.ampere_or_later(anchors.device)
+    ampere = plan.ampere_or_later(anchors.device)
     if anchors.dtype == torch.bfloat16 and not ampere:
         # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
         anchors = anchors.float()
         candidates = anchors if same else candidates.float()
     if forward_logits in (None, "auto") or tf32 is None:
-        logits, tf32, _ = route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize, ampere,
-                                precision.tf32_matmul_allowed())
+        logits, tf32, _ = plan.triton_route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize,
+                                            anchors.device, precision.tf32_matmul_allowed())
         forward_logits = logits if forward_logits in (None, "auto") else forward_logits
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits)
     if isinstance(scale, torch.Tensor):
