@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from contrastkit.losses import precision
+from contrastkit.losses import plan, precision
 
 # Excluded pairs get a finite, hugely negative logit: exp() of it is exactly 0, and unlike -inf it never
 # makes 0 * inf = NaN in the mean or its gradient. -2^100, not near float32's limit: the mean's gradient
@@ -534,11 +534,11 @@ def _fast_columns_backward(a_s, b, exclude, block, kept, shift, norms, grad):
 def _operand(x):
     """x as the exact path's products take it: itself in float32 or float64, and in bfloat16 or float16 where
     the device's product writes float32 from it (CUDA, which torch refuses for bfloat16 before sm_80,
-    precision.ampere_or_later, and for float16 under precision.fp16_accumulation; the meta device, which
+    plan.ampere_or_later, and for float16 under precision.fp16_accumulation; the meta device, which
     counts memory), else a float32 copy (the CPU, and those two cases)."""
     if x.dtype in (torch.float32, torch.float64) or x.device.type == "meta":
         return x
-    if x.device.type == "cuda" and (precision.ampere_or_later(x.device) if x.dtype == torch.bfloat16
+    if x.device.type == "cuda" and (plan.ampere_or_later(x.device) if x.dtype == torch.bfloat16
                                     else not precision.fp16_accumulation()):
         return x
     return x.float()

@@ -232,7 +232,7 @@ def row_cosines(a: torch.Tensor, b: torch.Tensor, normalize: bool = True, units1
     float32 unit vectors would give it, from features in any dtype, keeping for backward only 12 bytes a row
     (the rows' divisors and the cosine: backward then needs no norms again). units16 (with normalize): from
     the unit vectors rounded to float16, as the Triton path's products take float16 features and float32 ones
-    under TF32 (the plan's half_units, triton.stats.route), so that a positive inside a row's lse cancels as the dense loss's
+    under TF32 (the plan's half_units, plan.triton_route), so that a positive inside a row's lse cancels as the dense loss's
     does, whose positive is a logit of the same products."""
     return _RowCosines.apply(a, b, normalize, units16 and normalize)
 

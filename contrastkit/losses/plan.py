@@ -68,7 +68,7 @@ class Plan(NamedTuple):
     operands: torch.dtype | None  # what the Triton products take where it is bfloat16 or float16, else None
     host_checks: bool  # values may be read on the host (eager calls on the CPU)
     tf32: bool  # the Triton path's float32 products may use TF32 (torch's setting, and the GPU has it)
-    half_units: bool  # the Triton path's products take float16 unit vectors (triton.stats.route)
+    half_units: bool  # the Triton path's products take float16 unit vectors (triton_route)
     anchors: int  # M: the rows of the call's matrix (this process's)
     candidates: int  # K: its columns (every process's where gathered)
     block: int  # the blockwise torch kernel's anchors per block (0 on the other paths)
@@ -202,8 +202,8 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
         block, keep = blocking(kind, candidates, chunk_size)
         route = "fast" if host_checks else "exact"
     else:
-        ampere = precision.ampere_or_later(first.device)  # the device's facts, read here only
-        route, tf32, half_units = stats.route(anchors, candidates, low or compute, normalize, ampere, tf32_allowed)
+        route, tf32, half_units = triton_route(anchors, candidates, low or compute, normalize, first.device,
+                                               tf32_allowed)  # the device's facts, read here only
     plan = Plan(setting, path, route, compute, low if path == "triton" else None, host_checks, tf32, half_units,
                 anchors, candidates, block, keep)
     if not compiling:
@@ -211,3 +211,56 @@ def make_plan(name: str, options: tuple, setting: str, anchors: int, candidates:
             _PLANS.clear()
         _PLANS[key] = plan
     return plan
+
+
+def ampere_or_later(device: torch.device) -> bool:
+    """Whether a CUDA device is sm_80 (Ampere) or later, where TF32 exists, cuBLAS writes bfloat16 products in
+    float32 (torch's mm with out_dtype refuses bfloat16 operands before it) and Triton's products take the
+    tensor cores (before it triton lowers tl.dot to FMA: compiled for sm_75 the fused forward runs no
+    tensor-core instruction and spills 3-4 KB per thread, tools/perf/triton_compile.py). Before it (a T4, a
+    V100) the losses take cuBLAS's products of float32 copies of bfloat16 features and keep float32 float32.
+    Any other device (the CPU, the interpreter, meta): True, the production path."""
+    return device.type != "cuda" or _major(device.index or 0) >= 8
+
+
+@precision.constant_under_compile
+def _major(index: int) -> int:
+    """The CUDA device's compute capability's major number (a constant of a compiled graph)."""
+    return torch.cuda.get_device_properties(index).major
+
+
+def triton_route(m: int, k: int, dtype: torch.dtype, normalize: bool, device: torch.device, tf32_allowed: bool
+                 ) -> tuple[str, bool, bool]:
+    """The Triton path's sub-path for an [m, k] matrix of features in ``dtype`` on ``device`` where the user
+    allows TF32 or not (precision.tf32_matmul_allowed), from the kernels' settings (triton/stats.py's
+    FORWARD_LOGITS, DENSE_BYTES, FLOAT16_UNITS, HALF_UNITS_FOR_TF32). Returns (where the forward's logits come
+    from, whether float32 products may use TF32, whether the products take float16 unit vectors). The logits
+    (triton.stats.LOGITS): FORWARD_LOGITS where it names one, else "auto": "dense" where the float32 matrix
+    fits DENSE_BYTES, else the fused kernel ("kernel") where its operands are 16-bit (bf16/fp16, or float16
+    units for float32 under TF32) and on tensor cores (sm_80 and later: ampere_or_later), else cuBLAS's
+    products ("cublas")."""
+    from contrastkit.losses.triton import stats
+
+    ampere = ampere_or_later(device)
+    if dtype == torch.bfloat16 and not ampere:
+        dtype = torch.float32  # taken as its float32 copies there (negative_stats_triton)
+    tf32 = dtype == torch.float32 and tf32_allowed and ampere
+    half = takes_units(dtype, normalize, tf32)
+    if stats.FORWARD_LOGITS != "auto":
+        return stats.FORWARD_LOGITS, tf32, half
+    if m * k * 4 <= stats.DENSE_BYTES:
+        return "dense", tf32, half
+    fused = ampere and (dtype in (torch.bfloat16, torch.float16) or half)
+    return "kernel" if fused else "cublas", tf32, half
+
+
+def takes_units(dtype: torch.dtype, normalized: bool, tf32: bool) -> bool:
+    """Whether the Triton path's products take float16 copies of the features' unit vectors: where the kernels
+    normalise, float16 features (triton.stats.FLOAT16_UNITS) and float32 ones with TF32 allowed
+    (HALF_UNITS_FOR_TF32)."""
+    from contrastkit.losses.triton import stats
+
+    if not normalized:
+        return False
+    return ((stats.FLOAT16_UNITS and dtype == torch.float16)
+            or (stats.HALF_UNITS_FOR_TF32 and tf32 and dtype == torch.float32))

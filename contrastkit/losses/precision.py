@@ -1,5 +1,5 @@
-"""Reading torch's float32 matmul precision setting, on every torch the project supports (2.6 onwards), and
-what the GPU can do with it (ampere_or_later).
+"""Reading torch's float32 matmul precision setting, on every torch the project supports (2.6 onwards) (what the
+GPU can do with it, plan.ampere_or_later, is read with the call's plan).
 
 torch 2.9 added ``torch.backends.fp32_precision`` and ``torch.backends.cuda.matmul.fp32_precision``
 ("ieee" | "tf32" | "none", "none" inheriting from the parent setting); transformers 5's ``--tf32`` sets
@@ -41,19 +41,3 @@ def fp16_accumulation() -> bool:
     """Whether cuBLAS may accumulate float16 products in float16 (torch.backends.cuda.matmul.
     allow_fp16_accumulation, torch >= 2.7), where torch refuses to write a float16 product in float32."""
     return bool(getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False))
-
-
-def ampere_or_later(device: torch.device) -> bool:
-    """Whether a CUDA device is sm_80 (Ampere) or later, where TF32 exists, cuBLAS writes bfloat16 products in
-    float32 (torch's mm with out_dtype refuses bfloat16 operands before it) and Triton's products take the
-    tensor cores (before it triton lowers tl.dot to FMA: compiled for sm_75 the fused forward runs no
-    tensor-core instruction and spills 3-4 KB per thread, tools/perf/triton_compile.py). Before it (a T4, a
-    V100) the losses take cuBLAS's products of float32 copies of bfloat16 features and keep float32 float32.
-    Any other device (the CPU, the interpreter, meta): True, the production path."""
-    return device.type != "cuda" or _major(device.index or 0) >= 8
-
-
-@constant_under_compile
-def _major(index: int) -> int:
-    """The CUDA device's compute capability's major number (a constant of a compiled graph)."""
-    return torch.cuda.get_device_properties(index).major

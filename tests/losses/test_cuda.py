@@ -289,13 +289,13 @@ def test_compiled_triton_bands_equal_eager(monkeypatch, forward):
     mean. The compiled call (fullgraph; aot_eager: the tracing and functionalisation of the launches, without
     Inductor's code generation, in the device session's budget) equals eager."""
     from contrastkit.losses.triton import stats as triton_stats
-    from contrastkit.losses.triton import dlogits, stats_fwd
+    from contrastkit.losses.triton import stats_fwd
 
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", forward)
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 512)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 4 * 2048 * 4 * 2)  # a band's columns' partials and means
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1024 * 2048 * 2)
+    monkeypatch.setattr(triton_stats, "block_shape", lambda m, k, *budget: (min(m, 1024), min(k, 1024)))
     x1, x2 = (torch.nn.functional.normalize(x, dim=1).bfloat16() for x in _batch(1024))
     fn = build_loss("cacr", backend="triton")
     results = []

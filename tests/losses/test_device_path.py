@@ -243,8 +243,8 @@ def test_backward_called_inside_autocast(name, setting, backend, device_path):
 
 
 def _operators(call, monkeypatch) -> int:
-    """Operators a forward and backward issues that launch work on a device (views, allocations and detaches
-    launch nothing), the Triton operators' bodies counted inside, each kernel launch one."""
+    """Operators a second forward and backward issues that launch work on a device (views, allocations and
+    detaches launch nothing), the Triton operators' bodies counted inside, each kernel launch one."""
     from test_memory import triton_ops
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -265,6 +265,8 @@ def _operators(call, monkeypatch) -> int:
             count[0] += not any(name in str(func) for name in free)
             return func(*args, **(kwargs or {}))
 
+    call().backward()  # a second call is counted: the first makes the shape's index tensors (base.per_shape)
+    count[0] = 0
     with Count():
         call().backward()
     return count[0]
@@ -273,12 +275,12 @@ def _operators(call, monkeypatch) -> int:
 @pytest.mark.parametrize("setting", ["two_views", "image_text"])
 def test_dense_issues_fewer_operators_than_triton_at_small_n(setting, device_path, monkeypatch):
     """Why "auto" takes the dense path for small matrices on CUDA (DENSE_AUTO_LOGITS): there each operator
-    costs host time, not bandwidth, and the dense path issues half as many as the Triton path (DCL at N = 64 on
-    the path of CUDA, a second call: two views 38 against 79, image-text 48 against 80). Against the peers:
+    costs host time, not bandwidth, and the dense path issues at most 3/4 as many as the Triton path (DCL at
+    N = 64 on the path of CUDA, a second call: two views 29 against 55, image-text 45 against 65). Against the peers:
     tests/losses/test_dense.py."""
     a, b = (torch.randn(64, 32, requires_grad=True) for _ in range(2))
     counts = {}
     for backend in ("dense", "triton"):
         fn = build_loss("dcl", backend=backend)
         counts[backend] = _operators(lambda: call(fn, setting, [a, b]), monkeypatch)
-    assert counts["dense"] <= 0.65 * counts["triton"], counts
+    assert counts["dense"] <= 0.75 * counts["triton"], counts

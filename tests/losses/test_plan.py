@@ -111,7 +111,7 @@ def test_plans_are_cached_and_never_stale(monkeypatch):
 
 def test_triton_plan_takes_autocast_and_its_route(monkeypatch):
     """On the Triton path (emulated here: its choice is CUDA's) the products take autocast's dtype or the
-    features' bf16/fp16, and the forward's route is triton.stats.route's: the dense logits where the
+    features' bf16/fp16, and the forward's route is plan.triton_route's: the dense logits where the
     float32 matrix fits, the fused kernel for 16-bit operands beyond, cuBLAS's products for float32."""
     pytest.importorskip("triton")
     from contrastkit.losses import precision

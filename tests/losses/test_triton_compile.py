@@ -49,7 +49,7 @@ def test_every_kernel_compiled_for_both_architectures(compiled):
         assert {(k, c, arch, "fp16") for k in ("fwd", "fwd-band", "dlogits-band") for c in (False, True)} <= kinds
         assert {(k, False, arch, "fp16") for k in ("fwd-triangle", "fwd-band-triangle")} <= kinds
     assert all(r["d"] == 512 for r in compiled)
-    # sm_75 (a T4): the band design's kernels, its default path there (precision.ampere_or_later), and the fused forward
+    # sm_75 (a T4): the band design's kernels, its default path there (plan.ampere_or_later), and the fused forward
     at_75 = {(kernel, dtype) for kernel, _, arch, dtype in kinds if arch == 75}
     assert at_75 == {(k, dtype) for k in BAND for dtype in ("fp16", "fp32")} | {("fwd", "fp16")}
     for arch in (100, 120):  # Blackwell (sm_90's entries): the default path's kernels in bf16

@@ -463,7 +463,8 @@ def test_labels_in_bands_at_production_tiles(monkeypatch, logits_from):
     buffers' bounds made small), bf16: every band and split masks by its own rows' and columns' ids."""
     from contrastkit.losses.triton import dlogits, stats_fwd
 
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     g = torch.Generator().manual_seed(35)
     a, b = _features(g, 150, 512, torch.bfloat16).to(DEVICE), _features(g, 150, 512, torch.bfloat16).to(DEVICE)
@@ -548,7 +549,8 @@ def _small_buffers(monkeypatch, kind):
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
     monkeypatch.setattr(triton_stats, "GROUP_ELEMENTS", 2 * 16 * 24)
 
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
     monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0 if kind == "bands" else 10**9)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
@@ -647,7 +649,8 @@ def test_triangle_recomputes_the_upper_triangle_only(monkeypatch):
     from contrastkit.losses.triton import stats as triton_stats
     from contrastkit.losses.triton import dlogits
 
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(dlogits, "BAND_ALIGN", 16)
     monkeypatch.setattr(dlogits, "BAND_MIN_ROWS", 0)
     monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "kernel")
@@ -725,7 +728,8 @@ def test_production_configuration_equals_float64_reference(monkeypatch, setting,
     assert stats_fwd.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64)
     assert dlogits.space(512, 2)[0].kwargs == dict(BLOCK_M=128, BLOCK_N=64)
     assert launch.split(3, 150, torch.device("cpu"))[0] == 3
-    monkeypatch.setattr(dlogits, "BAND_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BACKWARD_BYTES", 1)
+    monkeypatch.setattr(dlogits, "BLOCK_MIN_ELEMENTS", 1)
     monkeypatch.setattr(stats_fwd, "PARTIAL_BYTES", 1)
     monkeypatch.setattr(stats_fwd, "TRIANGLE_BAND_ROWS", 128)
     monkeypatch.setattr(triton_stats, "FUSED_TRIANGLE", True)
@@ -947,14 +951,14 @@ def test_tf32_units_only_where_the_kernels_normalise_float32_under_tf32(tf32, ca
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_before_sm80_products_on_cublas(tf32, monkeypatch, dtype):
-    """On a GPU before sm_80 (precision.ampere_or_later False: a T4, a V100), where triton lowers the fused
+    """On a GPU before sm_80 (plan.ampere_or_later False: a T4, a V100), where triton lowers the fused
     kernel's products to FMA, auto's forward takes cuBLAS's band products; float32 under TF32 stays float32 (no
     TF32 there, so no float16 units); float16 keeps its units (their range, not TF32); bfloat16 features are
     taken in float32 (cuBLAS writes no float32 product of bfloat16 operands there). The call is then exactly
     the one sm_80 makes with those settings: forward "cublas" (fp16), TF32 off (float32, and bfloat16's
     float32 copy, its gradient rounded back to bfloat16). On sm_80 and later (the default here) the same call
     takes the fused kernel, and float32 the units."""
-    from contrastkit.losses import precision
+    from contrastkit.losses import plan
     from contrastkit.losses.triton import stats as triton_stats
 
     monkeypatch.setattr(triton_stats, "DENSE_BYTES", 0)  # beyond the dense bound
@@ -974,12 +978,12 @@ def test_before_sm80_products_on_cublas(tf32, monkeypatch, dtype):
 
     units = dtype != torch.bfloat16
     assert call(z)[1:] == ([(True, torch.float16 if units else dtype)], units)
-    monkeypatch.setattr(precision, "ampere_or_later", lambda device: False)
+    monkeypatch.setattr(plan, "ampere_or_later", lambda device: False)
     units = dtype == torch.float16
     got, path, made = call(z)
     assert path == [(False, torch.float16 if units else torch.float32)] and made == units
-    assert triton_stats.takes_half_units(z, True) == units
-    monkeypatch.setattr(precision, "ampere_or_later", lambda device: True)
+    assert plan.triton_route(40, 40, dtype, True, z.device, True)[2] == units  # TF32 allowed (the tf32 fixture)
+    monkeypatch.setattr(plan, "ampere_or_later", lambda device: True)
     if dtype == torch.float16:
         monkeypatch.setattr(triton_stats, "FORWARD_LOGITS", "cublas")
     else:
@@ -992,20 +996,20 @@ def test_before_sm80_products_on_cublas(tf32, monkeypatch, dtype):
 
 
 def test_ampere_or_later_is_a_constant_of_a_compiled_graph(monkeypatch):
-    """precision.ampere_or_later reads the device's compute capability once while torch.compile traces
+    """plan.ampere_or_later reads the device's compute capability once while torch.compile traces
     (fullgraph: no graph break), as a constant of the graph; other devices count as sm_80 and later."""
     from types import SimpleNamespace
 
-    from contrastkit.losses import precision
+    from contrastkit.losses import plan
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or SimpleNamespace(major=7))
     torch._dynamo.reset()
-    fn = torch.compile(lambda x: x * 2 if precision.ampere_or_later(torch.device("cuda", 1)) else x - 1,
+    fn = torch.compile(lambda x: x * 2 if plan.ampere_or_later(torch.device("cuda", 1)) else x - 1,
                        fullgraph=True, backend="eager")
     assert torch.equal(fn(torch.ones(3)), torch.zeros(3)) and torch.equal(fn(torch.ones(3)), torch.zeros(3))
     assert asked == [1]
-    assert precision.ampere_or_later(torch.device("cpu")) and precision.ampere_or_later(torch.device("meta"))
+    assert plan.ampere_or_later(torch.device("cpu")) and plan.ampere_or_later(torch.device("meta"))
 
 
 @pytest.mark.parametrize("ampere, fp16_accumulation", [(True, False), (False, False), (True, True)])
@@ -1017,9 +1021,9 @@ def test_products_of_bfloat16_before_sm80_in_float32(monkeypatch, ampere, fp16_a
     copy. Fake CUDA tensors: no GPU needed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from contrastkit.losses import chunked, precision
+    from contrastkit.losses import chunked, plan, precision
 
-    monkeypatch.setattr(precision, "ampere_or_later", lambda device: ampere)
+    monkeypatch.setattr(plan, "ampere_or_later", lambda device: ampere)
     monkeypatch.setattr(precision, "fp16_accumulation", lambda: fp16_accumulation)
     with FakeTensorMode():
         for dtype, kept in ((torch.bfloat16, ampere), (torch.float16, not fp16_accumulation), (torch.float32, True)):

@@ -72,12 +72,16 @@ LAUNCH_S = 5e-6
 RATES_FROM = "the H100's; TF32 assumed"
 
 TRIANGLE_BYTES = 2**28
-# The backward's blocks are the code's (contrastkit's dlogits.block_shape): a block's float32 logits within
-# BAND_BYTES, a band of every column while that leaves BAND_MIN_ROWS rows, else squares. Until issue 53 the model
-# sized them from its memory budget at 6 B per logit: 7 bands at N = 32768 image-text where the code makes 16 of
-# 2048 rows, 25 bands for two views where it makes 8 x 8 squares of 8192 (36 of them over the triangle).
-BAND_BYTES = 2**28
-BAND_MIN_ROWS = 2048  # below this a band of every column is too thin: square blocks (contrastkit's rule)
+# The backward's blocks are the code's (contrastkit's dlogits.block_shape): a block's float32 logits and d logits
+# within what BACKWARD_BYTES leaves beside the float32 sums of the gradients and the operands the call made
+# (held_bytes), a band of every column while that leaves BAND_MIN_ROWS rows, else squares: at N = 32768, 8 bands
+# of 4096 rows for image-text, squares of 11008 for two views (21 over the triangle). Until issue 53 the model
+# sized them from its own budget; until issue 59's budget the code's logits had 256 MiB a block (16 bands, 36
+# squares of 8192).
+BACKWARD_BYTES = 7 * 2**27
+BLOCK_MIN_ELEMENTS = 2**26  # a block's least, whatever is held (from N = 262144 on: 8192^2)
+BAND_MIN_ROWS = 4096  # below this a band of every column is too thin: square blocks (contrastkit's rule)
+GROUP_ELEMENTS = 2**22  # dA's rows summed in float32 at once, or 4x where there is room (triton_stats')
 # Two views' backward over the upper triangle where dz's float32 sum, M D 4 bytes, fits this (contrastkit's
 # triton_stats.TRIANGLE_BYTES: N <= 65536 at D = 512): each band's blocks from its first row on, the rows past
 # the band from a second product of the block (H^T z). The band paths only: the model's dense path is one block.
@@ -86,7 +90,7 @@ TILE = 128  # block sides are multiples of the kernels' row tile
 # (contrastkit's stats_fwd.TRIANGLE_BAND_ROWS), each band one launch; the band path in its blocks. The partials'
 # combination adds these operators per call (counted by tests/test_perf_model.py as the built path issues them).
 TRIANGLE_BAND_ROWS = 2048
-TRIANGLE_FORWARD_OPERATORS = 4
+TRIANGLE_FORWARD_OPERATORS = 5
 # Whether band+fwd's fused kernel visits the triangle (contrastkit's triton_stats.FUSED_TRIANGLE): off until a
 # GPU table shows it correct and faster (issue 40's rule for a fused GEMM kernel), so band+fwd's forward is the
 # measured kernel over full rows; predict(..., fused_triangle=True) gives what it would gain.
@@ -104,7 +108,7 @@ PATHS = ("band", "band+fwd", "dense", "dense+epilogue")
 # image-text with a learnable logit scale as CLIP trains (the peers' counts below are theirs under the same
 # conditions, bf16 autocast). "band" is the Triton path (its float32 product is band's), "dense" the dense path;
 # tests/test_perf_model.py recounts them.
-BUILT_OPERATORS = {"band": {TWO_VIEW: 62, IMAGE_TEXT: 75}, "dense": {TWO_VIEW: 29, IMAGE_TEXT: 48}}
+BUILT_OPERATORS = {"band": {TWO_VIEW: 55, IMAGE_TEXT: 68}, "dense": {TWO_VIEW: 29, IMAGE_TEXT: 48}}
 # The same at N = 32768, D = 512 (bf16 features, DCL, the default path: band+fwd), counted by
 # `python tools/perf/profile_call.py --count` (the meta device, the Triton operators' bodies counted inside;
 # tests/test_perf_model.py recounts them). Estimated as BUILT_OPERATORS' one block plus each further block's
@@ -118,7 +122,7 @@ BUILT_OPERATORS = {"band": {TWO_VIEW: 62, IMAGE_TEXT: 75}, "dense": {TWO_VIEW: 2
 # summed and copied, and image-text's once per group of bands (GROUP_ELEMENTS), 28 from image-text and 8 from two
 # views (1 from each band path's one block).
 # predict() takes these where it has them.
-COUNTED_OPERATORS = {TWO_VIEW: {32768: 214}, IMAGE_TEXT: {32768: 157}}
+COUNTED_OPERATORS = {TWO_VIEW: {32768: 146}, IMAGE_TEXT: {32768: 99}}
 # Bytes the same calls move in their passes over [N, D] arrays (inverse norms, float16 copies, F.normalize's
 # backward, the positives' cosines, casts, the objective's per-row terms and autograd's sums: everything but the
 # products, the statistics and the d logits), per element of the features (image-text 2 N D, two views 2 N D),
@@ -274,14 +278,30 @@ class Blocks:
         return self.row_blocks * self.col_blocks
 
 
-def blocks(m: int, k: int) -> Blocks:
-    """The code's blocks (dlogits.block_shape): bands of every column whose float32 logits fit BAND_BYTES, square
-    blocks where such a band would be thinner than BAND_MIN_ROWS (or than every row)."""
-    rows = BAND_BYTES // (k * 4) // TILE * TILE
+def held_bytes(setting: str, m: int, k: int, d: int) -> int:
+    """What the code's backward holds beside a block, 16-bit features (contrastkit's triton_stats: _band_gradients,
+    _triangle_gradients): the gradients' float32 sums (image-text: a group of dA's rows and all of dB; two views:
+    dZ over the triangle, else a group of its rows; a group 4 GROUP_ELEMENTS where that leaves the block its
+    least) and two views' stack of the views."""
+    if setting == TWO_VIEW and 4 * m * d <= TRIANGLE_BYTES:
+        return 4 * m * d + 2 * m * d
+    fixed = 4 * d * k if setting == IMAGE_TEXT else 2 * m * d
+    group = min(m * d, 4 * GROUP_ELEMENTS)
+    if BACKWARD_BYTES - fixed - 4 * group < BLOCK_MIN_ELEMENTS * RESIDENT_BYTES_PER_LOGIT:
+        group = GROUP_ELEMENTS
+    return fixed + 4 * group
+
+
+def blocks(m: int, k: int, held: int = 0) -> Blocks:
+    """The code's blocks (dlogits.block_shape): bands of every column whose float32 logits and 16-bit d logits fit
+    BACKWARD_BYTES less ``held`` (held_bytes), at least BLOCK_MIN_ELEMENTS, square blocks where such a band would be thinner than BAND_MIN_ROWS
+    (or than every row)."""
+    elements = max(BLOCK_MIN_ELEMENTS, (BACKWARD_BYTES - held) // RESIDENT_BYTES_PER_LOGIT)
+    rows = elements // k // TILE * TILE
     if rows >= min(m, BAND_MIN_ROWS):
         rows = min(m, max(TILE, rows))
         return Blocks(rows, k, math.ceil(m / rows), 1)
-    side = max(TILE, math.isqrt(BAND_BYTES // 4) // TILE * TILE)
+    side = max(TILE, math.isqrt(elements) // TILE * TILE)
     rows, cols = min(m, side), min(k, side)
     return Blocks(rows, cols, math.ceil(m / rows), math.ceil(k / cols))
 
@@ -345,7 +365,7 @@ def predict(path: str, setting: str, n: int, d: int = 512, dtype: str = "bf16", 
         blk = Blocks(m, k, 1, 1)
         memory = dense_memory(m, k)
     else:
-        blk = blocks(m, k)
+        blk = blocks(m, k, held_bytes(setting, m, k, d))
         memory = blk.rows * blk.cols * RESIDENT_BYTES_PER_LOGIT
     g = gemms(path, setting)
     products = gemm_s(m, k, d) * (g["forward"] + g["backward"])

@@ -170,7 +170,7 @@ FP16 = {90: ("two-view-band", "fwd", "fwd-band", "fwd-triangle", "fwd-band-trian
 
 
 # GPUs before sm_80 (Turing's T4 at sm_75; Volta alike) launch sm_80's entries (triton/launch.py). There the
-# default path is the band design (precision.ampere_or_later): its elementwise kernels in float16 (autocast's dtype
+# default path is the band design (plan.ampere_or_later): its elementwise kernels in float16 (autocast's dtype
 # there) and float32 (no TF32); the fused forward beside them shows why (triton lowers its products to FMA).
 PRE_AMPERE = 75
 # Blackwell launches sm_90's entries (triton/launch.py): sm_100 (B200: tcgen05) and sm_120 (RTX 50 series:

@@ -96,7 +96,6 @@ def main(argv=None) -> int:
     n, d = args.n, args.d
     gen = torch.Generator(device).manual_seed(0)
     scale = torch.full((), 10.0, device=device)
-    factor = torch.ones((), device=device)
     lines = []
 
     def report(kernel, config, products, shape, fn, moved=0):
@@ -135,24 +134,25 @@ def main(argv=None) -> int:
     if {"stats_fwd", "two_view_backward"} & set(kernels):
         cublas((m2, m2, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]  # not autotuned: ncu sees only timed launches
-        stats = torch.stack(stats_fwd.forward_stats(z, z, inputs(False, first)))
+        stats = stats_fwd.forward_stats(z, z, inputs(False, first))
         grad = torch.full_like(stats, 1.0 / m2)
     if "stats_fwd" in kernels:
         for config in entries(stats_fwd, d, z.element_size(), extra, args.first):
             report("stats_fwd", config, 1, (m2, m2, d),
                    lambda c=config: stats_fwd.forward_stats(z, z, inputs(False, c)))
     if "two_view_backward" in kernels:  # dlogits' space for the d logits, cuBLAS for the recompute and products
-        bands = math.ceil(m2 / dlogits.block_shape(m2, m2, 4)[0])  # over the triangle: (R + 1) / 2R recomputed
+        entry = 4 + z.element_size()  # the block's float32 logits and d logits; held: dz's float32 sum, the stack
+        bands = math.ceil(m2 / dlogits.block_shape(m2, m2, entry, (4 + z.element_size()) * m2 * d)[0])
         for config in entries(dlogits, d, z.element_size(), extra, args.first):
             report("two_view_backward", config, 1 + (bands + 1) / (2 * bands), (m2, m2, d),
-                   lambda c=config: triton_stats._triangle_gradients(z, inputs(False, c), stats, grad, factor))
+                   lambda c=config: triton_stats._triangle_gradients(z, inputs(False, c), stats, grad, None))
     if {"dlogits", "band_products"} & set(kernels):  # image-text: the first band of d logits, its products
         a, b = z[:n], z[n:]
-        rows, cols = dlogits.block_shape(n, n, 4)
+        held = 4 * d * n + 4 * min(n * d, 4 * triton_stats.GROUP_ELEMENTS)  # dB's float32 sum, one group of dA's
+        rows, cols = dlogits.block_shape(n, n, 4 + a.element_size(), held)
         cublas((rows, cols, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]
-        pair = torch.cat([stats_fwd.forward_stats(a, b, inputs(True, first, n))[i][None]
-                          for i in (0, 1)])
+        pair = stats_fwd.forward_stats(a, b, inputs(True, first, n))
         pair_grad = torch.full_like(pair, 0.5 / n)
         block = a.new_empty((rows, cols))
         logits = a.new_empty((rows, cols), dtype=torch.float32)  # the block's, as cuBLAS recomputes them

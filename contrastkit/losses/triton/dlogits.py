@@ -3,12 +3,16 @@ recompute, or the dense path's kept ones) and the saved statistics, written once
 product inside. Two cuBLAS products read it (triton/stats.py), so dA and dB come from one recompute
 (image-text and query/queue: 1 recompute + 2 products; two views: 1 + 1, of dL + dL^T).
 
-dL' = dL / factor (factor = max |grad|, so that float16's small entries stay in range) goes to a [rows, K]
-buffer in the inputs' dtype; with it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the
-columns. The logit scale and the factor go on the products' float32 sums once, at the end (stats.py).
-The blocks are bounded by their float32 logits, at most BAND_BYTES (256 MiB; block_shape): at N = 32768
-image-text, 16 bands of 2048 rows and every column; two views at N = 32768 (65536 rows) and anything past
-65536 rows, square blocks of 8192 x 8192.
+dL' goes to a [rows, K] buffer in the inputs' dtype (float16: dL' = dL / factor, factor = max |grad|, so that
+its small entries stay in float16's range; bfloat16 and float32 have float32's range and take dL itself); with
+it the rows' terms of d scale, sum_k dL'_ik a_i.b_k, per split of the columns. The logit scale (and the
+factor) go on the products' float32 sums once, at the end (stats.py).
+A block's float32 logits and its d logits, with the float32 sums of the gradients the backward holds beside
+them, fit BACKWARD_BYTES (896 MiB; block_shape): the blocks are as large as that allows, so that a call issues
+as few operators as its memory bound permits. At N = 32768 image-text (bf16), 8 bands of 4096 rows and every
+column (16 bands of 2048 rows when a block had 256 MiB of logits); two views at N = 32768 (65536 rows), squares
+of 11008 (6 bands over the triangle, 21 blocks; were 8192: 36); from N = 262144 on, squares of 8192 (the
+held bytes leave less than BLOCK_MIN_ELEMENTS).
 """
 
 from __future__ import annotations
@@ -22,9 +26,16 @@ from contrastkit.losses.triton import launch
 from contrastkit.losses.triton.common import (EXCLUDED, anchor_dlogits, column_dlogits, inverse_norms,
                                                kept_by_label, scaled, tile_exp, valid)
 
-BAND_BYTES = 2**28
+# The backward's buffers: one block's float32 logits and d logits, and the gradients' float32 sums and the
+# operands the call made (block_shape's ``held``). 896 MiB keeps a call's whole memory beyond its inputs and their
+# gradients within 1 GiB at N = 262144, D = 512 (tests/losses/test_memory.py), and at N = 32768 gives image-text
+# 8 bands where 256 MiB of logits gave 16 (4 operators each).
+BACKWARD_BYTES = 7 * 2**27
+# Where the held bytes leave less (dB's float32 sum alone is 512 MiB at N = 262144), a block keeps this many
+# entries all the same (256 MiB of float32 logits: the earlier fixed size, whose blocks the memory tests bound).
+BLOCK_MIN_ELEMENTS = 2**26
 BAND_ALIGN = 128
-BAND_MIN_ROWS = 2048
+BAND_MIN_ROWS = 4096
 
 # (BLOCK_M, BLOCK_N, warps, stages, architectures) by the d logits' itemsize (launch.py): the entries the first
 # design's kernel (its products inside) kept, without their chunk of D. float32 on sm_90: 128 x 32 first, as it
@@ -40,16 +51,18 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
     return launch.configs(launch.entries(SPACE, NAMES, None, d, itemsize, arch), NAMES)
 
 
-def block_shape(m: int, k: int, itemsize: int) -> tuple[int, int]:
-    """(rows, columns) of a block of d logits within BAND_BYTES, multiples of BAND_ALIGN: a band of every
-    column while that leaves BAND_MIN_ROWS rows (or all of them), else a square. Per block, the products
-    read b's and a's rows and add into float32 gradients (2 columns D + 8 (rows + columns) D bytes) against
-    6 rows columns D FLOPs: rows and columns of a few thousand keep that above the H100's 295 FLOPs per
-    byte (docs/performance.md)."""
-    rows = BAND_BYTES // (k * itemsize) // BAND_ALIGN * BAND_ALIGN
+def block_shape(m: int, k: int, entry_bytes: int, held: int = 0) -> tuple[int, int]:
+    """(rows, columns) of a block of d logits, multiples of BAND_ALIGN, whose entries (entry_bytes each: the
+    float32 logits and the d logits) fit what BACKWARD_BYTES leaves beside ``held`` bytes (the float32 sums of
+    the gradients, the operands the call made), and at least BLOCK_MIN_ELEMENTS: a band of every column while that leaves BAND_MIN_ROWS rows (or
+    all of them), else a square. Per block, the products read b's and a's rows and add into float32 gradients
+    (2 columns D + 8 (rows + columns) D bytes) against 6 rows columns D FLOPs: rows and columns of a few
+    thousand keep that above the H100's 295 FLOPs per byte (docs/performance.md)."""
+    elements = max(BLOCK_MIN_ELEMENTS, (BACKWARD_BYTES - held) // entry_bytes)
+    rows = elements // k // BAND_ALIGN * BAND_ALIGN
     if rows >= min(m, BAND_MIN_ROWS):
         return min(m, max(BAND_ALIGN, rows)), k
-    side = max(BAND_ALIGN, math.isqrt(BAND_BYTES // itemsize) // BAND_ALIGN * BAND_ALIGN)
+    side = max(BAND_ALIGN, math.isqrt(elements) // BAND_ALIGN * BAND_ALIGN)
     return min(m, side), min(k, side)
 
 

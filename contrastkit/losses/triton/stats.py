@@ -35,17 +35,18 @@ stages are autotuned (triton/launch.py); under TRITON_INTERPRET=1 (the CPU tests
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
 (precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has
-it (sm_80 and later, precision.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16
+it (sm_80 and later, plan.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16
 features taken in float32), on the band
 design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits), as float16
 features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the inputs'
 dtype: bfloat16, float16 (dL divided by a factor first, so that its small entries stay in float16's range;
-the factor is put back on the float32 sum), or float32. Statistics are float32. No host synchronisation: the
+the factor is put back on the float32 sum), or float32 (bfloat16 and float32 have float32's range: no factor). Statistics are float32. No host synchronisation: the
 scale is read on the device, shapes never depend on values. Memory beyond the inputs, their gradients and
 the statistics: in forward the partials (at most PARTIAL_BYTES, 128 MiB) and the band design's float32
-products (LOGIT_BAND_BYTES, 256 MiB); in backward one block of d logits (at most BAND_BYTES, 256 MiB),
-and, for half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes; dA: a band's rows D 4 bytes;
-two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES).
+products (LOGIT_BAND_BYTES, 256 MiB); in backward one block's float32 logits and d logits and, for
+half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes; dA: a group's rows D 4 bytes, at most
+GROUP_ELEMENTS; two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES), all of it within
+dlogits.BACKWARD_BYTES (896 MiB: the block takes what the sums leave).
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 
-from contrastkit.losses import precision
+from contrastkit.losses import plan, precision
 from contrastkit.losses.chunked import _low, _mm_f32, _operand, no_autocast
 from contrastkit.losses.functional import half_units, inverse_norms, normalization_backward, projection_weights
 from contrastkit.losses.plan import host_checks_allowed
-from contrastkit.losses.triton import launch
+from contrastkit.losses.triton import dlogits, launch
 from contrastkit.losses.triton.dlogits import block_shape, write_dlogits
 from contrastkit.losses.triton.stats_fwd import forward_stats
 
@@ -91,10 +92,11 @@ DENSE_BYTES = 2**29
 # Two views' backward over the upper triangle (_triangle_gradients) where its float32 sum of dz, M D 4 bytes,
 # fits this (up to N = 65536 at D = 512; beyond it the full rows of _band_gradients, whose sums are a band's).
 TRIANGLE_BYTES = 2**28
-# The bands' backward (_band_gradients) normalises dA's rows a group of bands at a time, their float32 sums at
-# most this many elements (16 MiB): at N = 32768, D = 512 four passes of a few operators each, not one per
-# band's 2048 rows (16: image-text's call 249 operators, now 189: tools/perf/profile_call.py --count). 2^24 would
-# be one pass there but breaks the 1 GiB at N = 262144 (tests/losses/test_memory.py: 1063 MiB at the peak).
+# The bands' backward (_band_gradients) normalises dA's rows a group of bands at a time, their float32 sums
+# this many elements (16 MiB; at least one band's), or 4x where dlogits.BACKWARD_BYTES has room for that beside
+# the block's least: at N = 32768, D = 512 one pass of a few operators, not one per band (16 bands: image-text's
+# call 249 operators, 189 in groups of 2^22 elements); at N = 262144 dB's sum leaves no room (2^24 there went
+# to 1063 MiB against the 1 GiB, tests/losses/test_memory.py).
 GROUP_ELEMENTS = 2**22
 # float32 features with TF32 allowed, normalised in the kernels, on the band design: the products' operands
 # are float16 copies of the unit vectors (functional.half_units), the d logits float16, so that the call runs
@@ -152,7 +154,7 @@ def _negative_stats(a: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor
             _write_product(out, a[r0:r1], b[c0:].T)
     kept = a.new_empty((a.shape[0], b.shape[0]) if forward_logits == "dense" else (0, 0), dtype=torch.float32)
     stats = forward_stats(a, b, inputs, product, kept if forward_logits == "dense" else None, triangle)
-    return torch.stack(stats), kept
+    return stats, kept
 
 
 def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels):
@@ -162,27 +164,12 @@ def _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_
     return launch.KernelInputs(scale, exclude, with_mean, columns, tf32, _tiles(blocks), norms, by_label)
 
 
-def takes_half_units(x, normalize):
-    """Whether a call on features x (normalised in the kernels where ``normalize``) runs on their float16 unit
-    vectors: float16 features, and float32 with TF32 allowed (HALF_UNITS_FOR_TF32; see route)."""
-    return route(1, 1, x.dtype, normalize, precision.ampere_or_later(x.device), precision.tf32_matmul_allowed())[2]
-
-
-def _takes_units(dtype, normalized, tf32):
-    """Whether features in ``dtype`` take float16 copies of their unit vectors as the products' operands: where the
-    kernels normalise, float16 features (FLOAT16_UNITS) and float32 ones with TF32 allowed
-    (HALF_UNITS_FOR_TF32)."""
-    if not normalized:
-        return False
-    return (FLOAT16_UNITS and dtype == torch.float16) or (HALF_UNITS_FOR_TF32 and tf32 and dtype == torch.float32)
-
-
 def _operands(a, b, inv_a, inv_b, tf32):
     """(a, b, inv_a, inv_b, tf32, given): what the products take, the same in forward and backward. Where the
-    call runs on units (_takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
+    call runs on units (plan.takes_units): the float16 unit vectors of a and of b (None: b is a), no inverse
     norms, no TF32, and given = (the features, their inverse norms), whose gradients backward returns; else
     the arguments as they are and given None."""
-    if not _takes_units(a.dtype, inv_a is not None, tf32):
+    if not plan.takes_units(a.dtype, inv_a is not None, tf32):
         return a, b, inv_a, inv_b, tf32, None
     given = (a, a if b is None else b, inv_a, inv_a if inv_b is None else inv_b)
     return half_units(a, inv_a), None if b is None else half_units(b, inv_b), None, None, False, given
@@ -244,14 +231,23 @@ def _block_logits(a, b, r0, r1, c0, c1, kept, buffer):
     return out
 
 
+def _made(a, b, given, symmetric):
+    """Bytes of the operands the call made, which live beside the backward's buffers: two views' stack of the
+    views (symmetric), float16 unit vectors (given)."""
+    if given is not None:
+        return a.nbytes + (0 if symmetric or b is a else b.nbytes)
+    return a.nbytes if symmetric else 0
+
+
 def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=None, given=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their
-    upstream gradient dL / factor and the call's inputs (launch.KernelInputs): per block of d logits (a band
+    upstream gradient dL / factor (factor None: dL itself) and the call's inputs (launch.KernelInputs): per block of d logits (a band
     of rows and every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py),
     then its two products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
     ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32.
     The block's logits are recomputed by cuBLAS into a float32 buffer that the d logits kernel reads (the
-    buffer, not d logits, is what BAND_BYTES bounds), or where ``kept`` is given, the whole matrix's float32
+    buffer and the d logits are what dlogits.BACKWARD_BYTES bounds, beside the float32 sums and the operands the call
+    made: _made), or where ``kept`` is given, the whole matrix's float32
     logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
     a): d logits dL + dL^T, one product, dA is dz and dB empty. Where the inputs carry inverse norms (a and b
     the features as given) the products give the unit vectors' gradients times the inverse norms, in
@@ -261,11 +257,18 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     gradients are then the features' own, in their dtype."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     x_a, x_b, inv_a, inv_b = given or (a, b, *(inputs.inverse_norms or (None, None)))
-    rows, cols = block_shape(m, k, 4)
+    low = x_a.dtype != torch.float32  # the products' sums then need float32 buffers: a group's rows of dA, all of dB
+    held = 4 * d * (0 if symmetric else k) * low + _made(a, b, given, symmetric)
+    entry = (4 if kept is None else 0) + a.element_size()
+    # dA's rows normalised, their d scale terms summed, at once: up to 4 GROUP_ELEMENTS where that leaves the
+    # block its least (at N = 32768, D = 512 every row: one pass), else GROUP_ELEMENTS
+    group = min(m * d, 4 * GROUP_ELEMENTS)
+    if dlogits.BACKWARD_BYTES - held - 4 * group * low < dlogits.BLOCK_MIN_ELEMENTS * entry:
+        group = GROUP_ELEMENTS
+    rows, cols = block_shape(m, k, entry, held + 4 * group * low)
+    group = max(1, group // d // rows) * rows
     da = torch.empty_like(x_a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(x_b, memory_format=torch.contiguous_format)
-    low = da.dtype != torch.float32  # the products' sums then need float32 buffers: a group's rows of dA, all of dB
-    group = max(1, GROUP_ELEMENTS // (rows * d)) * rows  # rows of dA normalised, their d scale terms summed, at once
     da_sum = a.new_empty((min(group, m), d), dtype=torch.float32) if low else None
     db_sum = torch.empty_like(db, dtype=torch.float32) if low and not symmetric else db
     splits, share = launch.split(triton.cdiv(rows, 64), cols, a.device)
@@ -273,7 +276,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     ds_rows = a.new_empty(m, dtype=torch.float32)
     dl = a.new_empty((rows, cols))
     logits = a.new_empty((rows, cols), dtype=torch.float32) if kept is None else None
-    step = inputs.scale * factor  # on the sums, once
+    step = inputs.scale if factor is None else inputs.scale * factor  # on the sums, once
     w_a = None if inv_a is None else projection_weights(inv_a)
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
@@ -311,7 +314,8 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None, given=None):
     where z is a float16 copy of their unit vectors."""
     m, d = z.shape
     x, inv = given[::2] if given else (z, None if inputs.inverse_norms is None else inputs.inverse_norms[0])
-    rows, cols = block_shape(m, m, 4)
+    held = 4 * m * d + _made(z, z, given, True)  # dz's float32 sum
+    rows, cols = block_shape(m, m, (4 if kept is None else 0) + z.element_size(), held)
     dz = z.new_empty((m, d), dtype=torch.float32)  # the first band writes every row: its own, then the rest
     splits, share = launch.split(triton.cdiv(rows, 64), cols, z.device)
     ds = z.new_empty((triton.cdiv(m, cols), splits, rows), dtype=torch.float32)
@@ -333,8 +337,8 @@ def _triangle_gradients(z, inputs, stats, grad, factor, kept=None, given=None):
                 _add_product(dz[past:c1], block[:, past - c0:].T, z[r0:r1], r0 > 0)
         torch.sum(ds[: len(blocks), :, : r1 - r0], (0, 1), out=ds_rows[r0:r1])
     out = None if x.dtype == torch.float32 else torch.empty_like(x, memory_format=torch.contiguous_format)
-    _finish(dz, x, inv, None if inv is None else projection_weights(inv), inputs.scale * factor, out,
-            given is not None)
+    step = inputs.scale if factor is None else inputs.scale * factor
+    _finish(dz, x, inv, None if inv is None else projection_weights(inv), step, out, given is not None)
     return (dz if out is None else out), ds_rows
 
 
@@ -350,22 +354,23 @@ def _negative_stats_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     features' own)."""
     logits = kept if forward_logits == "dense" else None
     a, b, inv_a, inv_b, tf32, given = _operands(a, b, inv_a, inv_b, tf32)  # as the forward's
-    if given is not None:  # the gradients in the features' dtype
-        factor = _units_factor(grad, scale, with_mean)
-    else:
-        factor = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)  # dL / factor: in float16's range
+    factor = None  # bfloat16 and float32 d logits have float32's range: no factor
+    if a.dtype == torch.float16:  # dL / factor: in float16's range (units: _units_factor)
+        factor = (_units_factor(grad, scale, with_mean) if given is not None
+                  else grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny))
+        grad = grad / factor
     inputs = _inputs(scale, exclude, with_mean, columns, tf32, blocks, inv_a, inv_b, ids_a, ids_b, labels)
-    grad = grad / factor
     if b is None and not columns:
         if a.shape[0] * a.shape[1] * 4 <= TRIANGLE_BYTES:  # the upper triangle alone
             dz, ds = _triangle_gradients(a, inputs, stats, grad, factor, kept=logits, given=given)
         else:  # full rows: dL + dL^T per band, one product
             dz, _, ds = _band_gradients(a, a, inputs, stats, grad, factor, symmetric=True, kept=logits, given=given)
-        return dz, a.new_empty(0), ds * factor
+        return dz, a.new_empty(0), ds if factor is None else ds * factor
     da, db, ds = _band_gradients(a, a if b is None else b, inputs, stats, grad, factor, kept=logits, given=given)
+    ds = ds if factor is None else ds * factor
     if b is None:  # one tensor as both operands, image-text style: both roles' gradients
-        return da + db, a.new_empty(0), ds * factor
-    return da, db, ds * factor
+        return da + db, a.new_empty(0), ds
+    return da, db, ds
 
 
 def _setup_context(ctx, inputs, output):
@@ -389,28 +394,6 @@ def _backward(ctx, grad, _):
 
 
 _negative_stats.register_autograd(_backward, setup_context=_setup_context)
-
-
-def route(m: int, k: int, dtype: torch.dtype, normalize: bool, ampere: bool, tf32_allowed: bool
-          ) -> tuple[str, bool, bool]:
-    """The Triton path's decisions for an [m, k] matrix of features in ``dtype`` on a GPU that is ``ampere`` or
-    later (precision.ampere_or_later) where the user allows TF32 or not (precision.tf32_matmul_allowed): the
-    device's facts read once, by the call's plan (plan.make_plan). Returns (where the forward's logits come
-    from, whether float32 products may use TF32, whether the products take float16 unit vectors). The logits
-    (LOGITS): FORWARD_LOGITS where it names one, else "auto": "dense" where the float32 matrix fits
-    DENSE_BYTES, else the fused kernel ("kernel") where its operands are 16-bit (bf16/fp16, or float16 units
-    for float32 under TF32: HALF_UNITS_FOR_TF32) and on tensor cores (sm_80 and later), else cuBLAS's products
-    ("cublas")."""
-    if dtype == torch.bfloat16 and not ampere:
-        dtype = torch.float32  # taken as its float32 copies there (negative_stats_triton)
-    tf32 = dtype == torch.float32 and tf32_allowed and ampere
-    half = _takes_units(dtype, normalize, tf32)
-    if FORWARD_LOGITS != "auto":
-        return FORWARD_LOGITS, tf32, half
-    if m * k * 4 <= DENSE_BYTES:
-        return "dense", tf32, half
-    fused = ampere and (dtype in (torch.bfloat16, torch.float16) or half)
-    return "kernel" if fused else "cublas", tf32, half
 
 
 def _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits):
@@ -481,7 +464,7 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     backward recomputes each block there in both cases), or "dense" (cuBLAS writes the whole matrix once and
     backward reads it: no recompute) or "auto" (dense where the float32 matrix fits DENSE_BYTES, else the
     kernel for bf16/fp16 or float16 units, measured on an H100 and an H200, and cuBLAS for float32 and on
-    GPUs before sm_80, where Triton's products take no tensor cores (precision.ampere_or_later: there
+    GPUs before sm_80, where Triton's products take no tensor cores (plan.ampere_or_later: there
     bfloat16 features are taken in float32, since cuBLAS writes no float32 product of them); two views'
     forward visits the upper triangle on cuBLAS's products, on the kernel's only where FUSED_TRIANGLE);
     None: FORWARD_LOGITS. normalize: the logits are those of the unit
@@ -493,21 +476,21 @@ def negative_stats_triton(anchors: torch.Tensor, candidates: torch.Tensor, scale
     too (``same_label``: labels as false negatives), or with same_label=False those whose ids differ (the
     statistics over each anchor's same-label candidates), as chunked.negative_stats' labels; one tensor as
     anchors and candidates (two views) reads the row ids for both. tf32: whether float32 products may use TF32
-    (the losses pass their plan's; None: read here, see route).
+    (the losses pass their plan's; None: read here, plan.triton_route).
     """
     given = [x for x in (block_m, block_n, block_d) if x is not None]
     if given and len(given) != 3:
         raise ValueError("negative_stats_triton: give block_m, block_n and block_d together, or none of them")
     blocks = given or None
     same = candidates is anchors
-    ampere = precision.ampere_or_later(anchors.device)
+    ampere = plan.ampere_or_later(anchors.device)
     if anchors.dtype == torch.bfloat16 and not ampere:
         # before sm_80 cuBLAS writes no float32 product of bfloat16 operands: their float32 copies (exact)
         anchors = anchors.float()
         candidates = anchors if same else candidates.float()
     if forward_logits in (None, "auto") or tf32 is None:
-        logits, tf32, _ = route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize, ampere,
-                                precision.tf32_matmul_allowed())
+        logits, tf32, _ = plan.triton_route(anchors.shape[0], candidates.shape[0], anchors.dtype, normalize,
+                                            anchors.device, precision.tf32_matmul_allowed())
         forward_logits = logits if forward_logits in (None, "auto") else forward_logits
     _check(anchors, candidates, scale, exclude, with_mean, columns, blocks, forward_logits)
     if isinstance(scale, torch.Tensor):

@@ -134,7 +134,7 @@ def stats_fwd(a_ptr, b_ptr, p_ptr, scale_ptr, inv_a_ptr, inv_b_ptr, ex_ptr, ids_
 
 
 def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, triangle=False):
-    """[lse, (mean), (columns' lse)] of scale a b^T: [M] float32 each (inputs: the call's scale, exclusions,
+    """[lse, (mean), (columns' lse)] of scale a b^T: [S, M] float32 (inputs: the call's scale, exclusions,
     form, tiles, norms and labels). The rows go in launches (bands) of at most LOGIT_BAND_BYTES of products
     where cuBLAS writes them: product(r0, r1, c0, out) writes a[r0:r1] b[c0:]^T into out, which the kernel
     then reads instead of computing the products; into the rows of ``logits`` [M, K] float32 where given
@@ -142,7 +142,8 @@ def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, 
     TRIANGLE_BAND_ROWS against the columns from its first row on, the upper triangle alone (about half the
     products and exps), the columns' partials giving each row the share of the lower triangle. The
     launches' partials (per split of the columns, and the columns' per row tile) are combined per group
-    of bands within PARTIAL_BYTES."""
+    of bands within PARTIAL_BYTES; where one launch's partials are the rows' whole statistics (one split, one
+    group), the kernel writes them in place and nothing is combined (an operator fewer a call)."""
     m, k = a.shape[0], b.shape[0]
     with_mean, columns, blocks = inputs.with_mean, inputs.columns, inputs.blocks
     tile = blocks["BLOCK_M"] if blocks else BLOCK_M
@@ -163,12 +164,14 @@ def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, 
     splits = max(s for s, _ in plan)  # a band whose columns take fewer: its last splits empty (lse -inf)
     per_band = 4 * (splits * rows + (triton.cdiv(rows, tile) * k if by_column else 0)) * (2 if with_mean else 1)
     group = max(1, PARTIAL_BYTES // per_band) * rows
-    lse = a.new_empty((splits, min(group, m)), dtype=torch.float32)
-    mean = torch.empty_like(lse) if with_mean else lse
+    stats = a.new_empty((1 + with_mean + columns, m), dtype=torch.float32)
+    total, row_mean = stats[0], stats[1] if with_mean else None
+    one_group = group >= m
+    direct = splits == 1 and one_group  # the partials are the rows' statistics: written into stats
+    lse = stats[:1] if direct else a.new_empty((splits, min(group, m)), dtype=torch.float32)
+    mean = (stats[1:2] if direct else torch.empty_like(lse)) if with_mean else lse
     cpart = a.new_empty((triton.cdiv(min(group, m), tile), k), dtype=torch.float32) if by_column else lse
     cmean = torch.empty_like(cpart) if by_column and with_mean else cpart
-    total = a.new_empty(m, dtype=torch.float32)
-    row_mean = torch.empty_like(total) if with_mean else None
     column = None
     for g0 in range(0, m, group):
         g1 = min(g0 + group, m)
@@ -192,30 +195,34 @@ def forward_stats(a, b, inputs: launch.KernelInputs, product=None, logits=None, 
                        R0=r0, R1=r1, C0=c0, SPLIT=share, s_pr=0 if band is None else band.stride(0),
                        s_part=lse.stride(0), TRIANGLE=triangle, FROM_LOGITS=band is not None,
                        **inputs.constants(a, b), blocks=blocks)
-        total[g0:g1], part_mean = _combine(lse[:, : g1 - g0], mean[:, : g1 - g0] if with_mean else None)
-        if row_mean is not None:  # with_mean (the test mypy can follow)
-            row_mean[g0:g1] = part_mean
+        if not direct:
+            total[g0:g1], part_mean = _combine(lse[:, : g1 - g0], mean[:, : g1 - g0] if with_mean else None)
+            if row_mean is not None:  # with_mean (the test mypy can follow)
+                row_mean[g0:g1] = part_mean
         if by_column:
             tiles = triton.cdiv(g1 - g0, tile)
-            part = _combine(cpart[:tiles], cmean[:tiles] if with_mean else None)
+            into = stats[-1] if columns and one_group else None  # the columns' lse written into stats
+            part = _combine(cpart[:tiles], cmean[:tiles] if with_mean else None, into)
             if column is None and g1 < m:  # a view of the buffer the next group overwrites: kept as a copy
                 part = tuple(None if x is None else x.clone() for x in part)
             column = part if column is None else _merge(column, part)
     if triangle:  # each row's upper-triangle statistics with its column's, the lower triangle's share
-        total, row_mean = _merge((total, row_mean), column)
-    stats = [total]
-    if with_mean:
-        stats.append(row_mean)
-    if columns and column is not None:  # columns (the test mypy can follow)
-        stats.append(column[0])
+        stats[0], part_mean = _merge((total, row_mean), column)
+        if row_mean is not None:
+            row_mean.copy_(part_mean)
+    elif columns and not one_group and column is not None:  # the columns' lse over several groups
+        stats[-1] = column[0]
     return stats
 
 
-def _combine(lse, mean):
+def _combine(lse, mean, out=None):
     """(lse, mean) over the partials [parts, n] of disjoint sets of columns (mean None: without): the
-    logsumexp, and the means weighted by each part's share (a part of lse -inf has none)."""
+    logsumexp (into ``out`` where given, mean None), and the means weighted by each part's share (a part of lse
+    -inf has none)."""
     if lse.shape[0] == 1:
-        return lse[0], None if mean is None else mean[0]
+        return (lse[0] if out is None else out.copy_(lse[0])), None if mean is None else mean[0]
+    if out is not None:
+        return torch.logsumexp(lse, dim=0, out=out), None
     total = torch.logsumexp(lse, dim=0)
     if mean is None:
         return total, None
