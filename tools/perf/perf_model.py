@@ -120,7 +120,10 @@ BUILT_OPERATORS = {"band": {TWO_VIEW: 55, IMAGE_TEXT: 68}, "dense": {TWO_VIEW: 2
 # each view's); image-text's rows normalised four bands at a time, not each band, took 60; the diagnostics made
 # only for output_dict took 4 from each (and from BUILT_OPERATORS' band); the d scale terms summed in place, not
 # summed and copied, and image-text's once per group of bands (GROUP_ELEMENTS), 28 from image-text and 8 from two
-# views (1 from each band path's one block).
+# views (1 from each band path's one block); the blocks sized from the backward's memory budget (8 bands, not 16;
+# 21 squares over two views' triangle, not 36), one group of image-text's rows, no factor for bf16 d logits and
+# the statistics written in place, 58 from image-text and 68 from two views (157 and 214 to 99 and 146; 7 from
+# each band path's one block: BUILT_OPERATORS).
 # predict() takes these where it has them.
 COUNTED_OPERATORS = {TWO_VIEW: {32768: 146}, IMAGE_TEXT: {32768: 99}}
 # Bytes the same calls move in their passes over [N, D] arrays (inverse norms, float16 copies, F.normalize's
