@@ -128,8 +128,9 @@ def test_dense_memory_formula():
 def test_blocks_are_the_codes():
     """The backward's blocks are the ones contrastkit makes (dlogits.block_shape: float32 logits and 16-bit d
     logits within BACKWARD_BYTES less what the backward holds beside them, held_bytes, which
-    test_counted_operators_and_bytes_are_the_codes checks against the code's own call), whatever the budget; until issue 53 the model sized them from its budget (7 bands at N = 32768 image-text, 25 two views),
-    until issue 59's budget the code had 256 MiB of logits a block (16 bands, 8 x 8 squares)."""
+    test_counted_operators_and_bytes_are_the_codes checks against the code's own call), whatever the budget;
+    until issue 53 the model sized them from its budget (7 bands at N = 32768 image-text, 25 two views), until
+    issue 59's budget the code had 256 MiB of logits a block (16 bands, 8 x 8 squares)."""
     from contrastkit.losses.triton import dlogits
     from contrastkit.losses.triton import stats as triton_stats
 

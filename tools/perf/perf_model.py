@@ -296,9 +296,9 @@ def held_bytes(setting: str, m: int, k: int, d: int) -> int:
 
 
 def blocks(m: int, k: int, held: int = 0) -> Blocks:
-    """The code's blocks (dlogits.block_shape): bands of every column whose float32 logits and 16-bit d logits fit
-    BACKWARD_BYTES less ``held`` (held_bytes), at least BLOCK_MIN_ELEMENTS, square blocks where such a band would be thinner than BAND_MIN_ROWS
-    (or than every row)."""
+    """The code's blocks (dlogits.block_shape): bands of every column whose float32 logits and 16-bit d logits
+    fit BACKWARD_BYTES less ``held`` (held_bytes), at least BLOCK_MIN_ELEMENTS; square blocks where such a band
+    would be thinner than BAND_MIN_ROWS (or than every row)."""
     elements = max(BLOCK_MIN_ELEMENTS, (BACKWARD_BYTES - held) // RESIDENT_BYTES_PER_LOGIT)
     rows = elements // k // TILE * TILE
     if rows >= min(m, BAND_MIN_ROWS):

@@ -54,10 +54,11 @@ def space(d: int, itemsize: int, arch: int = 90) -> list[triton.Config]:
 def block_shape(m: int, k: int, entry_bytes: int, held: int = 0) -> tuple[int, int]:
     """(rows, columns) of a block of d logits, multiples of BAND_ALIGN, whose entries (entry_bytes each: the
     float32 logits and the d logits) fit what BACKWARD_BYTES leaves beside ``held`` bytes (the float32 sums of
-    the gradients, the operands the call made), and at least BLOCK_MIN_ELEMENTS: a band of every column while that leaves BAND_MIN_ROWS rows (or
-    all of them), else a square. Per block, the products read b's and a's rows and add into float32 gradients
-    (2 columns D + 8 (rows + columns) D bytes) against 6 rows columns D FLOPs: rows and columns of a few
-    thousand keep that above the H100's 295 FLOPs per byte (docs/performance.md)."""
+    the gradients, the operands the call made), and at least BLOCK_MIN_ELEMENTS: a band of every column while
+    that leaves BAND_MIN_ROWS rows (or all of them), else a square. Per block, the products read b's and a's
+    rows and add into float32 gradients (2 columns D + 8 (rows + columns) D bytes) against 6 rows columns D
+    FLOPs: rows and columns of a few thousand keep that above the H100's 295 FLOPs per byte
+    (docs/performance.md)."""
     elements = max(BLOCK_MIN_ELEMENTS, (BACKWARD_BYTES - held) // entry_bytes)
     rows = elements // k // BAND_ALIGN * BAND_ALIGN
     if rows >= min(m, BAND_MIN_ROWS):

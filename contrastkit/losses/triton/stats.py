@@ -34,19 +34,18 @@ statistics (or gradients, in float32) combined by a few torch ops. On CUDA the t
 stages are autotuned (triton/launch.py); under TRITON_INTERPRET=1 (the CPU tests) the production default.
 
 Products accumulate in float32; float32 inputs use TF32 where the user allows it for float32 matmuls
-(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has
-it (sm_80 and later, plan.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16
-features taken in float32), on the band
-design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa bits), as float16
-features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the inputs'
-dtype: bfloat16, float16 (dL divided by a factor first, so that its small entries stay in float16's range;
-the factor is put back on the float32 sum), or float32 (bfloat16 and float32 have float32's range: no factor). Statistics are float32. No host synchronisation: the
-scale is read on the device, shapes never depend on values. Memory beyond the inputs, their gradients and
-the statistics: in forward the partials (at most PARTIAL_BYTES, 128 MiB) and the band design's float32
-products (LOGIT_BAND_BYTES, 256 MiB); in backward one block's float32 logits and d logits and, for
-half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes; dA: a group's rows D 4 bytes, at most
-GROUP_ELEMENTS; two views over the triangle: dz, M D 4 bytes, at most TRIANGLE_BYTES), all of it within
-dlogits.BACKWARD_BYTES (896 MiB: the block takes what the sums leave).
+(precision.tf32_matmul_allowed: the legacy allow_tf32 flag or torch >= 2.9's fp32_precision) and the GPU has it
+(sm_80 and later, plan.ampere_or_later; before it auto's products are all cuBLAS's, bfloat16 features taken in
+float32), on the band design as float16 copies of their unit vectors (HALF_UNITS_FOR_TF32, the same 10 mantissa
+bits), as float16 features normalised there do (FLOAT16_UNITS: their range). In backward dL meets b (or a) in the
+inputs' dtype: bfloat16, float16 (dL divided by a factor first, so that its small entries stay in float16's
+range; the factor is put back on the float32 sum), or float32 (bfloat16 and float32 have float32's range: no
+factor). Statistics are float32. No host synchronisation: the scale is read on the device, shapes never depend on
+values. Memory beyond the inputs, their gradients and the statistics: in forward the partials (at most
+PARTIAL_BYTES, 128 MiB) and the band design's float32 products (LOGIT_BAND_BYTES, 256 MiB); in backward one
+block's float32 logits and d logits and, for half-precision inputs, the gradients' float32 sums (dB: K D 4 bytes;
+dA: a group's rows D 4 bytes, at most GROUP_ELEMENTS; two views over the triangle: dz, M D 4 bytes, at most
+TRIANGLE_BYTES), all of it within dlogits.BACKWARD_BYTES (896 MiB: the block takes what the sums leave).
 """
 
 from __future__ import annotations
@@ -240,21 +239,21 @@ def _made(a, b, given, symmetric):
 
 
 def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=None, given=None):
-    """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their
-    upstream gradient dL / factor (factor None: dL itself) and the call's inputs (launch.KernelInputs): per block of d logits (a band
-    of rows and every column, or at large sizes a square, dlogits.block_shape), d logits once (dlogits.py),
-    then its two products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in a Triton kernel of
-    ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in float32.
-    The block's logits are recomputed by cuBLAS into a float32 buffer that the d logits kernel reads (the
-    buffer and the d logits are what dlogits.BACKWARD_BYTES bounds, beside the float32 sums and the operands the call
-    made: _made), or where ``kept`` is given, the whole matrix's float32
-    logits from forward (the dense path), read in place of a recompute. symmetric (two views, b is
-    a): d logits dL + dL^T, one product, dA is dz and dB empty. Where the inputs carry inverse norms (a and b
-    the features as given) the products give the unit vectors' gradients times the inverse norms, in
-    float32, and the normalisation's backward (functional.normalization_backward) makes the features' own,
-    a's rows a group of bands at a time (GROUP_ELEMENTS), b's once every band has added to them. given: (the features, their
-    inverse norms) where a and b are float16 copies of their unit vectors (functional.half_units): the
-    gradients are then the features' own, in their dtype."""
+    """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their upstream
+    gradient dL / factor (factor None: dL itself) and the call's inputs (launch.KernelInputs): per block of d
+    logits (a band of rows and every column, or at large sizes a square, dlogits.block_shape), d logits once
+    (dlogits.py), then its two products on cuBLAS (an H100 ran the band's product shape 2.6x faster there than in
+    a Triton kernel of ours: docs/gpu/NVIDIA-H100-80GB-HBM3/kernels.md), each gradient summed over the blocks in
+    float32. The block's logits are recomputed by cuBLAS into a float32 buffer that the d logits kernel reads
+    (the buffer and the d logits are what dlogits.BACKWARD_BYTES bounds, beside the float32 sums and the operands
+    the call made: _made), or where ``kept`` is given, the whole matrix's float32 logits from forward (the dense
+    path), read in place of a recompute. symmetric (two views, b is a): d logits dL + dL^T, one product, dA is dz
+    and dB empty. Where the inputs carry inverse norms (a and b the features as given) the products give the unit
+    vectors' gradients times the inverse norms, in float32, and the normalisation's backward
+    (functional.normalization_backward) makes the features' own, a's rows a group of bands at a time
+    (GROUP_ELEMENTS), b's once every band has added to them. given: (the features, their inverse norms) where a
+    and b are float16 copies of their unit vectors (functional.half_units): the gradients are then the features'
+    own, in their dtype."""
     m, k, d = a.shape[0], b.shape[0], a.shape[1]
     x_a, x_b, inv_a, inv_b = given or (a, b, *(inputs.inverse_norms or (None, None)))
     low = x_a.dtype != torch.float32  # the products' sums then need float32 buffers: a group's rows of dA, all of dB
