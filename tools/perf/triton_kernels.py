@@ -148,8 +148,8 @@ def main(argv=None) -> int:
                    lambda c=config: triton_stats._triangle_gradients(z, inputs(False, c), stats, grad, None))
     if {"dlogits", "band_products"} & set(kernels):  # image-text: the first band of d logits, its products
         a, b = z[:n], z[n:]
-        held = 4 * d * n + 4 * min(n * d, 4 * triton_stats.GROUP_ELEMENTS)  # dB's float32 sum, one group of dA's
-        rows, cols = dlogits.block_shape(n, n, 4 + a.element_size(), held)
+        held = 4 * d * n  # dB's float32 sum; the group of dA's rows: band_blocks, as the code's backward
+        rows, cols, _ = triton_stats.band_blocks(n, n, d, 4 + a.element_size(), held, True)
         cublas((rows, cols, d))
         first = entries(stats_fwd, d, z.element_size(), [], True)[0]
         pair = stats_fwd.forward_stats(a, b, inputs(True, first, n))

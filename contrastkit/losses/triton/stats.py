@@ -238,6 +238,18 @@ def _made(a, b, given, symmetric):
     return a.nbytes if symmetric else 0
 
 
+def band_blocks(m: int, k: int, d: int, entry: int, held: int, low: bool) -> tuple[int, int, int]:
+    """(rows, columns, group rows) of _band_gradients' blocks: a block's entries (``entry`` bytes each) within
+    dlogits.BACKWARD_BYTES beside ``held`` bytes (dB's float32 sum, the operands the call made) and, for 16-bit
+    gradients (``low``), dA's float32 sums over a group of rows: up to 4 GROUP_ELEMENTS where that leaves the
+    block its least (at N = 32768, D = 512 every row: one pass), else GROUP_ELEMENTS."""
+    group = min(m * d, 4 * GROUP_ELEMENTS)
+    if dlogits.BACKWARD_BYTES - held - 4 * group * low < dlogits.BLOCK_MIN_ELEMENTS * entry:
+        group = GROUP_ELEMENTS
+    rows, cols = block_shape(m, k, entry, held + 4 * group * low)
+    return rows, cols, max(1, group // d // rows) * rows
+
+
 def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=None, given=None):
     """(dA, dB, the rows' d scale terms / factor) of two operands, from the forward's statistics, their upstream
     gradient dL / factor (factor None: dL itself) and the call's inputs (launch.KernelInputs): per block of d
@@ -258,14 +270,7 @@ def _band_gradients(a, b, inputs, stats, grad, factor, symmetric=False, kept=Non
     x_a, x_b, inv_a, inv_b = given or (a, b, *(inputs.inverse_norms or (None, None)))
     low = x_a.dtype != torch.float32  # the products' sums then need float32 buffers: a group's rows of dA, all of dB
     held = 4 * d * (0 if symmetric else k) * low + _made(a, b, given, symmetric)
-    entry = (4 if kept is None else 0) + a.element_size()
-    # dA's rows normalised, their d scale terms summed, at once: up to 4 GROUP_ELEMENTS where that leaves the
-    # block its least (at N = 32768, D = 512 every row: one pass), else GROUP_ELEMENTS
-    group = min(m * d, 4 * GROUP_ELEMENTS)
-    if dlogits.BACKWARD_BYTES - held - 4 * group * low < dlogits.BLOCK_MIN_ELEMENTS * entry:
-        group = GROUP_ELEMENTS
-    rows, cols = block_shape(m, k, entry, held + 4 * group * low)
-    group = max(1, group // d // rows) * rows
+    rows, cols, group = band_blocks(m, k, d, (4 if kept is None else 0) + a.element_size(), held, low)
     da = torch.empty_like(x_a, memory_format=torch.contiguous_format)
     db = a.new_empty(0) if symmetric else torch.empty_like(x_b, memory_format=torch.contiguous_format)
     da_sum = a.new_empty((min(group, m), d), dtype=torch.float32) if low else None
