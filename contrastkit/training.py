@@ -91,20 +91,23 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def plot(self, keys: list[str], filename: str = "metrics.png", title: str | None = None) -> Path | None:
-        """One panel per key against the step; returns the PNG's path."""
+        """One panel per key against the step; returns the PNG's path. Drawn on a bare Figure with fixed margins
+        (no pyplot, no tight layout): a fifth of the time, which every run pays at its end."""
         if not self.enabled:
             return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         records = self.records()
         keys = [k for k in keys if any(k in r for r in records)]
         if not keys:
             return None
-        fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.4), squeeze=False)
-        for ax, key in zip(axes[0], keys):
+        from matplotlib.figure import Figure
+
+        panel, height, top = 4.5, 3.4, 0.75 if title else 0.45  # inches; the margins fit 6-digit tick labels
+        left, right, gap, bottom = 0.75, 0.2, 0.8, 0.55
+        width = panel * len(keys)
+        fig = Figure(figsize=(width, height))
+        fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                            wspace=gap / ((width - left - right - gap * (len(keys) - 1)) / len(keys)))
+        for ax, key in zip(fig.subplots(1, len(keys), squeeze=False)[0], keys):
             points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
             ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
             ax.set_xlabel("step")
@@ -112,10 +115,8 @@ class MetricsLog:
             ax.grid(alpha=0.3)
         if title:
             fig.suptitle(title)
-        fig.tight_layout()
         path = self.out_dir / filename
         fig.savefig(path, dpi=120)
-        plt.close(fig)
         return path
 
     def summary(self, values: dict, filename: str = "summary.json") -> Path | None:

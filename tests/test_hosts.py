@@ -8,7 +8,7 @@ bit (that run: the same command on two ranks of one host, whose sums do not depe
 once it is back ends bit-identical. An --out-dir that is not shared without --save-on-each-node is one error
 line. Without namespaces (not root, no ``ip``): those tests are skipped with the reason. Beside them, on one
 host: a torchrun restart (TORCHELASTIC_RESTART_COUNT) resumes by itself, --resume auto starts fresh where there
-is nothing, and torchrun on a CPU without ACCELERATE_USE_CPU stops at once."""
+is nothing, and ranks on a CPU without ACCELERATE_USE_CPU stop at once."""
 
 from __future__ import annotations
 
@@ -263,16 +263,16 @@ def test_resume_auto_starts_fresh_and_resume_needs_a_checkpoint(tmp_path, capsys
     assert code == 2 and one_line(err) == "error: argument --resume: takes no value or one of auto, got 'latest'"
 
 
-def test_torchrun_on_a_cpu_without_accelerate_use_cpu_stops_at_once(tmp_path):
-    """accelerate would set up each process as a run of its own, training copies into one out_dir."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("ACCELERATE_USE_CPU", None)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(29300 + os.getpid() % 500), "recipes/vision/train.py", *VISION,
-                           "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 2 and not re.search(r'File ".*/(contrastkit|recipes)/', done.stderr), done.stderr[-3000:]
-    assert "launched as 2 processes (WORLD_SIZE) but accelerate set up 1" in lines[0]
-    assert "set ACCELERATE_USE_CPU=1 (for torchrun" in lines[0]
+def test_ranks_on_a_cpu_without_accelerate_use_cpu_stop_at_once(tmp_path):
+    """Two ranks started as torchrun or srun starts them (torch's variables; forked here, run_ranks: the launcher
+    is not the subject) without ACCELERATE_USE_CPU: accelerate would set up each process as a run of its own,
+    training copies into one out_dir. Each stops with the one line that says what to set."""
+    ranks = run_ranks(ROOT / "recipes/vision/train.py", [*VISION, "--out-dir", tmp_path], cwd=ROOT,
+                      ACCELERATE_USE_CPU="0", HF_HUB_OFFLINE="1")
+    for rank in ranks:
+        assert rank.returncode == 2, rank.stdout[-3000:]
+        lines = [line for line in rank.stdout.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and not re.search(r'File ".*/(contrastkit|recipes)/', rank.stdout), rank.stdout[-3000:]
+        assert "launched as 2 processes (WORLD_SIZE) but accelerate set up 1" in lines[0]
+        assert "set ACCELERATE_USE_CPU=1 (for torchrun" in lines[0]
     assert not (tmp_path / "checkpoints").exists()

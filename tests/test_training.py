@@ -1,7 +1,7 @@
 import json
 
-import matplotlib.pyplot as plt
 import pytest
+from matplotlib.figure import Figure
 from PIL import Image
 
 from contrastkit.training import MetricsLog, latest_checkpoint
@@ -14,9 +14,9 @@ def test_metrics_log_plot_summary_and_resume(tmp_path, monkeypatch):
     for step in range(1, 6):
         log.log(step, loss=1.0 / step, acc=None if step % 2 else 0.1 * step)
     assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5]
-    figures = []  # the figure the plot drew, kept when it is closed, to read back what it shows
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    figures = []  # the figure the plot drew, kept when it is saved, to read back what it shows
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
     path = log.plot(["loss", "acc", "missing"])
     (fig,) = figures
     panels = {ax.get_title(): ax.lines[0].get_xydata().tolist() for ax in fig.axes}
