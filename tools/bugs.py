@@ -8,6 +8,7 @@ PYTHONPATH (which wins over the editable install, subprocesses included):
 
     quick:  python -m pytest -q -n auto -x -m quick -p no:cacheprovider
     whole:  python -m pytest -q -n auto -x -p no:cacheprovider [the bug's test files first] tests/
+            (the README's command: the runs marked slow left out, as by default)
 
 and records whether the tier failed, the first failing test's id and the seconds. ``--tier both`` runs the whole
 suite only for the bugs the quick tier missed: the whole suite collects every quick test, so a quick-tier
