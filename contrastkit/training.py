@@ -92,7 +92,7 @@ class MetricsLog:
 
     def plot(self, keys: list[str], filename: str = "metrics.png", title: str | None = None) -> Path | None:
         """One panel per key against the step; returns the PNG's path. Drawn on a bare Figure with fixed margins
-        (no pyplot, no tight layout): a fifth of the time, which every run pays at its end."""
+        (no pyplot, no tight layout): about half the time (0.4 s for 7 panels), which every run pays at its end."""
         if not self.enabled:
             return None
         records = self.records()
