@@ -1,23 +1,45 @@
+from __future__ import annotations
+
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-# The Triton kernels run under Triton's interpreter on a machine without CUDA (read when a kernel is
-# decorated, so before anything imports triton); this is the only place it is set.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Under pytest-xdist (-n auto: one worker per core) a test's torch ops and the processes it starts take one
-# thread each: torch's default, one per core, oversubscribes the cores the other workers use (the in-process
-# CLIP training test took 241 s beside another worker, 70 s alone).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    """torch's settings for a process that runs tests. pytest-xdist's controller (-n) runs none and never imports
+    torch (4 s before its workers start), nor does ``--help`` (the docs' check of pytest's options runs it)."""
+    if config.option.help or (config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")):
+        return
+    import torch
+
+    # The Triton kernels run under Triton's interpreter on a machine without CUDA (read when a kernel is
+    # decorated, so before anything imports triton); this is the only place it is set.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Under pytest-xdist (-n auto: one worker per core) a test's torch ops and the processes it starts take one
+    # thread each: torch's default, one per core, oversubscribes the cores the other workers use (the in-process
+    # CLIP training test took 241 s beside another worker, 70 s alone).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    gc.disable()  # until the test modules are imported (pytest_collection_finish)
+
+
+def pytest_collection_finish(session):
+    """The modules collection imported (torch, transformers, open_clip...: 600,000 objects, nearly none of them
+    garbage) are frozen out of the garbage collector's view, which then resumes: with them, each full collection
+    took about a second, 9 of them while importing and more during the tests, and one more at the worker's exit."""
+    gc.freeze()
+    gc.enable()
+
+
 # The tests' own modules import each other by name (launch, reference, settings, test_memory...): tests/ and the
 # loss core's folder tests/losses/ (pytest puts a test file's folder on the path only once it collects a file
 # there; an adapter's test run alone still imports reference, or test_host_sync's detector, from it).
@@ -70,6 +92,8 @@ def data_dir(tmp_path_factory):
 def one_thread():
     """One intra-op thread for the test (the speech models): the CI machine has 2 cores shared with other
     tests, and more threads only oversubscribe them."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -85,6 +109,8 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session")
 def device(request) -> torch.device:
     """The device the loss-core tests put their tensors on (--device; CPU by default, as in CI)."""
+    import torch
+
     name = request.config.getoption("--device")
     if name == "cuda" and not torch.cuda.is_available():
         pytest.exit("--device cuda: no CUDA device here", returncode=2)
@@ -94,6 +120,8 @@ def device(request) -> torch.device:
 @pytest.fixture
 def float32_precision():
     """Restores torch's float32 matmul precision after the test, whichever API set it (see precision.py)."""
+    import torch
+
     matmul, new_api = torch.backends.cuda.matmul, hasattr(torch.backends, "fp32_precision")
     try:
         legacy = matmul.allow_tf32  # raises once the new API is in use

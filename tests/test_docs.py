@@ -2,18 +2,21 @@
 go stale; every results folder under docs/ says the command and the commit that made it. The convention
 (docs/contributing.md):
 
-- ```python: executed, a page's blocks in order in one namespace, in a fresh process in an empty temporary
-  folder, HF_HUB_OFFLINE=1. Blocks that start with ``# second environment`` run in .venv-legacy (marked legacy).
+- ```python: executed, a page's blocks in order in one namespace, in a process of their own in an empty
+  temporary folder, HF_HUB_OFFLINE=1. Blocks that start with ``# second environment`` run in .venv-legacy
+  (marked legacy).
 - ```bash: each command checked. The project's scripts and modules run up to their argument parser (the
   real one: cli.parse, argparse, HfArgumentParser) and stop there, so an unknown flag or choice fails;
   ``accelerate launch`` and ``torchrun`` options go through accelerate's and torch's parsers first.
 - ```yaml title="x.yaml": a file, written into the folder before the page's commands are checked.
 - ```text: not run (output, layouts, records of older commits).
 
-One subprocess (``python tests/test_docs.py --python PAGE... --shell PAGE...``) imports the heavy packages
-once, forks a child per page for its Python blocks (so a page's one-import patch stays in that page) and
-meanwhile checks every command (so no script's import side effect reaches the test process); it prints
-the results as JSON. Deliberately wrong blocks (BROKEN) check that the checks fail.
+One process of its own (``python tests/test_docs.py --python PAGE... --shell PAGE...``, forked from the test's:
+tests/launch.py's run_forked) forks a child per page for its Python blocks (so a page's one-import patch stays
+in that page) and meanwhile checks every command (so no script's import side effect reaches the test process);
+it prints the results as JSON. Forked, it starts with the packages the suite's collection imported (torch,
+transformers, open_clip, sentence_transformers: 15-20 s a fresh interpreter would pay again). Deliberately wrong
+blocks (BROKEN) check that the checks fail.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def write_files(page_blocks: list[Block], folder: Path) -> None:
             (folder / b.title).write_text(b.code)
 
 
-# --- checking one command (runs in the subprocess) ---------------------------------------------------
+# --- checking one command (runs in run_main's process) -----------------------------------------------
 
 
 class DocError(Exception):
@@ -341,16 +344,13 @@ PYTHON = [p for p, bs in ALL.items() if any(b.lang == "python" and not b.code.st
 PYTHON_LEGACY = [p for p, bs in ALL.items() if any(b.lang == "python" and b.code.startswith(LEGACY) for b in bs)]
 
 
-def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def run_main(python_pages: list[str], shell_pages: list[str], legacy: bool = False) -> dict:
-    argv = [sys.executable, __file__, *(["--legacy"] if legacy else []), "--python", *python_pages,
-            "--shell", *shell_pages]
-    done = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    from launch import run_forked
+
+    argv = [*(["--legacy"] if legacy else []), "--python", *python_pages, "--shell", *shell_pages]
+    done = run_forked(__file__, argv, cwd=ROOT, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                      TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    assert done.returncode == 0, done.stdout[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -427,7 +427,7 @@ def test_results_folders_state_command_and_commit():
         assert re.search(r"^Commit: [0-9a-f]{7,40}\b", text, flags=re.M), f"docs/{name}/README.md: no 'Commit: <hash>'"
 
 
-if __name__ == "__main__":  # run_main's subprocess: --python PAGE... --shell PAGE... [--legacy]
+if __name__ == "__main__":  # run_main's process: --python PAGE... --shell PAGE... [--legacy]
     sys.path.insert(0, str(ROOT))
     args = sys.argv[1:]
     legacy = "--legacy" in args

@@ -1,6 +1,8 @@
 """A newcomer's first minutes: set-up leaves accelerate configured where accelerate looks (and keeps a config
 the user has), and the README's main job then prints nothing of its own choosing before its first progress bar:
-no launcher defaults, no library warning about what the recipe did on purpose."""
+no launcher defaults, no library warning about what the recipe did on purpose; a mistyped value ends a fresh
+process with one line. Fresh interpreters and a real launcher, so not in the quick tier (test_cli.py checks the
+same command lines in-process there)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRESS = re.compile(r"\[\d\d:\d\d[<,]")  # tqdm's elapsed time: "[00:00<?, ?it/s]", "[00:01, 3.2it/s]"
@@ -86,3 +86,11 @@ def test_config_is_accelerates_default_and_one_that_is_there_is_kept(tmp_path):
     assert "will not override" in configure({**env, "HF_HOME": str(tmp_path / "hf")})
     assert mine.read_text() == "compute_environment: LOCAL_MACHINE\nmixed_precision: bf16\n"
     assert not path.exists()
+
+
+def test_a_real_process_exits_2_with_one_line(tmp_path):
+    """Nothing a fresh interpreter's imports print (a library's warning) comes before or after the error."""
+    done = subprocess.run([sys.executable, str(ROOT / "recipes/vision/train.py"), "--batch-size", "0"],
+                          capture_output=True, text=True, env=fresh_env(tmp_path / "home"), cwd=tmp_path, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --batch-size must be > 0, got 0"

@@ -1,10 +1,11 @@
 """No import circle in contrastkit and no import that climbs a floor: every module imports first, with no
 contrastkit module loaded before it, and loads no module of a floor above its own (FLOORS); and all of them
-import in several orders (a circle shows up as an ImportError or a partly initialised module). One fresh interpreter runs it all: between attempts every contrastkit module is dropped from
-sys.modules, so each attempt imports the package from scratch (third-party libraries stay loaded: they
-cannot take part in a circle of ours, and reloading torch 40 times would take minutes)."""
+import in several orders (a circle shows up as an ImportError or a partly initialised module). One process
+forked from the test's runs it all (tests/launch.py's run_forked): before each attempt every contrastkit module
+is dropped from sys.modules, so each attempt imports the package from scratch. Third-party libraries stay loaded,
+those the suite's collection imported among them: they cannot take part in a circle of ours, and importing them
+again (15-20 s in a fresh interpreter, minutes for 40 attempts) would test nothing of ours."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,13 +58,15 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_every_module_imports_alone_without_the_floors_above_and_all_in_any_order():
+def test_every_module_imports_alone_without_the_floors_above_and_all_in_any_order(tmp_path):
+    from launch import run_forked
+
     assert "contrastkit.cli" in MODULES and "contrastkit.clip.train" in MODULES and len(MODULES) > 30
     assert {m.split(".")[1] for m in MODULES if "." in m} == set(FLOORS)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT % (FLOORS, OPTIONAL), *MODULES], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    script = tmp_path / "imports.py"
+    script.write_text(SCRIPT % (FLOORS, OPTIONAL))
+    done = run_forked(script, MODULES, cwd=ROOT, HF_HUB_OFFLINE="1")
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_no_import_in_the_source_climbs_a_floor():
