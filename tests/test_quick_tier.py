@@ -1,4 +1,4 @@
-"""The quick tier (`python -m pytest -q -n auto -m quick`: a contributor's edit-test loop, 1-2 minutes on 2 cores)
+"""The quick tier (`python -m pytest -q -n auto -m quick`: a contributor's edit-test loop, about a minute on 2 cores)
 keeps what docs/getting-started.md says it covers, so that it cannot shrink unseen: every objective's float64
 value-and-gradient check, and every contrastkit module imported by a quick test. A test is in the tier by
 ``@pytest.mark.quick`` (a whole file by ``pytestmark``); conftest.py keeps the marked items of the run."""
