@@ -49,10 +49,12 @@ def _losses(out: Path):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-@pytest.mark.parametrize("loss", ["dcl", "siglip"])
+@pytest.mark.parametrize("loss", [pytest.param("dcl", marks=pytest.mark.quick), "siglip"])
 def test_resume_continues_to_the_same_state(data_dir, tmp_path, loss):
     """Also for siglip (open_clip's SigLipLoss): its logit bias is in the checkpoint, resumed like every weight,
-    and the eval script reads the checkpoint into a model built without a bias."""
+    and the eval script reads the checkpoint into a model built without a bias. The dcl run is in the quick tier
+    (6-9 s): the only test there that catches a resumed sampler starting over or an optimizer left out of the
+    checkpoints (tools/bugs.py)."""
     straight = tmp_path / "straight"
     summary = train(_cfg(straight, data_dir, loss=loss))
     assert summary["steps"] == 6 and 0.0 <= summary["zeroshot_top1"] <= 1.0
