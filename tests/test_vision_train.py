@@ -164,7 +164,7 @@ def test_bad_setups_fail_before_training(tmp_path):
 LEARN = dict(train_images=2000, test_images=500, width=16, batch_size=64, steps=150, margin=0.05)
 
 
-@pytest.mark.slow  # 45-63 s here, 28 of them torchvision's augmentations (1.4 ms a view); the supervised run below
+@pytest.mark.slow  # 45-63 s here, 26 of them torchvision's augmentations (1.4 ms a view); the supervised run below
 def test_short_default_run_learns(tmp_path):  # shows in the default tier that the recipe trains its backbone
     """A short run of the default recipe on the embedded shapes: its frozen features beat the same backbone at
     initialisation in the L-BFGS linear probe (same splits) by LEARN's margin."""
